@@ -1,0 +1,163 @@
+"""Raw-bytes forwarding of every CRI call to its backend.
+
+This is kubelet's hot path: nothing here parses a message, logs per call or touches the reactor.
+Requests and responses stay bytes (no serializers), the caller's deadline and metadata go upstream,
+and the backend's status, details and trailing metadata come back as they were.
+"""
+
+import threading
+from typing import Callable, Iterator, Sequence, Tuple, cast
+
+import grpc
+
+from koordrp.cri.backend import BackendChannel
+from koordrp.cri.methods import BackendRole, Cardinality, route
+
+Metadata = Sequence[Tuple[str, str | bytes]]
+
+# grpcio reports "no deadline" as a remaining time of about 292 years; upstream that means none.
+_NO_DEADLINE_THRESHOLD = 10 * 365 * 24 * 3600.0
+# Method names come from callers; only this many distinct ones get a cached handler, so a client
+# inventing names cannot grow koordrp's memory.
+_MAX_CACHED_METHODS = 512
+
+
+def remaining_timeout(context: grpc.ServicerContext) -> float | None:
+    remaining = context.time_remaining()
+    return None if remaining is None or remaining > _NO_DEADLINE_THRESHOLD else remaining
+
+
+def relay_failure(error: grpc.RpcError, context: grpc.ServicerContext, backend: BackendChannel) -> None:
+    """End the caller's RPC with the backend's status, or with a clear outage message."""
+    call = cast(grpc.Call, error)
+    trailing = call.trailing_metadata()
+    if trailing:
+        context.set_trailing_metadata(trailing)
+    code = call.code()
+    details = call.details()
+    if code is grpc.StatusCode.UNAVAILABLE and not backend.reachable:
+        details = backend.outage_details(details)
+    context.abort(code, details or "")
+
+
+class StreamRegistry:
+    """The upstream streams in flight, so that shutting down can end them at once."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._streams: set[grpc.Future[bytes]] = set()
+        self.closing = False
+
+    def add(self, stream: grpc.Future[bytes]) -> None:
+        with self._lock:
+            self._streams.add(stream)
+        if self.closing:
+            stream.cancel()
+
+    def discard(self, stream: grpc.Future[bytes]) -> None:
+        with self._lock:
+            self._streams.discard(stream)
+
+    def end_all(self) -> None:
+        self.closing = True
+        with self._lock:
+            streams = list(self._streams)
+        for stream in streams:
+            stream.cancel()
+
+
+def _relay_stream(
+    responses: grpc.CallIterator[bytes],
+    context: grpc.ServicerContext,
+    backend: BackendChannel,
+    streams: StreamRegistry,
+) -> Iterator[bytes]:
+    call = cast(grpc.Future[bytes], responses)
+    streams.add(call)
+
+    def cancel_upstream() -> None:
+        call.cancel()
+
+    if not context.add_callback(cancel_upstream):
+        cancel_upstream()
+    try:
+        yield from cast(Iterator[bytes], responses)
+    except grpc.RpcError as error:
+        if streams.closing:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "koordrp is shutting down")
+        relay_failure(error, context, backend)
+    finally:
+        streams.discard(call)
+    trailing = responses.trailing_metadata()
+    if trailing:
+        context.set_trailing_metadata(trailing)
+
+
+def unary_unary_forwarder(method: str, backend: BackendChannel) -> Callable[[bytes, grpc.ServicerContext], bytes]:
+    upstream = backend.channel.unary_unary(method, _registered_method=True)  # type: ignore[call-arg]
+
+    def forward(request: bytes, context: grpc.ServicerContext) -> bytes:
+        try:
+            response, call = upstream.with_call(
+                request, timeout=remaining_timeout(context), metadata=context.invocation_metadata()
+            )
+        except grpc.RpcError as error:
+            relay_failure(error, context, backend)
+            raise  # relay_failure aborts; this line only satisfies the type checker
+        trailing = call.trailing_metadata()
+        if trailing:
+            context.set_trailing_metadata(trailing)
+        return cast(bytes, response)
+
+    return forward
+
+
+def unary_stream_forwarder(
+    method: str, backend: BackendChannel, streams: StreamRegistry
+) -> Callable[[bytes, grpc.ServicerContext], Iterator[bytes]]:
+    upstream = backend.channel.unary_stream(method, _registered_method=True)  # type: ignore[call-arg]
+
+    def forward(request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+        responses = upstream(request, timeout=remaining_timeout(context), metadata=context.invocation_metadata())
+        return _relay_stream(responses, context, backend, streams)
+
+    return forward
+
+
+def stream_stream_forwarder(
+    method: str, backend: BackendChannel, streams: StreamRegistry
+) -> Callable[[Iterator[bytes], grpc.ServicerContext], Iterator[bytes]]:
+    upstream = backend.channel.stream_stream(method, None, None)
+
+    def forward(requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+        responses = upstream(requests, timeout=remaining_timeout(context), metadata=context.invocation_metadata())
+        return _relay_stream(responses, context, backend, streams)
+
+    return forward
+
+
+class PassThroughHandler(grpc.GenericRpcHandler[bytes, bytes]):
+    """Answers every method, known or not, by forwarding it to the backend that serves it."""
+
+    def __init__(self, backends: dict[BackendRole, BackendChannel]) -> None:
+        self._backends = backends
+        self._handlers: dict[str, grpc.RpcMethodHandler[bytes, bytes]] = {}
+        self.streams = StreamRegistry()
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler[bytes, bytes] | None:
+        method = handler_call_details.method
+        handler = self._handlers.get(method)
+        if handler is None:
+            handler = self._build(method)
+            if len(self._handlers) < _MAX_CACHED_METHODS:
+                self._handlers[method] = handler
+        return handler
+
+    def _build(self, method: str) -> grpc.RpcMethodHandler[bytes, bytes]:
+        how = route(method)
+        backend = self._backends[how.role]
+        if how.cardinality is Cardinality.UNARY_UNARY:
+            return grpc.unary_unary_rpc_method_handler(unary_unary_forwarder(method, backend))
+        if how.cardinality is Cardinality.UNARY_STREAM:
+            return grpc.unary_stream_rpc_method_handler(unary_stream_forwarder(method, backend, self.streams))
+        return grpc.stream_stream_rpc_method_handler(stream_stream_forwarder(method, backend, self.streams))

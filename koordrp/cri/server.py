@@ -1,0 +1,103 @@
+"""The CRI proxy as a Twisted service: a threaded grpcio server that lives between start and stop."""
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+from twisted.application import service
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IReactorThreads
+from twisted.internet.threads import deferToThreadPool
+from twisted.logger import Logger
+
+from koordrp.cri.backend import CHANNEL_OPTIONS, BackendChannel
+from koordrp.cri.methods import BackendRole
+from koordrp.cri.passthrough import PassThroughHandler
+from koordrp.cri.reachability import Reachability
+from koordrp.endpoints import grpc_target
+from koordrp.unixsocket import prepare_listening_path, remove_socket, umask
+
+SOCKET_MODE = 0o660
+
+_REACHABILITY_MESSAGES = {
+    Reachability.FIRST_CONNECTED: "backend unix://{endpoint} is reachable",
+    Reachability.UNREACHABLE: "backend unix://{endpoint} is unreachable; CRI calls answer UNAVAILABLE until it is back",
+    Reachability.RECOVERED: "backend unix://{endpoint} is reachable again",
+}
+
+
+@dataclass(frozen=True)
+class CRIProxySettings:
+    listen_path: str
+    runtime_path: str
+    image_path: str
+    grace_period: float
+    max_workers: int
+
+
+class CRIProxyService(service.Service):
+    """Serves CRI v1 (and anything else) on a unix socket, forwarding to containerd.
+
+    grpcio does not survive fork(), and twistd daemonizes after makeService(): every grpc object is
+    made here in startService.
+    """
+
+    log = Logger()
+
+    def __init__(self, settings: CRIProxySettings, reactor: IReactorThreads) -> None:
+        self.settings = settings
+        self._reactor = reactor
+        self._server: grpc.Server | None = None
+        self._handler: PassThroughHandler | None = None
+        self._backends: list[BackendChannel] = []
+
+    def startService(self) -> None:
+        settings = self.settings
+        prepare_listening_path(settings.listen_path)
+        runtime = BackendChannel(settings.runtime_path, self._report_reachability)
+        image = runtime
+        if settings.image_path != settings.runtime_path:
+            image = BackendChannel(settings.image_path, self._report_reachability)
+        self._backends = list({id(b): b for b in (runtime, image)}.values())
+        self._handler = PassThroughHandler({BackendRole.RUNTIME: runtime, BackendRole.IMAGE: image})
+        server = grpc.server(
+            ThreadPoolExecutor(max_workers=settings.max_workers, thread_name_prefix="koordrp-cri"),
+            handlers=[self._handler],
+            options=CHANNEL_OPTIONS,
+        )
+        with umask(0o777 & ~SOCKET_MODE):
+            server.add_insecure_port(grpc_target(settings.listen_path))
+            server.start()
+        os.chmod(settings.listen_path, SOCKET_MODE)
+        self._server = server
+        super().startService()  # type: ignore[no-untyped-call]
+        self.log.info(
+            "serving CRI on unix://{listen}, runtime unix://{runtime}, image unix://{image}",
+            listen=settings.listen_path,
+            runtime=settings.runtime_path,
+            image=settings.image_path,
+        )
+
+    def stopService(self) -> "Deferred[None]":
+        super().stopService()  # type: ignore[no-untyped-call]
+        server, handler = self._server, self._handler
+        assert server is not None and handler is not None
+        self._server = None
+        self.log.info("stopping: no new CRI calls; in-flight ones get {grace}s", grace=self.settings.grace_period)
+        handler.streams.end_all()
+        stopped = server.stop(self.settings.grace_period)
+        drained: Deferred[bool] = deferToThreadPool(self._reactor, self._reactor.getThreadPool(), stopped.wait)
+        return drained.addCallback(lambda _: self._release())
+
+    def _release(self) -> None:
+        for backend in self._backends:
+            backend.close()
+        self._backends = []
+        remove_socket(self.settings.listen_path)
+        self.log.info("stopped; removed unix://{listen}", listen=self.settings.listen_path)
+
+    def _report_reachability(self, change: Reachability, endpoint: str) -> None:
+        # Connectivity callbacks arrive on a grpc thread; logs are written from the reactor.
+        level = self.log.warn if change is Reachability.UNREACHABLE else self.log.info
+        self._reactor.callFromThread(level, _REACHABILITY_MESSAGES[change], endpoint=endpoint)

@@ -1,0 +1,101 @@
+"""``twistd koordrp``: command-line options and the service tree they build."""
+
+from typing import Any
+
+from twisted.application import service
+from twisted.internet.interfaces import IReactorThreads
+from twisted.python import usage
+
+from koordrp.cri.server import CRIProxyService, CRIProxySettings
+from koordrp.endpoints import EndpointError, parse_unix_endpoint
+
+# Flag names and defaults are koord-runtime-proxy's, so that a node's unit files carry over.
+DEFAULT_PROXY_ENDPOINT = "/var/run/koord-runtimeproxy/runtimeproxy.sock"
+DEFAULT_RUNTIME_ENDPOINT = "/var/run/containerd/containerd.sock"
+DEFAULT_SKIP_HOOK_KEY = "runtimeproxy.koordinator.sh/skip-hookserver"
+DEFAULT_SKIP_HOOK_VALUE = "true"
+DEFAULT_HOOK_CONFIG_DIR = "/etc/runtime/hookserver.d"
+RUNTIME_MODES = ("Containerd", "Docker")
+
+
+class Options(usage.Options):
+    synopsis = "[options]"
+    longdesc = (
+        "Serve CRI v1 on a unix socket in front of the container runtime, calling Koordinator runtime "
+        "hook servers around the pod and container lifecycle."
+    )
+
+    optParameters = [
+        ["koord-runtimeproxy-endpoint", None, DEFAULT_PROXY_ENDPOINT, "unix socket koordrp serves CRI on"],
+        ["remote-runtime-service-endpoint", None, DEFAULT_RUNTIME_ENDPOINT, "backend runtime service socket"],
+        [
+            "remote-image-service-endpoint",
+            None,
+            None,
+            "backend image service socket [default: the runtime service endpoint]",
+        ],
+        ["backend-runtime-mode", None, "Containerd", "backend runtime: Containerd or Docker"],
+        ["runtime-hook-server-key", None, DEFAULT_SKIP_HOOK_KEY, "pod label key that skips all hooks"],
+        ["runtime-hook-server-val", None, DEFAULT_SKIP_HOOK_VALUE, "pod label value that skips all hooks"],
+        ["hook-config-dir", None, DEFAULT_HOOK_CONFIG_DIR, "directory of hook server registrations (*.json)"],
+        ["grace-period", None, 10.0, "seconds in-flight CRI calls get to finish on shutdown", float],
+        ["max-workers", None, 64, "CRI worker threads (streams hold one each)", int],
+    ]
+
+    def _endpoint(self, flag: str, value: str) -> None:
+        try:
+            self[flag] = parse_unix_endpoint(value)
+        except EndpointError as error:
+            raise usage.UsageError(f"--{flag}: {error}") from None
+
+    def opt_koord_runtimeproxy_endpoint(self, value: str) -> None:
+        self._endpoint("koord-runtimeproxy-endpoint", value)
+
+    def opt_remote_runtime_service_endpoint(self, value: str) -> None:
+        self._endpoint("remote-runtime-service-endpoint", value)
+
+    def opt_remote_image_service_endpoint(self, value: str) -> None:
+        self._endpoint("remote-image-service-endpoint", value)
+
+    def opt_backend_runtime_mode(self, value: str) -> None:
+        if value not in RUNTIME_MODES:
+            raise usage.UsageError(f"--backend-runtime-mode: {value!r} is not one of {', '.join(RUNTIME_MODES)}")
+        self["backend-runtime-mode"] = value
+
+    def opt_hook_config_dir(self, value: str) -> None:
+        if not value.startswith("/"):
+            raise usage.UsageError(f"--hook-config-dir: {value!r} is not an absolute path")
+        self["hook-config-dir"] = value
+
+    def postOptions(self) -> None:
+        if self["backend-runtime-mode"] == "Docker":
+            raise usage.UsageError("--backend-runtime-mode: Docker is not available yet")
+        if self["remote-image-service-endpoint"] is None:
+            self["remote-image-service-endpoint"] = self["remote-runtime-service-endpoint"]
+        if not self["grace-period"] >= 0:
+            raise usage.UsageError("--grace-period: must be a number of seconds >= 0")
+        if self["max-workers"] < 2:
+            raise usage.UsageError("--max-workers: must be at least 2")
+        if not self["runtime-hook-server-key"]:
+            raise usage.UsageError("--runtime-hook-server-key: must not be empty")
+
+
+def cri_settings(config: Options) -> CRIProxySettings:
+    return CRIProxySettings(
+        listen_path=config["koord-runtimeproxy-endpoint"],
+        runtime_path=config["remote-runtime-service-endpoint"],
+        image_path=config["remote-image-service-endpoint"],
+        grace_period=config["grace-period"],
+        max_workers=config["max-workers"],
+    )
+
+
+def makeService(config: Options, reactor: Any = None) -> service.MultiService:
+    if reactor is None:
+        from twisted.internet import reactor as global_reactor
+
+        reactor = global_reactor
+    threaded_reactor: IReactorThreads = reactor
+    top = service.MultiService()
+    CRIProxyService(cri_settings(config), threaded_reactor).setServiceParent(top)  # type: ignore[no-untyped-call]
+    return top

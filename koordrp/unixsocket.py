@@ -1,0 +1,65 @@
+"""Preparing the place where koordrp listens: its directory, a stale socket, its permissions."""
+
+import contextlib
+import errno
+import os
+import socket
+import stat
+from typing import Iterator
+
+
+class SocketInUse(RuntimeError):
+    """Another live process already serves the socket path."""
+
+
+class NotASocket(RuntimeError):
+    """Something other than a socket sits where koordrp should listen."""
+
+
+def prepare_listening_path(path: str) -> None:
+    """Make ``path`` ready to bind: create its directory and remove a socket nobody serves.
+
+    A socket that still accepts connections belongs to a running proxy, and anything that is not
+    a socket is an operator's file: koordrp refuses both rather than stealing or deleting them.
+    """
+    directory = os.path.dirname(path)
+    os.makedirs(directory, mode=0o755, exist_ok=True)
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise NotASocket(f"{path} exists and is not a socket; refusing to replace it")
+    if _accepts_connections(path):
+        raise SocketInUse(f"{path} is in use by another running process")
+    os.unlink(path)
+
+
+def _accepts_connections(path: str) -> bool:
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(path)
+    except OSError as error:
+        if error.errno in (errno.ECONNREFUSED, errno.ENOENT):
+            return False
+        raise
+    finally:
+        probe.close()
+    return True
+
+
+@contextlib.contextmanager
+def umask(mask: int) -> Iterator[None]:
+    """Bind under a restrictive umask so the socket is never, even briefly, wider than intended."""
+    previous = os.umask(mask)
+    try:
+        yield
+    finally:
+        os.umask(previous)
+
+
+def remove_socket(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        if stat.S_ISSOCK(os.lstat(path).st_mode):
+            os.unlink(path)

@@ -1,0 +1,1 @@
+"""Stand-ins for what a unit test cannot have for real."""

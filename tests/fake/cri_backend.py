@@ -1,0 +1,132 @@
+"""A small CRI backend on a real unix socket, for what containerd 1.6 cannot show.
+
+containerd 1.6 streams no container events and answers quickly, so streaming, cancellation,
+deadlines and trailing metadata are checked against this backend instead. Every method works on raw
+bytes and records what reached it.
+"""
+
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import grpc
+from cri_api.v1 import api_pb2
+
+from koordrp.endpoints import grpc_target
+
+RUNTIME = "/runtime.v1.RuntimeService/"
+IMAGE = "/runtime.v1.ImageService/"
+
+
+@dataclass
+class ReceivedCall:
+    method: str
+    request: bytes
+    metadata: dict[str, str | bytes]
+    time_remaining: float | None
+
+
+@dataclass
+class FakeCRIBackend:
+    """Behaviour per method, configurable by tests; unknown methods echo their request."""
+
+    path: str
+    name: str = "fake"
+    events_to_send: int = 3
+    event_interval: float = 0.0
+    stream_forever: bool = False
+    slow_call_seconds: float = 1.0
+    calls: list[ReceivedCall] = field(default_factory=list)
+    stream_cancelled: threading.Event = field(default_factory=threading.Event)
+    _server: grpc.Server | None = None
+
+    def start(self) -> "FakeCRIBackend":
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), handlers=[_Handler(self)])
+        server.add_insecure_port(grpc_target(self.path))
+        server.start()
+        self._server = server
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.stop(0).wait()
+            self._server = None
+
+    def record(self, method: str, request: bytes, context: grpc.ServicerContext) -> None:
+        remaining = context.time_remaining()
+        self.calls.append(
+            ReceivedCall(
+                method,
+                request,
+                {m.key: m.value for m in context.invocation_metadata()},
+                None if remaining is None or remaining > 1e9 else remaining,
+            )
+        )
+
+    # Each behaviour below is one method of the fake runtime.
+
+    def version(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        context.set_trailing_metadata((("x-backend", self.name),))
+        return api_pb2.VersionResponse(version="0.1.0", runtime_name=self.name).SerializeToString()
+
+    def container_status(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        container_id = api_pb2.ContainerStatusRequest.FromString(request).container_id
+        context.set_trailing_metadata((("x-backend", self.name), ("x-detail-bin", b"\x00\x01")))
+        context.abort(grpc.StatusCode.NOT_FOUND, f'an error occurred when try to find container "{container_id}"')
+
+    def exec_sync(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        time.sleep(self.slow_call_seconds)
+        return api_pb2.ExecSyncResponse(stdout=b"late").SerializeToString()
+
+    def list_images(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        return api_pb2.ListImagesResponse(images=[api_pb2.Image(id=self.name)]).SerializeToString()
+
+    def container_events(self, request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+        context.add_callback(self.stream_cancelled.set)
+        sent = 0
+        while self.stream_forever or sent < self.events_to_send:
+            if not context.is_active():
+                return
+            yield api_pb2.ContainerEventResponse(container_id=f"c{sent}").SerializeToString()
+            sent += 1
+            time.sleep(self.event_interval)
+        context.set_trailing_metadata((("x-events-sent", str(sent)),))
+
+
+class _Handler(grpc.GenericRpcHandler):
+    def __init__(self, backend: FakeCRIBackend) -> None:
+        self._backend = backend
+        unary: dict[str, Callable[[bytes, grpc.ServicerContext], bytes]] = {
+            RUNTIME + "Version": backend.version,
+            RUNTIME + "ContainerStatus": backend.container_status,
+            RUNTIME + "ExecSync": backend.exec_sync,
+            IMAGE + "ListImages": backend.list_images,
+        }
+        self._unary = unary
+
+    def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+        backend, method = self._backend, details.method
+        if method == RUNTIME + "GetContainerEvents":
+
+            def stream(request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+                backend.record(method, request, context)
+                return backend.container_events(request, context)
+
+            return grpc.unary_stream_rpc_method_handler(stream)
+        behaviour = self._unary.get(method)
+        if behaviour is not None:
+
+            def unary(request: bytes, context: grpc.ServicerContext) -> bytes:
+                backend.record(method, request, context)
+                return behaviour(request, context)
+
+            return grpc.unary_unary_rpc_method_handler(unary)
+
+        def echo(requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+            for request in requests:
+                backend.record(method, request, context)
+                yield request[::-1]
+
+        return grpc.stream_stream_rpc_method_handler(echo)

@@ -1,0 +1,44 @@
+"""A reactor for SynchronousTestCase: a Clock whose threads run inline."""
+
+from typing import Any, Callable
+
+from twisted.internet.task import Clock
+from twisted.python.threadpool import ThreadPool
+
+
+class InlineThreadPool(ThreadPool):
+    """Runs each job at once in the caller's thread, as Buildbot's non-thread pool does."""
+
+    def callInThreadWithCallback(
+        self, onResult: Callable[[bool, Any], None] | None, func: Callable[..., Any], *args: Any, **kw: Any
+    ) -> None:
+        try:
+            result = func(*args, **kw)
+        except BaseException as error:
+            if onResult is not None:
+                onResult(False, error)
+        else:
+            if onResult is not None:
+                onResult(True, result)
+
+
+class InlineThreadsReactor(Clock):
+    """Clock plus the thread methods koordrp's services use, all run inline and recorded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = InlineThreadPool()
+        self.from_threads: list[tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]] = []
+
+    def getThreadPool(self) -> ThreadPool:
+        return self.pool
+
+    def callFromThread(self, f: Callable[..., Any], *args: Any, **kw: Any) -> None:
+        self.from_threads.append((f, args, kw))
+        f(*args, **kw)
+
+    def callInThread(self, f: Callable[..., Any], *args: Any, **kw: Any) -> None:
+        f(*args, **kw)
+
+    def suggestThreadPoolSize(self, size: int) -> None:
+        pass

@@ -1,0 +1,73 @@
+"""Command-line options of ``twistd koordrp`` and the service tree they build."""
+
+from twisted.application.service import IServiceCollection
+from twisted.python import usage
+from twisted.trial.unittest import SynchronousTestCase
+
+from koordrp import tap
+from koordrp.cri.server import CRIProxyService
+from tests.fake.reactor import InlineThreadsReactor
+
+
+def parse(*argv: str) -> tap.Options:
+    options = tap.Options()
+    options.parseOptions(list(argv))
+    return options
+
+
+class OptionsTests(SynchronousTestCase):
+    def test_defaults_are_koord_runtime_proxys(self) -> None:
+        options = parse()
+        self.assertEqual(options["koord-runtimeproxy-endpoint"], "/var/run/koord-runtimeproxy/runtimeproxy.sock")
+        self.assertEqual(options["remote-runtime-service-endpoint"], "/var/run/containerd/containerd.sock")
+        self.assertEqual(options["remote-image-service-endpoint"], "/var/run/containerd/containerd.sock")
+        self.assertEqual(options["backend-runtime-mode"], "Containerd")
+        self.assertEqual(options["runtime-hook-server-key"], "runtimeproxy.koordinator.sh/skip-hookserver")
+        self.assertEqual(options["runtime-hook-server-val"], "true")
+        self.assertEqual(options["hook-config-dir"], "/etc/runtime/hookserver.d")
+
+    def test_endpoints_accept_paths_and_unix_urls(self) -> None:
+        options = parse(
+            "--koord-runtimeproxy-endpoint=unix:///run/k/proxy.sock",
+            "--remote-runtime-service-endpoint=/run/containerd//containerd.sock",
+            "--remote-image-service-endpoint=unix:///run/images.sock",
+        )
+        self.assertEqual(options["koord-runtimeproxy-endpoint"], "/run/k/proxy.sock")
+        self.assertEqual(options["remote-runtime-service-endpoint"], "/run/containerd/containerd.sock")
+        self.assertEqual(options["remote-image-service-endpoint"], "/run/images.sock")
+
+    def test_image_endpoint_follows_the_runtime_endpoint(self) -> None:
+        options = parse("--remote-runtime-service-endpoint=unix:///run/c.sock")
+        self.assertEqual(options["remote-image-service-endpoint"], "/run/c.sock")
+
+    def test_bad_values_are_usage_errors_naming_the_flag(self) -> None:
+        cases = {
+            "--koord-runtimeproxy-endpoint=relative.sock": "--koord-runtimeproxy-endpoint",
+            "--remote-runtime-service-endpoint=tcp://127.0.0.1:1": "--remote-runtime-service-endpoint",
+            "--remote-image-service-endpoint=": "--remote-image-service-endpoint",
+            "--backend-runtime-mode=Podman": "--backend-runtime-mode",
+            "--hook-config-dir=hooks": "--hook-config-dir",
+            "--grace-period=-1": "--grace-period",
+            "--max-workers=1": "--max-workers",
+            "--runtime-hook-server-key=": "--runtime-hook-server-key",
+        }
+        for argument, flag in cases.items():
+            with self.assertRaises(usage.UsageError) as error:
+                parse(argument)
+            self.assertIn(flag, str(error.exception), argument)
+
+    def test_docker_mode_says_it_is_not_available_yet(self) -> None:
+        with self.assertRaises(usage.UsageError) as error:
+            parse("--backend-runtime-mode=Docker")
+        self.assertIn("not available yet", str(error.exception))
+
+
+class MakeServiceTests(SynchronousTestCase):
+    def test_builds_a_cri_proxy_without_starting_grpc(self) -> None:
+        top = tap.makeService(parse("--koord-runtimeproxy-endpoint=/run/p.sock"), reactor=InlineThreadsReactor())
+        services = list(IServiceCollection(top))
+        self.assertEqual([type(s) for s in services], [CRIProxyService])
+        proxy = services[0]
+        assert isinstance(proxy, CRIProxyService)
+        self.assertEqual(proxy.settings.listen_path, "/run/p.sock")
+        self.assertFalse(proxy.running)
