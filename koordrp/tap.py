@@ -3,11 +3,11 @@
 from typing import Any
 
 from twisted.application import service
-from twisted.internet.interfaces import IReactorThreads
 from twisted.python import usage
 
 from koordrp.cri.server import CRIProxyService, CRIProxySettings
 from koordrp.endpoints import EndpointError, parse_unix_endpoint
+from koordrp.shutdown import OrderlyStopOnSIGTERM
 
 # Flag names and defaults are koord-runtime-proxy's, so that a node's unit files carry over.
 DEFAULT_PROXY_ENDPOINT = "/var/run/koord-runtimeproxy/runtimeproxy.sock"
@@ -95,7 +95,7 @@ def makeService(config: Options, reactor: Any = None) -> service.MultiService:
         from twisted.internet import reactor as global_reactor
 
         reactor = global_reactor
-    threaded_reactor: IReactorThreads = reactor
-    top = service.MultiService()
-    CRIProxyService(cri_settings(config), threaded_reactor).setServiceParent(top)  # type: ignore[no-untyped-call]
+    top = service.MultiService()  # type: ignore[no-untyped-call]
+    for child in (CRIProxyService(cri_settings(config), reactor), OrderlyStopOnSIGTERM(reactor)):
+        child.setServiceParent(top)  # type: ignore[no-untyped-call]
     return top

@@ -5,13 +5,21 @@ Requests and responses stay bytes (no serializers), the caller's deadline and me
 and the backend's status, details and trailing metadata come back as they were.
 """
 
+from __future__ import annotations
+
 import threading
-from typing import Callable, Iterator, Sequence, Tuple, cast
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence, Tuple, cast
 
 import grpc
 
 from koordrp.cri.backend import BackendChannel
 from koordrp.cri.methods import BackendRole, Cardinality, route
+
+if TYPE_CHECKING:
+    # grpc-stubs makes the handler generic; grpcio's class itself cannot be subscripted at run time.
+    _BytesHandler = grpc.GenericRpcHandler[bytes, bytes]
+else:
+    _BytesHandler = grpc.GenericRpcHandler
 
 Metadata = Sequence[Tuple[str, str | bytes]]
 
@@ -72,7 +80,7 @@ def _relay_stream(
     backend: BackendChannel,
     streams: StreamRegistry,
 ) -> Iterator[bytes]:
-    call = cast(grpc.Future[bytes], responses)
+    call = cast("grpc.Future[bytes]", responses)
     streams.add(call)
 
     def cancel_upstream() -> None:
@@ -136,7 +144,7 @@ def stream_stream_forwarder(
     return forward
 
 
-class PassThroughHandler(grpc.GenericRpcHandler[bytes, bytes]):
+class PassThroughHandler(_BytesHandler):
     """Answers every method, known or not, by forwarding it to the backend that serves it."""
 
     def __init__(self, backends: dict[BackendRole, BackendChannel]) -> None:

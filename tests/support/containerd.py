@@ -34,11 +34,11 @@ REQUIRED_BINARIES: tuple[str, ...] = ("containerd", "containerd-shim-runc-v2", "
 
 # Plugins that either cannot work here (no btrfs/zfs/aufs/devmapper on an ext4
 # disk), would write outside our tree (opt writes /opt/containerd), or only add
-# noise/latency to the log (tracing, the legacy v1 shim runtime).
+# noise to the log (tracing). The legacy io.containerd.runtime.v1.linux must
+# stay: tasks-service, and through it CRI, refuse to load without it.
 DISABLED_PLUGINS: tuple[str, ...] = (
     "io.containerd.internal.v1.opt",
     "io.containerd.internal.v1.tracing",
-    "io.containerd.runtime.v1.linux",
     "io.containerd.snapshotter.v1.aufs",
     "io.containerd.snapshotter.v1.btrfs",
     "io.containerd.snapshotter.v1.devmapper",
@@ -552,6 +552,10 @@ class Containerd:
         notes: list[str] = []
         if self.is_running():
             notes += self.remove_all_pods()
+            # Shims exit by themselves once CRI deleted their tasks, but not
+            # instantly. Waiting while containerd is still up lets it reap
+            # them; orphaned, they would linger as zombies until PID 1 reaps.
+            _wait_gone(self.shim_pids(), 3.0)
         self.terminate()
         self._process = None
         if self._channel is not None:
@@ -578,9 +582,6 @@ class Containerd:
         alive = _kill_and_wait(self.daemon_pids())
         if alive:
             notes.append(f"containerd pids survived SIGKILL: {alive}")
-        # Shims exit by themselves once their last task is deleted, but not
-        # instantly; give them a moment before forcing.
-        _wait_gone(self.shim_pids(), 3.0)
         notes += self._delete_runc_containers()
         alive = _kill_and_wait(self.shim_pids())
         if alive:

@@ -27,8 +27,12 @@ def pod_sandbox_config(
     log_directory: Path | None = None,
     cgroup_parent: str | None = None,
     hostname: str = "",
+    share_pid: bool = False,
 ) -> Any:
     """Return a host-network PodSandboxConfig.
+
+    PID namespaces default to per-container as kubelet's do; the protobuf
+    default (POD) would silently share one across the pod.
 
     `log_directory` is created here because kubelet, not containerd, makes it,
     and CreateContainer fails if its log file's directory is missing.
@@ -37,7 +41,7 @@ def pod_sandbox_config(
         log_directory.mkdir(parents=True, exist_ok=True)
     linux = api_pb2.LinuxPodSandboxConfig(
         security_context=api_pb2.LinuxSandboxSecurityContext(
-            namespace_options=api_pb2.NamespaceOption(network=api_pb2.NODE),
+            namespace_options=_namespace_options(share_pid),
         ),
     )
     if cgroup_parent is not None:
@@ -54,6 +58,14 @@ def pod_sandbox_config(
         labels=dict(labels or {}),
         annotations=dict(annotations or {}),
         linux=linux,
+    )
+
+
+def _namespace_options(share_pid: bool) -> Any:
+    return api_pb2.NamespaceOption(
+        network=api_pb2.NODE,
+        pid=api_pb2.POD if share_pid else api_pb2.CONTAINER,
+        ipc=api_pb2.POD,
     )
 
 
@@ -93,18 +105,17 @@ def container_config(
     log_path: str = "",
     resources: Any | None = None,
     attempt: int = 0,
-    host_network: bool = True,
+    share_pid: bool = False,
 ) -> Any:
     """Return a ContainerConfig; `log_path` is relative to the pod's log_directory.
 
-    With `host_network` the container's namespace options mirror the pod's,
-    as kubelet sends them for a host-network pod.
+    The namespace options mirror those of `pod_sandbox_config` (pass the same
+    `share_pid`), as kubelet sends the pod's options with each container.
     """
     linux = api_pb2.LinuxContainerConfig()
     if resources is not None:
         linux.resources.CopyFrom(resources)
-    if host_network:
-        linux.security_context.namespace_options.network = api_pb2.NODE
+    linux.security_context.namespace_options.CopyFrom(_namespace_options(share_pid))
     return api_pb2.ContainerConfig(
         metadata=api_pb2.ContainerMetadata(name=name, attempt=attempt),
         image=api_pb2.ImageSpec(image=image),

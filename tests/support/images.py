@@ -13,7 +13,7 @@ import io
 import json
 import platform
 import tarfile
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,9 +69,14 @@ class BuiltImage:
 
 
 @dataclass(frozen=True)
-class TestImages:
+class ImageSet:
+    """The pause and test images; iterable, so it can go to import_images as is."""
+
     pause: BuiltImage
     busybox: BuiltImage
+
+    def __iter__(self) -> Iterator[BuiltImage]:
+        return iter((self.pause, self.busybox))
 
     @property
     def archives(self) -> tuple[Path, ...]:
@@ -202,9 +207,9 @@ def build_image_archive(
     return BuiltImage(ref=ref, archive=path, image_id=f"sha256:{_sha256(config)}", diff_id=diff_id)
 
 
-def build_test_images(out_dir: Path, busybox: Path = BUSYBOX_PATH) -> TestImages:
+def build_test_images(out_dir: Path, busybox: Path = BUSYBOX_PATH) -> ImageSet:
     """Build the pause image and the busybox test image into `out_dir`."""
     layer = build_rootfs_layer(busybox)
     pause = build_image_archive(out_dir / "pause.tar", PAUSE_REF, SLEEP_FOREVER_CMD, layer=layer)
     test = build_image_archive(out_dir / "busybox.tar", BUSYBOX_REF, SLEEP_FOREVER_CMD, layer=layer)
-    return TestImages(pause=pause, busybox=test)
+    return ImageSet(pause=pause, busybox=test)

@@ -6,6 +6,7 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from koordrp import tap
 from koordrp.cri.server import CRIProxyService
+from koordrp.shutdown import OrderlyStopOnSIGTERM
 from tests.fake.reactor import InlineThreadsReactor
 
 
@@ -66,7 +67,7 @@ class MakeServiceTests(SynchronousTestCase):
     def test_builds_a_cri_proxy_without_starting_grpc(self) -> None:
         top = tap.makeService(parse("--koord-runtimeproxy-endpoint=/run/p.sock"), reactor=InlineThreadsReactor())
         services = list(IServiceCollection(top))
-        self.assertEqual([type(s) for s in services], [CRIProxyService])
+        self.assertEqual([type(s) for s in services], [CRIProxyService, OrderlyStopOnSIGTERM])
         proxy = services[0]
         assert isinstance(proxy, CRIProxyService)
         self.assertEqual(proxy.settings.listen_path, "/run/p.sock")

@@ -1,0 +1,62 @@
+"""Fixtures for end-to-end tests: a private containerd, and koordrp in front of it as a real process."""
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from tests.support.containerd import Containerd, ContainerdError, require_binaries
+from tests.support.images import ImageSet, build_test_images
+from tests.support.koordrp_process import KoordrpProcess
+
+
+def _require_runtime() -> None:
+    """Skip on a developer's machine without containerd; in CI a missing runtime is a failure."""
+    try:
+        require_binaries()
+    except ContainerdError as error:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI must run the containerd tests: {error}", pytrace=False)
+        pytest.skip(str(error))
+    if os.geteuid() != 0:
+        message = "containerd tests need root"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message, pytrace=False)
+        pytest.skip(message)
+
+
+@pytest.fixture(scope="session")
+def images() -> Iterator[ImageSet]:
+    _require_runtime()
+    with tempfile.TemporaryDirectory(prefix="krp-img-") as out:
+        yield build_test_images(Path(out))
+
+
+def start_containerd(images: ImageSet) -> Containerd:
+    runtime = Containerd(Path(tempfile.mkdtemp(prefix="krp-cd-", dir="/tmp")))
+    runtime.start()
+    runtime.import_images(images)
+    return runtime
+
+
+@pytest.fixture(scope="session")
+def containerd(images: ImageSet) -> Iterator[Containerd]:
+    runtime = start_containerd(images)
+    yield runtime
+    runtime.stop()
+
+
+@pytest.fixture
+def workdir() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="krp-", dir="/tmp") as path:
+        yield Path(path)
+
+
+@pytest.fixture
+def koordrp(containerd: Containerd, workdir: Path) -> Iterator[KoordrpProcess]:
+    proxy = KoordrpProcess(workdir, containerd.endpoint)
+    proxy.start()
+    yield proxy
+    proxy.stop()

@@ -1,0 +1,52 @@
+"""Comparing a CRI answer got through koordrp with the same call made directly."""
+
+from typing import Any, Mapping
+
+from google.protobuf.json_format import MessageToDict
+from google.protobuf.message import Message
+
+# Fields that differ between two otherwise identical calls: when and how much, not what.
+VOLATILE_KEYS = frozenset(
+    {
+        "created_at",
+        "started_at",
+        "finished_at",
+        "timestamp",
+        "used_bytes",
+        "inodes_used",
+        "usage_core_nano_seconds",
+        "usage_nano_cores",
+        "working_set_bytes",
+        "available_bytes",
+        "usage_bytes",
+        "rss_bytes",
+        "page_faults",
+        "major_page_faults",
+    }
+)
+
+
+def normalized(message: Message, replacements: Mapping[str, str] = {}) -> Any:
+    """``message`` as plain data with ids and names replaced by placeholders and volatile values blanked."""
+    data = MessageToDict(message, preserving_proto_field_name=True)
+    return _normalize(data, replacements)
+
+
+def _normalize(value: Any, replacements: Mapping[str, str]) -> Any:
+    if isinstance(value, dict):
+        return {
+            _replace(key, replacements): "<volatile>" if key in VOLATILE_KEYS else _normalize(item, replacements)
+            for key, item in value.items()
+        }
+    if isinstance(value, list):
+        return [_normalize(item, replacements) for item in value]
+    if isinstance(value, str):
+        return _replace(value, replacements)
+    return value
+
+
+def _replace(text: str, replacements: Mapping[str, str]) -> str:
+    # Longest first, so an id is not half-replaced by a name it contains.
+    for original in sorted(replacements, key=len, reverse=True):
+        text = text.replace(original, replacements[original])
+    return text

@@ -1,0 +1,116 @@
+"""``twistd -n koordrp`` as a real child process, the way an operator runs it."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+import grpc
+from cri_api.v1 import api_pb2, api_pb2_grpc
+
+
+def twistd_path() -> str:
+    """The twistd of the interpreter running the tests, so the installed koordrp is the one tested."""
+    beside = Path(sys.executable).with_name("twistd")
+    found = str(beside) if beside.exists() else shutil.which("twistd")
+    if found is None:
+        raise RuntimeError("twistd is not installed next to the test interpreter")
+    return found
+
+
+class KoordrpProcess:
+    def __init__(self, base: Path, runtime_endpoint: str, extra_args: Sequence[str] = ()) -> None:
+        self.base = base
+        self.socket = base / "koordrp" / "koordrp.sock"
+        self.logfile = base / "koordrp.log"
+        self.runtime_endpoint = runtime_endpoint
+        self.extra_args = list(extra_args)
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"unix://{self.socket}"
+
+    def argv(self) -> list[str]:
+        return [
+            twistd_path(),
+            "-n",
+            "--pidfile=",
+            f"--logfile={self.logfile}",
+            "koordrp",
+            f"--koord-runtimeproxy-endpoint={self.endpoint}",
+            f"--remote-runtime-service-endpoint={self.runtime_endpoint}",
+            f"--hook-config-dir={self.base / 'hookserver.d'}",
+            *self.extra_args,
+        ]
+
+    def start(self, timeout: float = 20.0) -> None:
+        self.process = subprocess.Popen(self.argv(), cwd=self.base, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout
+        # The log line, not the socket file: a stale socket may already be there.
+        while "serving CRI on" not in self.log():
+            if self.process.poll() is not None:
+                raise RuntimeError(f"koordrp exited with {self.process.returncode}:\n{self.log()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"koordrp did not listen within {timeout}s:\n{self.log()}")
+            time.sleep(0.05)
+
+    def channel(self) -> grpc.Channel:
+        return grpc.insecure_channel(self.endpoint)
+
+    def runtime(self, channel: grpc.Channel) -> api_pb2_grpc.RuntimeServiceStub:
+        return api_pb2_grpc.RuntimeServiceStub(channel)
+
+    def answers(self, channel: grpc.Channel) -> bool:
+        try:
+            self.runtime(channel).Version(api_pb2.VersionRequest(), timeout=2)
+        except grpc.RpcError:
+            return False
+        return True
+
+    def log(self) -> str:
+        """Everything koordrp has logged so far."""
+        return self.logfile.read_text(errors="replace") if self.logfile.exists() else "(no log)"
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    def terminate(self, timeout: float = 30.0) -> int:
+        """SIGTERM, as systemd stops it; returns the exit status."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout)
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(10)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            try:
+                self.terminate(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for {pid}")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of ``pid`` and its threads, from /proc."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / ticks
