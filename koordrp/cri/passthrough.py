@@ -48,6 +48,16 @@ def relay_failure(error: grpc.RpcError, context: grpc.ServicerContext, backend: 
     context.abort(code, details or "")
 
 
+def cancel_with_caller(context: grpc.ServicerContext, call: "grpc.Future[bytes]") -> None:
+    """Cancel the upstream ``call`` when the caller's RPC ends; after completion a cancel does nothing."""
+
+    def cancel() -> None:
+        call.cancel()
+
+    if not context.add_callback(cancel):
+        cancel()
+
+
 class StreamRegistry:
     """The upstream streams in flight, so that shutting down can end them at once."""
 
@@ -82,12 +92,7 @@ def _relay_stream(
 ) -> Iterator[bytes]:
     call = cast("grpc.Future[bytes]", responses)
     streams.add(call)
-
-    def cancel_upstream() -> None:
-        call.cancel()
-
-    if not context.add_callback(cancel_upstream):
-        cancel_upstream()
+    cancel_with_caller(context, call)
     try:
         yield from cast(Iterator[bytes], responses)
     except grpc.RpcError as error:
@@ -113,6 +118,27 @@ def unary_unary_forwarder(method: str, backend: BackendChannel) -> Callable[[byt
             relay_failure(error, context, backend)
             raise  # relay_failure aborts; this line only satisfies the type checker
         trailing = call.trailing_metadata()
+        if trailing:
+            context.set_trailing_metadata(trailing)
+        return cast(bytes, response)
+
+    return forward
+
+
+def cancellable_unary_unary_forwarder(
+    method: str, backend: BackendChannel
+) -> Callable[[bytes, grpc.ServicerContext], bytes]:
+    upstream = backend.channel.unary_unary(method, _registered_method=True)  # type: ignore[call-arg]
+
+    def forward(request: bytes, context: grpc.ServicerContext) -> bytes:
+        call = upstream.future(request, timeout=remaining_timeout(context), metadata=context.invocation_metadata())
+        cancel_with_caller(context, cast("grpc.Future[bytes]", call))
+        try:
+            response = call.result()
+        except grpc.RpcError as error:
+            relay_failure(error, context, backend)
+            raise
+        trailing = cast(grpc.Call, call).trailing_metadata()
         if trailing:
             context.set_trailing_metadata(trailing)
         return cast(bytes, response)
@@ -165,7 +191,8 @@ class PassThroughHandler(_BytesHandler):
         how = route(method)
         backend = self._backends[how.role]
         if how.cardinality is Cardinality.UNARY_UNARY:
-            return grpc.unary_unary_rpc_method_handler(unary_unary_forwarder(method, backend))
+            forwarder = cancellable_unary_unary_forwarder if how.cancellable else unary_unary_forwarder
+            return grpc.unary_unary_rpc_method_handler(forwarder(method, backend))
         if how.cardinality is Cardinality.UNARY_STREAM:
             return grpc.unary_stream_rpc_method_handler(unary_stream_forwarder(method, backend, self.streams))
         return grpc.stream_stream_rpc_method_handler(stream_stream_forwarder(method, backend, self.streams))

@@ -40,6 +40,7 @@ class FakeCRIBackend:
     slow_call_seconds: float = 1.0
     calls: list[ReceivedCall] = field(default_factory=list)
     stream_cancelled: threading.Event = field(default_factory=threading.Event)
+    slow_call_ended: threading.Event = field(default_factory=threading.Event)
     _server: grpc.Server | None = None
 
     def start(self) -> "FakeCRIBackend":
@@ -77,7 +78,10 @@ class FakeCRIBackend:
         context.abort(grpc.StatusCode.NOT_FOUND, f'an error occurred when try to find container "{container_id}"')
 
     def exec_sync(self, request: bytes, context: grpc.ServicerContext) -> bytes:
-        time.sleep(self.slow_call_seconds)
+        context.add_callback(self.slow_call_ended.set)
+        ended = threading.Event()
+        context.add_callback(ended.set)
+        ended.wait(self.slow_call_seconds)
         return api_pb2.ExecSyncResponse(stdout=b"late").SerializeToString()
 
     def list_images(self, request: bytes, context: grpc.ServicerContext) -> bytes:

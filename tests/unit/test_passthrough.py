@@ -97,6 +97,13 @@ class PassThroughTests(SynchronousTestCase):
         # grpc-timeout travels in whole units, rounded up: allow a millisecond of it.
         self.assertLessEqual(remaining, 0.301)
 
+    def test_client_cancel_cancels_a_working_unary_call_upstream(self) -> None:
+        self.runtime.slow_call_seconds = 10
+        call = self.stub.ExecSync.future(api_pb2.ExecSyncRequest(container_id="c"))
+        self.assertTrue(wait_until(lambda: bool(self.runtime.calls)))
+        call.cancel()
+        self.assertTrue(self.runtime.slow_call_ended.wait(5))
+
     def test_no_deadline_stays_no_deadline(self) -> None:
         self.stub.Version(api_pb2.VersionRequest())
         self.assertIsNone(self.runtime.calls[-1].time_remaining)
