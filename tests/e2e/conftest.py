@@ -12,7 +12,7 @@ from tests.support.images import ImageSet, build_test_images
 from tests.support.koordrp_process import KoordrpProcess
 
 
-def _require_runtime() -> None:
+def require_runtime() -> None:
     """Skip on a developer's machine without containerd; in CI a missing runtime is a failure."""
     try:
         require_binaries()
@@ -29,7 +29,7 @@ def _require_runtime() -> None:
 
 @pytest.fixture(scope="session")
 def images() -> Iterator[ImageSet]:
-    _require_runtime()
+    require_runtime()
     with tempfile.TemporaryDirectory(prefix="krp-img-") as out:
         yield build_test_images(Path(out))
 

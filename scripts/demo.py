@@ -1,0 +1,97 @@
+"""The demo: a private containerd, ``twistd -n koordrp`` in front of it, and a pod created through it.
+
+Every CRI call the demo makes goes through koordrp's socket and is printed with its answer. Nothing
+is left behind: containerd, koordrp, the pod and the temporary directory all go at the end.
+"""
+
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, TypeVar
+
+from cri_api.v1 import api_pb2, api_pb2_grpc
+
+from tests.support.containerd import Containerd
+from tests.support.cri_objects import container_config, pod_sandbox_config
+from tests.support.images import BUSYBOX_REF, build_test_images
+from tests.support.koordrp_process import KoordrpProcess
+
+Answer = TypeVar("Answer")
+
+
+def step(method: str, call: Callable[[], Answer], show: Callable[[Answer], Any] = lambda answer: "ok") -> Answer:
+    started = time.perf_counter()
+    answer = call()
+    print(f"  {method:<18} {(time.perf_counter() - started) * 1000:7.1f} ms  {show(answer)}")
+    return answer
+
+
+def main() -> None:
+    with tempfile.TemporaryDirectory(prefix="krp-demo-", dir="/tmp") as scratch:
+        base = Path(scratch)
+        print(f"building the pause and busybox images from /bin/busybox in {base}")
+        images = build_test_images(base / "images")
+        containerd = Containerd(base / "containerd")
+        containerd.start()
+        proxy = KoordrpProcess(base, containerd.endpoint)
+        try:
+            containerd.import_images(images)
+            print(f"private containerd on {containerd.endpoint}")
+            proxy.start()
+            print(f"koordrp (twistd -n koordrp) on {proxy.endpoint}\n")
+            with proxy.channel() as channel:
+                walk_a_pod(api_pb2_grpc.RuntimeServiceStub(channel), base)
+            print("\nkoordrp's log:")
+            print("\n".join("  " + line for line in proxy.log().splitlines()))
+        finally:
+            proxy.stop()
+            containerd.stop()
+    print("\ncleaned up: koordrp stopped, containerd stopped, its state removed")
+
+
+def walk_a_pod(runtime: api_pb2_grpc.RuntimeServiceStub, base: Path) -> None:
+    print("CRI calls made through koordrp:")
+    step("Version", lambda: runtime.Version(api_pb2.VersionRequest()), lambda v: f"{v.runtime_name} {v.runtime_version}")
+    pod = pod_sandbox_config("demo", namespace="default", log_directory=base / "pod-logs")
+    sandbox = step(
+        "RunPodSandbox",
+        lambda: runtime.RunPodSandbox(api_pb2.RunPodSandboxRequest(config=pod), timeout=60),
+        lambda answer: f"sandbox {answer.pod_sandbox_id[:13]}",
+    )
+    config = container_config(
+        "app", image=BUSYBOX_REF, command=["sleep", "3600"], env={"GREETING": "hello"}, log_path="app.log"
+    )
+    created = step(
+        "CreateContainer",
+        lambda: runtime.CreateContainer(
+            api_pb2.CreateContainerRequest(pod_sandbox_id=sandbox.pod_sandbox_id, config=config, sandbox_config=pod),
+            timeout=60,
+        ),
+        lambda answer: f"container {answer.container_id[:13]}",
+    )
+    cid = created.container_id
+    step("StartContainer", lambda: runtime.StartContainer(api_pb2.StartContainerRequest(container_id=cid)))
+    step(
+        "ExecSync env",
+        lambda: runtime.ExecSync(api_pb2.ExecSyncRequest(container_id=cid, cmd=["env"], timeout=10)),
+        lambda answer: " ".join(sorted(answer.stdout.decode().split())),
+    )
+    step(
+        "ContainerStatus",
+        lambda: runtime.ContainerStatus(api_pb2.ContainerStatusRequest(container_id=cid)),
+        lambda answer: api_pb2.ContainerState.Name(answer.status.state),
+    )
+    step(
+        "ListPodSandbox",
+        lambda: runtime.ListPodSandbox(api_pb2.ListPodSandboxRequest()),
+        lambda answer: f"{len(answer.items)} pod(s)",
+    )
+    step("StopContainer", lambda: runtime.StopContainer(api_pb2.StopContainerRequest(container_id=cid, timeout=0)))
+    step("RemoveContainer", lambda: runtime.RemoveContainer(api_pb2.RemoveContainerRequest(container_id=cid)))
+    sid = sandbox.pod_sandbox_id
+    step("StopPodSandbox", lambda: runtime.StopPodSandbox(api_pb2.StopPodSandboxRequest(pod_sandbox_id=sid)))
+    step("RemovePodSandbox", lambda: runtime.RemovePodSandbox(api_pb2.RemovePodSandboxRequest(pod_sandbox_id=sid)))
+
+
+if __name__ == "__main__":
+    main()
