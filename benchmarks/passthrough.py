@@ -18,10 +18,11 @@ from typing import Any, Callable
 import grpc
 from cri_api.v1 import api_pb2, api_pb2_grpc
 
-from tests.support.containerd import Containerd
 from tests.support.cri_objects import container_config, pod_sandbox_config
-from tests.support.images import BUSYBOX_REF, build_test_images
+from tests.support.images import BUSYBOX_REF
 from tests.support.koordrp_process import KoordrpProcess, cpu_seconds, rss_bytes
+from tests.support.pods import start_container
+from tests.support.stack import containerd_and_koordrp
 
 Call = Callable[[api_pb2_grpc.RuntimeServiceStub], Any]
 
@@ -69,15 +70,8 @@ def populate(runtime: api_pb2_grpc.RuntimeServiceStub, pods: int, logs: Path) ->
         config = pod_sandbox_config(f"bench-{index}", log_directory=logs / f"pod-{index}")
         sandbox = runtime.RunPodSandbox(api_pb2.RunPodSandboxRequest(config=config), timeout=60)
         if not container_id:
-            container_id = runtime.CreateContainer(
-                api_pb2.CreateContainerRequest(
-                    pod_sandbox_id=sandbox.pod_sandbox_id,
-                    config=container_config("app", image=BUSYBOX_REF, command=["sleep", "3600"], log_path="app.log"),
-                    sandbox_config=config,
-                ),
-                timeout=60,
-            ).container_id
-            runtime.StartContainer(api_pb2.StartContainerRequest(container_id=container_id), timeout=60)
+            container = container_config("app", image=BUSYBOX_REF, command=["sleep", "3600"], log_path="app.log")
+            container_id = start_container(runtime, sandbox.pod_sandbox_id, config, container)
     return container_id
 
 
@@ -90,21 +84,11 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="krp-bench-", dir="/tmp") as scratch:
         base = Path(scratch)
-        images = build_test_images(base / "images")
-        containerd = Containerd(base / "cd")
-        containerd.start()
-        proxy = KoordrpProcess(base, containerd.endpoint)
-        try:
-            containerd.import_images(images)
+        with containerd_and_koordrp(base) as (containerd, proxy):
             direct_channel = containerd.channel()
             container_id = populate(api_pb2_grpc.RuntimeServiceStub(direct_channel), args.pods, base / "logs")
-            proxy.start()
-            proxy_channel = proxy.channel()
-            report(args, direct_channel, proxy_channel, proxy, container_id)
-            proxy_channel.close()
-        finally:
-            proxy.stop()
-            containerd.stop()
+            with proxy.channel() as proxy_channel:
+                report(args, direct_channel, proxy_channel, proxy, container_id)
 
 
 def report(

@@ -11,10 +11,9 @@ from typing import Any, Callable, TypeVar
 
 from cri_api.v1 import api_pb2, api_pb2_grpc
 
-from tests.support.containerd import Containerd
 from tests.support.cri_objects import container_config, pod_sandbox_config
-from tests.support.images import BUSYBOX_REF, build_test_images
-from tests.support.koordrp_process import KoordrpProcess
+from tests.support.images import BUSYBOX_REF
+from tests.support.stack import containerd_and_koordrp
 
 Answer = TypeVar("Answer")
 
@@ -29,23 +28,14 @@ def step(method: str, call: Callable[[], Answer], show: Callable[[Answer], Any] 
 def main() -> None:
     with tempfile.TemporaryDirectory(prefix="krp-demo-", dir="/tmp") as scratch:
         base = Path(scratch)
-        print(f"building the pause and busybox images from /bin/busybox in {base}")
-        images = build_test_images(base / "images")
-        containerd = Containerd(base / "containerd")
-        containerd.start()
-        proxy = KoordrpProcess(base, containerd.endpoint)
-        try:
-            containerd.import_images(images)
+        print(f"building the pause and busybox images from /bin/busybox, in {base}")
+        with containerd_and_koordrp(base) as (containerd, proxy):
             print(f"private containerd on {containerd.endpoint}")
-            proxy.start()
             print(f"koordrp (twistd -n koordrp) on {proxy.endpoint}\n")
             with proxy.channel() as channel:
                 walk_a_pod(api_pb2_grpc.RuntimeServiceStub(channel), base)
             print("\nkoordrp's log:")
             print("\n".join("  " + line for line in proxy.log().splitlines()))
-        finally:
-            proxy.stop()
-            containerd.stop()
     print("\ncleaned up: koordrp stopped, containerd stopped, its state removed")
 
 

@@ -10,6 +10,7 @@ import pytest
 from tests.support.containerd import Containerd, ContainerdError, require_binaries
 from tests.support.images import ImageSet, build_test_images
 from tests.support.koordrp_process import KoordrpProcess
+from tests.support.stack import start_containerd
 
 
 def require_runtime() -> None:
@@ -32,13 +33,6 @@ def images() -> Iterator[ImageSet]:
     require_runtime()
     with tempfile.TemporaryDirectory(prefix="krp-img-") as out:
         yield build_test_images(Path(out))
-
-
-def start_containerd(images: ImageSet) -> Containerd:
-    runtime = Containerd(Path(tempfile.mkdtemp(prefix="krp-cd-", dir="/tmp")))
-    runtime.start()
-    runtime.import_images(images)
-    return runtime
 
 
 @pytest.fixture(scope="session")

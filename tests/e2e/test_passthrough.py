@@ -15,12 +15,12 @@ import grpc
 import pytest
 from cri_api.v1 import api_pb2, api_pb2_grpc
 
-from tests.e2e.conftest import start_containerd
 from tests.support.compare import normalized
 from tests.support.containerd import Containerd
 from tests.support.cri_objects import container_config, linux_resources, pod_sandbox_config
-from tests.support.images import BUSYBOX_REF, PAUSE_REF, ImageSet
+from tests.support.images import BUSYBOX_REF, ImageSet
 from tests.support.koordrp_process import KoordrpProcess, twistd_path
+from tests.support.pods import running_container
 from tests.support.streaming import stream
 
 TIMEOUT = 30
@@ -204,25 +204,12 @@ def test_errors_match_direct(direct: Clients, proxied: Clients, workdir: Path) -
         assert outcome(lambda: call(proxied)) == outcome(lambda: call(direct)), index
 
 
-def test_deadline_shorter_than_the_answer_expires(proxied: Clients, direct: Clients, workdir: Path) -> None:
-    pod = pod_sandbox_config("slow", log_directory=workdir / "slow")
-    sandbox = proxied.runtime.RunPodSandbox(api_pb2.RunPodSandboxRequest(config=pod), timeout=TIMEOUT)
-    try:
-        cid = proxied.runtime.CreateContainer(
-            api_pb2.CreateContainerRequest(
-                pod_sandbox_id=sandbox.pod_sandbox_id,
-                config=container_config("slow", image=BUSYBOX_REF, command=["sleep", "3600"]),
-                sandbox_config=pod,
-            ),
-            timeout=TIMEOUT,
-        ).container_id
-        proxied.runtime.StartContainer(api_pb2.StartContainerRequest(container_id=cid), timeout=TIMEOUT)
+def test_deadline_shorter_than_the_answer_expires(proxied: Clients, workdir: Path) -> None:
+    with running_container(proxied.runtime, "slow", workdir) as pod:
         with pytest.raises(grpc.RpcError) as error:
-            proxied.runtime.ExecSync(api_pb2.ExecSyncRequest(container_id=cid, cmd=["sleep", "3"]), timeout=0.5)
+            request = api_pb2.ExecSyncRequest(container_id=pod.container_id, cmd=["sleep", "3"])
+            proxied.runtime.ExecSync(request, timeout=0.5)
         assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    finally:
-        direct.runtime.StopPodSandbox(api_pb2.StopPodSandboxRequest(pod_sandbox_id=sandbox.pod_sandbox_id))
-        direct.runtime.RemovePodSandbox(api_pb2.RemovePodSandboxRequest(pod_sandbox_id=sandbox.pod_sandbox_id))
 
 
 def test_socket_is_0660_in_a_0755_directory(koordrp: KoordrpProcess) -> None:
@@ -330,26 +317,15 @@ def test_started_before_containerd_serves_once_it_is_up(images: ImageSet, workdi
 
 
 def test_sigterm_drains_in_flight_calls_and_exits_zero(
-    containerd: Containerd, koordrp: KoordrpProcess, direct: Clients, workdir: Path
+    koordrp: KoordrpProcess, direct: Clients, workdir: Path
 ) -> None:
-    pod = pod_sandbox_config("drain", log_directory=workdir / "drain")
-    sandbox = direct.runtime.RunPodSandbox(api_pb2.RunPodSandboxRequest(config=pod), timeout=TIMEOUT)
-    try:
-        cid = direct.runtime.CreateContainer(
-            api_pb2.CreateContainerRequest(
-                pod_sandbox_id=sandbox.pod_sandbox_id,
-                config=container_config("drain", image=BUSYBOX_REF, command=["sleep", "3600"]),
-                sandbox_config=pod,
-            ),
-            timeout=TIMEOUT,
-        ).container_id
-        direct.runtime.StartContainer(api_pb2.StartContainerRequest(container_id=cid), timeout=TIMEOUT)
+    with running_container(direct.runtime, "drain", workdir) as pod:
         results: list[Any] = []
         with koordrp.channel() as channel:
             stub = koordrp.runtime(channel)
+            request = api_pb2.ExecSyncRequest(container_id=pod.container_id, cmd=["sh", "-c", "sleep 1; echo done"])
 
             def slow_exec() -> None:
-                request = api_pb2.ExecSyncRequest(container_id=cid, cmd=["sh", "-c", "sleep 1; echo done"], timeout=10)
                 results.append(outcome(lambda: stub.ExecSync(request, timeout=20)))
 
             worker = threading.Thread(target=slow_exec)
@@ -360,6 +336,3 @@ def test_sigterm_drains_in_flight_calls_and_exits_zero(
         assert [getattr(r, "stdout", r) for r in results] == [b"done\n"]
         assert not koordrp.socket.exists()
         assert "stopped; removed" in koordrp.log()
-    finally:
-        direct.runtime.StopPodSandbox(api_pb2.StopPodSandboxRequest(pod_sandbox_id=sandbox.pod_sandbox_id))
-        direct.runtime.RemovePodSandbox(api_pb2.RemovePodSandboxRequest(pod_sandbox_id=sandbox.pod_sandbox_id))

@@ -27,6 +27,18 @@ def wait_until(predicate, timeout: float = 5.0) -> bool:  # type: ignore[no-unty
     return bool(predicate())
 
 
+def serve_pass_through(
+    test: SynchronousTestCase, listen_path: str, runtime: BackendChannel, image: BackendChannel
+) -> PassThroughHandler:
+    """A grpc server on ``listen_path`` with koordrp's pass-through handler, stopped at cleanup."""
+    handler = PassThroughHandler({BackendRole.RUNTIME: runtime, BackendRole.IMAGE: image})
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), handlers=[handler])
+    server.add_insecure_port(grpc_target(listen_path))
+    server.start()
+    test.addCleanup(lambda: server.stop(0).wait())
+    return handler
+
+
 class PassThroughTests(SynchronousTestCase):
     def setUp(self) -> None:
         self.dir = short_tempdir(self)
@@ -51,12 +63,7 @@ class PassThroughTests(SynchronousTestCase):
         image = BackendChannel(image_path, report)
         self.addCleanup(runtime.close)
         self.addCleanup(image.close)
-        handler = PassThroughHandler({BackendRole.RUNTIME: runtime, BackendRole.IMAGE: image})
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), handlers=[handler])
-        server.add_insecure_port(grpc_target(self.proxy_path))
-        server.start()
-        self.addCleanup(lambda: server.stop(0).wait())
-        return handler
+        return serve_pass_through(self, self.proxy_path, runtime, image)
 
     def client(self, path: str) -> grpc.Channel:
         channel = grpc.insecure_channel(grpc_target(path))
@@ -160,11 +167,7 @@ class BackendOutageTests(SynchronousTestCase):
         self.lock = threading.Lock()
         backend = BackendChannel(self.backend_path, self.report)
         self.addCleanup(backend.close)
-        handler = PassThroughHandler({BackendRole.RUNTIME: backend, BackendRole.IMAGE: backend})
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), handlers=[handler])
-        server.add_insecure_port(grpc_target(self.proxy_path))
-        server.start()
-        self.addCleanup(lambda: server.stop(0).wait())
+        serve_pass_through(self, self.proxy_path, backend, backend)
         channel = grpc.insecure_channel(grpc_target(self.proxy_path))
         self.addCleanup(channel.close)
         self.stub = api_pb2_grpc.RuntimeServiceStub(channel)

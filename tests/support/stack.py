@@ -1,0 +1,34 @@
+"""A private containerd with the test images, and koordrp in front of it."""
+
+import contextlib
+import tempfile
+from pathlib import Path
+from typing import Iterator, Sequence
+
+from tests.support.containerd import Containerd
+from tests.support.images import ImageSet, build_test_images
+from tests.support.koordrp_process import KoordrpProcess
+
+
+def start_containerd(images: ImageSet, base: Path | None = None) -> Containerd:
+    runtime = Containerd(base or Path(tempfile.mkdtemp(prefix="krp-cd-", dir="/tmp")))
+    runtime.start()
+    try:
+        runtime.import_images(images)
+    except BaseException:
+        runtime.stop()
+        raise
+    return runtime
+
+
+@contextlib.contextmanager
+def containerd_and_koordrp(base: Path, koordrp_args: Sequence[str] = ()) -> Iterator[tuple[Containerd, KoordrpProcess]]:
+    """Both running under ``base``; both stopped, and containerd's state removed, on exit."""
+    containerd = start_containerd(build_test_images(base / "images"), base / "containerd")
+    proxy = KoordrpProcess(base, containerd.endpoint, koordrp_args)
+    try:
+        proxy.start()
+        yield containerd, proxy
+    finally:
+        proxy.stop()
+        containerd.stop()
