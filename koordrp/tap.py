@@ -5,9 +5,15 @@ from typing import Any
 from twisted.application import service
 from twisted.python import usage
 
-from koordrp.cri.server import CRIProxyService, CRIProxySettings
+from koordrp.cri.bridge import HookBridge
+from koordrp.cri.intercept import SkipLabel
+from koordrp.cri.server import CRIProxyService, CRIProxySettings, Lifecycle
 from koordrp.endpoints import EndpointError, parse_unix_endpoint
+from koordrp.hooks.client import HookClients
+from koordrp.hooks.dispatcher import Dispatcher
+from koordrp.hooks.registry import HookRegistry
 from koordrp.shutdown import OrderlyStopOnSIGTERM
+from koordrp.store import Store
 
 # Flag names and defaults are koord-runtime-proxy's, so that a node's unit files carry over.
 DEFAULT_PROXY_ENDPOINT = "/var/run/koord-runtimeproxy/runtimeproxy.sock"
@@ -38,6 +44,7 @@ class Options(usage.Options):
         ["runtime-hook-server-key", None, DEFAULT_SKIP_HOOK_KEY, "pod label key that skips all hooks"],
         ["runtime-hook-server-val", None, DEFAULT_SKIP_HOOK_VALUE, "pod label value that skips all hooks"],
         ["hook-config-dir", None, DEFAULT_HOOK_CONFIG_DIR, "directory of hook server registrations (*.json)"],
+        ["hook-timeout", None, 2.0, "seconds a hook call may take, unless its file sets timeout-seconds", float],
         ["grace-period", None, 10.0, "seconds in-flight CRI calls get to finish on shutdown", float],
         ["max-workers", None, 64, "CRI worker threads (streams hold one each)", int],
     ]
@@ -72,6 +79,8 @@ class Options(usage.Options):
             raise usage.UsageError("--backend-runtime-mode: Docker is not available yet")
         if self["remote-image-service-endpoint"] is None:
             self["remote-image-service-endpoint"] = self["remote-runtime-service-endpoint"]
+        if not 0 < self["hook-timeout"] < float("inf"):
+            raise usage.UsageError("--hook-timeout: must be a number of seconds > 0")
         if not self["grace-period"] >= 0:
             raise usage.UsageError("--grace-period: must be a number of seconds >= 0")
         if self["max-workers"] < 2:
@@ -95,7 +104,20 @@ def makeService(config: Options, reactor: Any = None) -> service.MultiService:
         from twisted.internet import reactor as global_reactor
 
         reactor = global_reactor
+    clients = HookClients(reactor)
+    registry = HookRegistry(
+        config["hook-config-dir"],
+        config["hook-timeout"],
+        reactor,
+        on_change=lambda servers: clients.retain(servers.endpoints),
+    )
+    lifecycle = Lifecycle(
+        store=Store(),
+        hooks=HookBridge(reactor, Dispatcher(clients, reactor), lambda: registry.current),
+        skip=SkipLabel(config["runtime-hook-server-key"], config["runtime-hook-server-val"]),
+    )
     top = service.MultiService()  # type: ignore[no-untyped-call]
-    for child in (CRIProxyService(cri_settings(config), reactor), OrderlyStopOnSIGTERM(reactor)):
+    # The registry starts first, so the first CRI call already sees every registered server.
+    for child in (registry, CRIProxyService(cri_settings(config), reactor, lifecycle), OrderlyStopOnSIGTERM(reactor)):
         child.setServiceParent(top)  # type: ignore[no-untyped-call]
     return top

@@ -173,9 +173,14 @@ def stream_stream_forwarder(
 class PassThroughHandler(_BytesHandler):
     """Answers every method, known or not, by forwarding it to the backend that serves it."""
 
-    def __init__(self, backends: dict[BackendRole, BackendChannel]) -> None:
+    def __init__(
+        self,
+        backends: dict[BackendRole, BackendChannel],
+        intercepted: dict[str, grpc.RpcMethodHandler[bytes, bytes]] | None = None,
+    ) -> None:
         self._backends = backends
-        self._handlers: dict[str, grpc.RpcMethodHandler[bytes, bytes]] = {}
+        # Intercepted methods are answered by their own handlers; everything else is forwarded.
+        self._handlers: dict[str, grpc.RpcMethodHandler[bytes, bytes]] = dict(intercepted or {})
         self.streams = StreamRegistry()
 
     def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler[bytes, bytes] | None:

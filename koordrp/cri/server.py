@@ -3,28 +3,45 @@
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from twisted.application import service
 from twisted.internet.defer import Deferred
-from twisted.internet.interfaces import IReactorThreads
+from twisted.internet.interfaces import IDelayedCall
 from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 
 from koordrp.cri.backend import CHANNEL_OPTIONS, BackendChannel
+from koordrp.cri.bridge import HookBridge
+from koordrp.cri.intercept import Interceptor, SkipLabel
 from koordrp.cri.methods import BackendRole
 from koordrp.cri.passthrough import PassThroughHandler
 from koordrp.cri.reachability import Reachability
+from koordrp.cri.runtime_lookup import LookupFailed, RuntimeLookup
 from koordrp.endpoints import grpc_target
+from koordrp.store import Store
 from koordrp.unixsocket import prepare_listening_path, remove_socket, umask
 
 SOCKET_MODE = 0o660
+_REBUILD_TIMEOUT = 30.0
+_REBUILD_RETRY_SECONDS = 1.0
 
 _REACHABILITY_MESSAGES = {
     Reachability.FIRST_CONNECTED: "backend unix://{endpoint} is reachable",
     Reachability.UNREACHABLE: "backend unix://{endpoint} is unreachable; CRI calls answer UNAVAILABLE until it is back",
     Reachability.RECOVERED: "backend unix://{endpoint} is reachable again",
 }
+
+
+@dataclass(frozen=True)
+class Lifecycle:
+    """What the intercepted lifecycle calls need besides the backend."""
+
+    store: Store
+    hooks: HookBridge
+    skip: SkipLabel
 
 
 @dataclass(frozen=True)
@@ -45,9 +62,12 @@ class CRIProxyService(service.Service):
 
     log = Logger()
 
-    def __init__(self, settings: CRIProxySettings, reactor: IReactorThreads) -> None:
+    def __init__(self, settings: CRIProxySettings, reactor: Any, lifecycle: Lifecycle) -> None:
+        """``reactor`` provides IReactorThreads and IReactorTime."""
         self.settings = settings
+        self.lifecycle = lifecycle
         self._reactor = reactor
+        self._rebuild: IDelayedCall | None = None
         self._server: grpc.Server | None = None
         self._handler: PassThroughHandler | None = None
         self._backends: list[BackendChannel] = []
@@ -60,7 +80,10 @@ class CRIProxyService(service.Service):
         if settings.image_path != settings.runtime_path:
             image = BackendChannel(settings.image_path, self._report_reachability)
         self._backends = list({id(b): b for b in (runtime, image)}.values())
-        self._handler = PassThroughHandler({BackendRole.RUNTIME: runtime, BackendRole.IMAGE: image})
+        lookup = RuntimeLookup(runtime.channel)
+        parts = self.lifecycle
+        interceptor = Interceptor(runtime, parts.store, parts.hooks, parts.skip, lookup)
+        self._handler = PassThroughHandler({BackendRole.RUNTIME: runtime, BackendRole.IMAGE: image}, interceptor.handlers)
         server = grpc.server(
             ThreadPoolExecutor(max_workers=settings.max_workers, thread_name_prefix="koordrp-cri"),
             handlers=[self._handler],
@@ -78,9 +101,40 @@ class CRIProxyService(service.Service):
             runtime=settings.runtime_path,
             image=settings.image_path,
         )
+        self._rebuild_store(lookup)
+
+    def _rebuild_store(self, lookup: RuntimeLookup) -> None:
+        """Learn the pods and containers the runtime already has, retrying until it answers.
+
+        CRI calls are served meanwhile: a call about something not learnt yet reads it from the
+        runtime itself.
+        """
+        self._rebuild = None
+        pool = self._reactor.getThreadPool()
+        reading: Deferred[tuple[Any, Any]] = deferToThreadPool(self._reactor, pool, lookup.everything, _REBUILD_TIMEOUT)
+
+        def learnt(found: tuple[Any, Any]) -> None:
+            pods, containers = found
+            self.lifecycle.store.learn(pods, containers)
+            self.log.info(
+                "store rebuilt from the runtime: {pods} pods, {containers} containers",
+                pods=len(pods),
+                containers=len(containers),
+            )
+
+        def retry(failure: Failure) -> Failure | None:
+            if not isinstance(failure.value, LookupFailed):
+                return failure
+            if self.running:
+                self._rebuild = self._reactor.callLater(_REBUILD_RETRY_SECONDS, self._rebuild_store, lookup)
+            return None
+
+        reading.addCallbacks(learnt, retry)
 
     def stopService(self) -> "Deferred[None]":
         super().stopService()  # type: ignore[no-untyped-call]
+        if self._rebuild is not None and self._rebuild.active():
+            self._rebuild.cancel()
         server, handler = self._server, self._handler
         assert server is not None and handler is not None
         self._server = None

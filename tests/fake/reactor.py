@@ -1,8 +1,8 @@
-"""A reactor for SynchronousTestCase: a Clock whose threads run inline."""
+"""A reactor for SynchronousTestCase: Twisted's MemoryReactorClock whose threads run inline."""
 
 from typing import Any, Callable
 
-from twisted.internet.task import Clock
+from twisted.internet.testing import MemoryReactorClock
 from twisted.python.threadpool import ThreadPool
 
 
@@ -22,8 +22,8 @@ class InlineThreadPool(ThreadPool):
                 onResult(True, result)
 
 
-class InlineThreadsReactor(Clock):
-    """Clock plus the thread methods koordrp's services use, all run inline and recorded."""
+class InlineThreadsReactor(MemoryReactorClock):
+    """A memory reactor plus the thread methods koordrp's services use, all run inline and recorded."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -49,10 +49,11 @@ class KoordrpProcess:
         ]
 
     def start(self, timeout: float = 20.0) -> None:
+        earlier = len(self.log())
         self.process = subprocess.Popen(self.argv(), cwd=self.base, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout
         # The log line, not the socket file: a stale socket may already be there.
-        while "serving CRI on" not in self.log():
+        while "serving CRI on" not in self.log()[earlier:]:
             if self.process.poll() is not None:
                 raise RuntimeError(f"koordrp exited with {self.process.returncode}:\n{self.log()}")
             if time.monotonic() > deadline:
@@ -74,7 +75,15 @@ class KoordrpProcess:
 
     def log(self) -> str:
         """Everything koordrp has logged so far."""
-        return self.logfile.read_text(errors="replace") if self.logfile.exists() else "(no log)"
+        return self.logfile.read_text(errors="replace") if self.logfile.exists() else ""
+
+    def registered_servers(self) -> int | None:
+        """How many hook servers koordrp's last "hook servers:" log line names (None before the first)."""
+        lines = [line for line in self.log().splitlines() if "] hook servers: " in line]
+        if not lines:
+            return None
+        listed = lines[-1].split("] hook servers: ", 1)[1]
+        return 0 if listed == "none" else listed.count(".json (")
 
     @property
     def pid(self) -> int:

@@ -42,13 +42,16 @@ def running_container(
     name: str,
     logs: Path,
     command: Sequence[str] = ("sleep", "3600"),
+    container_options: dict[str, Any] | None = None,
     **pod_options: Any,
 ) -> Iterator[RunningContainer]:
     """A pod named ``name`` with one started busybox container, removed on exit."""
     pod = pod_sandbox_config(name, log_directory=logs / name, **pod_options)
     sandbox_id = runtime.RunPodSandbox(api_pb2.RunPodSandboxRequest(config=pod), timeout=TIMEOUT).pod_sandbox_id
     try:
-        container = container_config(name, image=BUSYBOX_REF, command=list(command), log_path=f"{name}.log")
+        container = container_config(
+            name, image=BUSYBOX_REF, command=list(command), log_path=f"{name}.log", **(container_options or {})
+        )
         yield RunningContainer(sandbox_id, start_container(runtime, sandbox_id, pod, container), pod)
     finally:
         remove_pod(runtime, sandbox_id)

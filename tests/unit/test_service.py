@@ -10,12 +10,23 @@ from cri_api.v1 import api_pb2, api_pb2_grpc
 from twisted.logger import LogEvent, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 
-from koordrp.cri.server import CRIProxyService, CRIProxySettings
+from koordrp.cri.bridge import HookBridge
+from koordrp.cri.intercept import SkipLabel
+from koordrp.cri.server import CRIProxyService, CRIProxySettings, Lifecycle
 from koordrp.endpoints import grpc_target
+from koordrp.hooks.client import HookClients
+from koordrp.hooks.dispatcher import Dispatcher
+from koordrp.hooks.types import HookServers
+from koordrp.store import Store
 from koordrp.unixsocket import NotASocket, SocketInUse
 from tests.fake.cri_backend import FakeCRIBackend
 from tests.fake.reactor import InlineThreadsReactor
 from tests.support.tempdirs import short_tempdir
+
+
+def no_hooks(reactor: InlineThreadsReactor) -> Lifecycle:
+    dispatcher = Dispatcher(HookClients(reactor), reactor)
+    return Lifecycle(Store(), HookBridge(reactor, dispatcher, HookServers), SkipLabel("skip", "true"))
 
 
 class CRIProxyServiceTests(SynchronousTestCase):
@@ -37,7 +48,7 @@ class CRIProxyServiceTests(SynchronousTestCase):
             grace_period=grace,
             max_workers=4,
         )
-        return CRIProxyService(settings, self.reactor)
+        return CRIProxyService(settings, self.reactor, no_hooks(self.reactor))
 
     def start(self, grace: float = 5.0) -> CRIProxyService:
         proxy = self.make_service(grace)
@@ -89,7 +100,7 @@ class CRIProxyServiceTests(SynchronousTestCase):
             target=lambda: outcome.append(stub.ExecSync(api_pb2.ExecSyncRequest(container_id="c"), timeout=5))
         )
         call.start()
-        while not self.backend.calls:
+        while not [c for c in self.backend.calls if c.method.endswith("/ExecSync")]:
             threading.Event().wait(0.01)
         stopped = proxy.stopService()
         self.successResultOf(stopped)
@@ -111,7 +122,7 @@ class CRIProxyServiceTests(SynchronousTestCase):
 
         call = threading.Thread(target=slow_call)
         call.start()
-        while not self.backend.calls:
+        while not [c for c in self.backend.calls if c.method.endswith("/ExecSync")]:
             threading.Event().wait(0.01)
         self.successResultOf(proxy.stopService())
         call.join(5)

@@ -6,6 +6,7 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from koordrp import tap
 from koordrp.cri.server import CRIProxyService
+from koordrp.hooks.registry import HookRegistry
 from koordrp.shutdown import OrderlyStopOnSIGTERM
 from tests.fake.reactor import InlineThreadsReactor
 
@@ -51,6 +52,7 @@ class OptionsTests(SynchronousTestCase):
             "--grace-period=-1": "--grace-period",
             "--max-workers=1": "--max-workers",
             "--runtime-hook-server-key=": "--runtime-hook-server-key",
+            "--hook-timeout=0": "--hook-timeout",
         }
         for argument, flag in cases.items():
             with self.assertRaises(usage.UsageError) as error:
@@ -67,8 +69,8 @@ class MakeServiceTests(SynchronousTestCase):
     def test_builds_a_cri_proxy_without_starting_grpc(self) -> None:
         top = tap.makeService(parse("--koord-runtimeproxy-endpoint=/run/p.sock"), reactor=InlineThreadsReactor())
         services = list(IServiceCollection(top))
-        self.assertEqual([type(s) for s in services], [CRIProxyService, OrderlyStopOnSIGTERM])
-        proxy = services[0]
+        self.assertEqual([type(s) for s in services], [HookRegistry, CRIProxyService, OrderlyStopOnSIGTERM])
+        proxy = services[1]
         assert isinstance(proxy, CRIProxyService)
         self.assertEqual(proxy.settings.listen_path, "/run/p.sock")
         self.assertFalse(proxy.running)

@@ -1,0 +1,1 @@
+"""Runtime hooks: which servers are registered, calling them, and chaining their answers."""

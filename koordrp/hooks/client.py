@@ -1,0 +1,106 @@
+"""Calling one hook server: a reused grpc channel per endpoint, calls as Deferreds on the reactor."""
+
+import os
+import stat
+from typing import Any, Callable, Iterable
+
+import grpc
+from twisted.internet.defer import Deferred, fail
+
+from koordrp.api.runtime.v1alpha1 import api_pb2_grpc
+from koordrp.endpoints import grpc_target
+from koordrp.hooks.types import HookType
+from koordrp.lifecycle import HookRequest, HookResponse
+
+# Hook servers come and go with their plugins; reconnect quickly when one is back.
+_CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.enable_retries", 0),
+]
+
+
+class HookCallError(Exception):
+    """A hook call that did not produce an answer; the message says why, in one line."""
+
+
+def _timed_out(timeout: float) -> str:
+    return f"no answer within {timeout:g}s"
+
+
+def _raise_timed_out(result: object, timeout: float) -> object:
+    raise HookCallError(_timed_out(timeout))
+
+
+def _socket_problem(endpoint: str) -> str | None:
+    try:
+        mode = os.stat(endpoint).st_mode
+    except FileNotFoundError:
+        return f"socket {endpoint} does not exist"
+    except OSError as error:
+        return f"socket {endpoint} cannot be used: {error.strerror}"
+    return None if stat.S_ISSOCK(mode) else f"{endpoint} is not a socket"
+
+
+class HookClient:
+    def __init__(self, endpoint: str, reactor: Any) -> None:
+        self.endpoint = endpoint
+        self._reactor = reactor
+        self._channel = grpc.insecure_channel(grpc_target(endpoint), options=_CHANNEL_OPTIONS)
+        self._stub = api_pb2_grpc.RuntimeHookServiceStub(self._channel)
+
+    def call(self, hook: HookType, request: HookRequest, timeout: float) -> "Deferred[HookResponse]":
+        """Call ``hook`` with ``request``; fails with HookCallError, at the latest after ``timeout``."""
+        # A missing socket would otherwise cost a connection attempt (and its backoff) per call.
+        problem = _socket_problem(self.endpoint)
+        if problem is not None:
+            return fail(HookCallError(problem))
+        future = getattr(self._stub, hook.rpc_name).future(request, timeout=timeout)
+        answered: Deferred[HookResponse] = Deferred(lambda _: future.cancel())
+
+        def settle(done: grpc.Future) -> None:  # type: ignore[type-arg]
+            if answered.called:
+                return
+            error = done.exception()
+            if error is None:
+                answered.callback(done.result())
+            elif isinstance(error, grpc.RpcError):
+                call: Any = error
+                if call.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+                    answered.errback(HookCallError(_timed_out(timeout)))
+                else:
+                    answered.errback(HookCallError(f"{call.code().name}: {call.details()}"))
+            else:
+                answered.errback(HookCallError(str(error)))
+
+        future.add_done_callback(lambda done: self._reactor.callFromThread(settle, done))
+        # The reactor's clock bounds the call too, so a hook that never answers cannot hold a CRI call.
+        answered.addTimeout(timeout, self._reactor, _raise_timed_out)
+        return answered
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+class HookClients:
+    """One client per endpoint, reused across calls; closed when no registration names it."""
+
+    def __init__(self, reactor: Any, make_client: Callable[[str, Any], HookClient] = HookClient) -> None:
+        self._reactor = reactor
+        self._make_client = make_client
+        self._clients: dict[str, HookClient] = {}
+
+    def get(self, endpoint: str) -> HookClient:
+        client = self._clients.get(endpoint)
+        if client is None:
+            client = self._clients[endpoint] = self._make_client(endpoint, self._reactor)
+        return client
+
+    def retain(self, endpoints: Iterable[str]) -> None:
+        keep = set(endpoints)
+        for endpoint in [e for e in self._clients if e not in keep]:
+            self._clients.pop(endpoint).close()
+
+    def close_all(self) -> None:
+        self.retain(())

@@ -1,0 +1,102 @@
+"""Running one hook stage: every subscribed server in order, each seeing the request as changed so far."""
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+from twisted.internet.defer import Deferred, ensureDeferred
+from twisted.logger import Logger
+
+from koordrp.hooks.client import HookCallError, HookClients
+from koordrp.hooks.types import FailurePolicy, HookServerConfig, HookType
+from koordrp.lifecycle import HookRequest, changed_fields, merge_response
+
+
+@dataclass(frozen=True)
+class HookFailure:
+    """A Fail-policy server that could not be heard: the CRI call must fail with this message."""
+
+    server: HookServerConfig
+    hook: HookType
+    reason: str
+
+    @property
+    def message(self) -> str:
+        return f"koordrp: hook server {self.server.name} ({self.server.endpoint}) failed {self.hook.value}: {self.reason}"
+
+
+@dataclass
+class StageOutcome:
+    """The request after every server had its say, or the failure that stops the CRI call."""
+
+    request: HookRequest
+    failure: HookFailure | None = None
+    called: list[str] = field(default_factory=list)
+
+
+class Dispatcher:
+    log = Logger()
+
+    def __init__(self, clients: HookClients, reactor: Any) -> None:
+        self._clients = clients
+        self._reactor = reactor
+
+    def dispatch(
+        self, hook: HookType, servers: tuple[HookServerConfig, ...], request: HookRequest, budget: float | None
+    ) -> "Deferred[StageOutcome]":
+        """Run ``hook`` on ``servers`` in order; ``budget`` is what is left of the CRI call's deadline.
+
+        Pre hooks chain: each response is merged into ``request`` before the next server is called.
+        Post hook answers are not used, and their failures never fail the CRI call.
+        """
+        return ensureDeferred(self._run(hook, servers, request, budget))
+
+    async def _run(
+        self, hook: HookType, servers: tuple[HookServerConfig, ...], request: HookRequest, budget: float | None
+    ) -> StageOutcome:
+        outcome = StageOutcome(request)
+        deadline = None if budget is None else self._reactor.seconds() + budget
+        changed_by: dict[str, str] = {}
+        for server in servers:
+            timeout = server.timeout
+            if deadline is not None:
+                timeout = min(timeout, deadline - self._reactor.seconds())
+            before = copy.deepcopy(request)
+            try:
+                if timeout <= 0:
+                    raise HookCallError("the CRI call's deadline had passed")
+                response = await self._clients.get(server.endpoint).call(hook, request, timeout)
+            except Exception as error:
+                reason = str(error) or type(error).__name__
+                if hook.is_pre and server.failure_policy is FailurePolicy.FAIL:
+                    outcome.failure = HookFailure(server, hook, reason)
+                    self.log.warn(
+                        "hook {hook} on {server} failed: {reason}; policy Fail, the CRI call fails",
+                        hook=hook.value,
+                        server=server.name,
+                        reason=reason,
+                    )
+                    return outcome
+                self.log.warn(
+                    "hook {hook} on {server} failed: {reason}; going on without it",
+                    hook=hook.value,
+                    server=server.name,
+                    reason=reason,
+                )
+                continue
+            outcome.called.append(server.name)
+            if not hook.is_pre:
+                continue
+            merge_response(request, response)
+            for path in changed_fields(before, request):
+                earlier = changed_by.get(path)
+                if earlier is not None:
+                    self.log.debug(
+                        "hook {hook}: {field} set by {earlier}, then changed by {server}",
+                        hook=hook.value,
+                        field=path,
+                        earlier=earlier,
+                        server=server.name,
+                    )
+                changed_by[path] = server.name
+        return outcome

@@ -1,0 +1,469 @@
+"""The hook servers registered in hookserver.d, kept current with inotify.
+
+Three layers, so that the rules can be tested without a reactor or a file system:
+
+- ``list_registrations`` and ``read_registration`` do the I/O, and turn every OSError into a value;
+- ``RegistrationBook`` decides what each listing means: which files to read, what is in force,
+  what to log;
+- ``HookRegistry`` is the Twisted service: it watches, debounces, and publishes snapshots.
+"""
+
+import hashlib
+import os
+import stat
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+from twisted.application import service
+from twisted.internet import inotify
+from twisted.internet.interfaces import IDelayedCall, IReactorFDSet, IReactorTime
+from twisted.logger import Logger, LogLevel
+from twisted.python.filepath import FilePath
+
+from koordrp.hooks.config import MAX_CONFIG_BYTES, TOO_LARGE, HookConfigError, parse_hook_server_config
+from koordrp.hooks.types import HookServerConfig, HookServers, HookType
+
+SUFFIX = ".json"
+
+DEBOUNCE_SECONDS = 0.05
+"""Editors and config managers touch a file several times per save; one rescan covers the burst."""
+
+SAFETY_NET_SECONDS = 60.0
+"""inotify can drop events (queue overflow, targets of symlinks outside the directory)."""
+
+DEGRADED_SECONDS = 1.0
+"""How often to look when inotify cannot watch, so that changes still count within a second."""
+
+RACY_NANOSECONDS = 2_000_000_000
+"""A file modified this recently may change again without its mtime moving (coarse file system
+clocks), so its stat is not trusted to mean "unchanged" and it is read again at the next rescan."""
+
+_READ_CHUNK = 64 * 1024
+
+_DIRECTORY_MASK = inotify.IN_WATCH_MASK | inotify.IN_ONLYDIR
+_PARENT_MASK = (
+    inotify.IN_CREATE
+    | inotify.IN_DELETE
+    | inotify.IN_MOVED_FROM
+    | inotify.IN_MOVED_TO
+    | inotify.IN_MOVE_SELF
+    | inotify.IN_UNMOUNT
+    | inotify.IN_ONLYDIR
+)
+
+StatKey = tuple[int, int, int, int, int]
+"""(device, inode, mtime_ns, size, ctime_ns): a file whose key is unchanged is not read again."""
+
+_EventCallback = Callable[[object, FilePath[bytes], int], None]
+
+Identity = tuple[int, int]
+"""(device, inode) of a watched directory: inotify follows the inode, not the path."""
+
+
+@dataclass(frozen=True)
+class Content:
+    data: bytes
+    seen: StatKey | None
+    """The key of the version read, or None when it is too fresh to be trusted (see RACY_NANOSECONDS)."""
+
+
+@dataclass(frozen=True)
+class Refusal:
+    reason: str
+    seen: StatKey | None = None
+    version: bytes | None = None
+    """A digest of the refused content, when it was read: a different bad version is logged again."""
+
+
+Reading = Content | Refusal | None
+"""What reading one file gave; None when it vanished or stopped being a regular file meanwhile."""
+
+Listing = Mapping[str, StatKey | Refusal]
+
+
+@dataclass(frozen=True)
+class Entry:
+    """What the registry remembers of one file."""
+
+    seen: StatKey | None
+    good: HookServerConfig | None
+    complaint: tuple[str, bytes | None] | None
+    """The refusal already logged for the file's current version."""
+
+
+@dataclass(frozen=True)
+class Notice:
+    """A log line decided on by plain code and written by the service."""
+
+    level: LogLevel
+    format: str
+    fields: Mapping[str, object] = field(default_factory=dict)
+
+
+REJECTED = "hook server registration {file} rejected: {reason}"
+REJECTED_KEEPING = "hook server registration {file} rejected: {reason}; its last good version stays in force"
+VALID_AGAIN = "hook server registration {file} is valid again"
+UNREGISTERED = "hook server {name} unregistered: {file} is gone"
+DIRECTORY_GONE = "hook server directory {directory} is gone; its hook servers are unregistered"
+DIRECTORY_BACK = "hook server directory {directory} is back"
+SERVERS = "hook servers: {servers}"
+
+
+def list_registrations(directory: str) -> dict[str, StatKey | Refusal] | None:
+    """Stat every ``*.json`` in ``directory``; None if there is no such directory.
+
+    Directories, sockets, FIFOs and the like are not registrations and are left out. A file that
+    vanishes while being looked at is left out too: its removal brings its own event.
+    Other errors reading the directory itself are raised.
+    """
+    try:
+        names = os.listdir(directory)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    listing: dict[str, StatKey | Refusal] = {}
+    for name in names:
+        if not name.endswith(SUFFIX):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            info = os.stat(path)
+        except FileNotFoundError:
+            if os.path.islink(path):
+                listing[name] = Refusal("is a symbolic link to a missing file")
+            continue
+        except OSError as error:
+            listing[name] = Refusal(f"cannot stat: {error.strerror or error}")
+            continue
+        if stat.S_ISREG(info.st_mode):
+            listing[name] = stat_key(info)
+    return listing
+
+
+def stat_key(info: os.stat_result) -> StatKey:
+    return (info.st_dev, info.st_ino, info.st_mtime_ns, info.st_size, info.st_ctime_ns)
+
+
+def read_registration(path: str) -> Reading:
+    """Read one registration, never more than MAX_CONFIG_BYTES + 1 bytes of it."""
+    try:
+        # O_NONBLOCK: a FIFO swapped in after the listing must not hang the reactor in open().
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as error:
+        return Refusal(f"cannot open: {error.strerror or error}")
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            return None
+        key = stat_key(info)
+        if info.st_size > MAX_CONFIG_BYTES:
+            return Refusal(TOO_LARGE, seen=key)
+        chunks: list[bytes] = []
+        total = 0
+        while total <= MAX_CONFIG_BYTES:
+            chunk = os.read(fd, _READ_CHUNK)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+        if total > MAX_CONFIG_BYTES:  # it grew after fstat
+            return Refusal(TOO_LARGE, seen=key)
+        # Keyed by the fstat taken before reading: a write that lands during the read moves
+        # mtime past it, so the next rescan reads again.
+        fresh = time.time_ns() - info.st_mtime_ns < RACY_NANOSECONDS
+        return Content(b"".join(chunks), seen=None if fresh else key)
+    except OSError as error:
+        return Refusal(f"cannot read: {error.strerror or error}")
+    finally:
+        os.close(fd)
+
+
+def describe(servers: HookServers) -> str:
+    """One line naming every server, where it listens, its policy, timeout and hooks."""
+    if not servers.servers:
+        return "none"
+    return "; ".join(
+        f"{server.name} ({server.endpoint}, {server.failure_policy.value}, {server.timeout:g}s): "
+        + (", ".join(hook.value for hook in HookType if hook in server.hooks) or "no hooks")
+        for server in servers.servers
+    )
+
+
+class RegistrationBook:
+    """The registry's memory and rules, with no I/O of its own.
+
+    ``update`` takes a fresh listing and a way to read one file by name, reads only what changed,
+    and says what to log. A file that fails keeps its last good version in force, and each bad
+    version is complained about once.
+    """
+
+    def __init__(self, directory: str, default_timeout: float) -> None:
+        self.directory = directory
+        self._default_timeout = default_timeout
+        self._entries: dict[str, Entry] = {}
+        self._present = True
+        self._described = False
+        self.servers = HookServers()
+
+    def update(self, listing: Listing | None, read: Callable[[str], Reading]) -> tuple[bool, list[Notice]]:
+        """Take in ``listing`` (None: the directory is gone); say whether the servers changed, and what to log."""
+        notices: list[Notice] = []
+        if listing is None:
+            if self._present:
+                notices.append(Notice(LogLevel.info, DIRECTORY_GONE, {"directory": self.directory}))
+            self._present = False
+            listing = {}
+        elif not self._present:
+            notices.append(Notice(LogLevel.info, DIRECTORY_BACK, {"directory": self.directory}))
+            self._present = True
+
+        entries: dict[str, Entry] = {}
+        for name in sorted(listing):
+            entry = self._examine(name, self._entries.get(name), listing[name], read, notices)
+            if entry is not None:
+                entries[name] = entry
+        for name, old in sorted(self._entries.items()):
+            if name not in entries and old.good is not None:
+                notices.append(Notice(LogLevel.info, UNREGISTERED, {"name": name, "file": self._path(name)}))
+        self._entries = entries
+
+        servers = HookServers(tuple(entry.good for _, entry in sorted(entries.items()) if entry.good is not None))
+        changed = servers != self.servers
+        self.servers = servers
+        if changed or not self._described:
+            # The first update always says what is in force, so the log shows it from start-up on.
+            notices.append(Notice(LogLevel.info, SERVERS, {"servers": describe(servers)}))
+            self._described = True
+        return changed, notices
+
+    def _examine(
+        self,
+        name: str,
+        old: Entry | None,
+        found: StatKey | Refusal,
+        read: Callable[[str], Reading],
+        notices: list[Notice],
+    ) -> Entry | None:
+        if isinstance(found, Refusal):
+            return self._refuse(name, old, found, notices)
+        if old is not None and old.seen == found:
+            return old
+        reading = read(name)
+        if reading is None:
+            return None
+        if isinstance(reading, Refusal):
+            return self._refuse(name, old, reading, notices)
+        try:
+            config = parse_hook_server_config(name, reading.data, self._default_timeout)
+        except HookConfigError as error:
+            digest = hashlib.sha256(reading.data).digest()
+            return self._refuse(name, old, Refusal(error.reason, reading.seen, digest), notices)
+        if old is not None and old.complaint is not None:
+            notices.append(Notice(LogLevel.info, VALID_AGAIN, {"file": self._path(name)}))
+        return Entry(seen=reading.seen, good=config, complaint=None)
+
+    def _refuse(self, name: str, old: Entry | None, refusal: Refusal, notices: list[Notice]) -> Entry:
+        good = old.good if old is not None else None
+        complaint = (refusal.reason, refusal.version)
+        if old is None or old.complaint != complaint:
+            notices.append(
+                Notice(
+                    LogLevel.warn,
+                    REJECTED if good is None else REJECTED_KEEPING,
+                    {"file": self._path(name), "reason": refusal.reason},
+                )
+            )
+        return Entry(seen=refusal.seen, good=good, complaint=complaint)
+
+    def _path(self, name: str) -> str:
+        return os.path.join(self.directory, name)
+
+
+class Trouble:
+    """One ongoing problem: logged when it starts or changes, and once when it is over."""
+
+    def __init__(self, resolved: str) -> None:
+        self._resolved = resolved
+        self.current: str | None = None
+
+    def report(self, problem: str | None, **fields: object) -> Notice | None:
+        previous, self.current = self.current, problem
+        if problem == previous:
+            return None
+        if problem is None:
+            return Notice(LogLevel.info, self._resolved, fields)
+        return Notice(LogLevel.warn, "{problem}", {"problem": problem, **fields})
+
+
+def _identity(path: str) -> Identity | None:
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    return (info.st_dev, info.st_ino) if stat.S_ISDIR(info.st_mode) else None
+
+
+class HookRegistry(service.Service):
+    """Keeps ``current`` in step with the ``*.json`` files of a directory.
+
+    inotify watches the directory for its files and its parent for the directory itself coming and
+    going. Every event schedules one debounced rescan; a slow periodic rescan catches whatever
+    inotify cannot report.
+    """
+
+    log = Logger()
+
+    def __init__(
+        self,
+        directory: str,
+        default_timeout: float,
+        reactor: IReactorTime,
+        on_change: Callable[[HookServers], None] | None = None,
+    ) -> None:
+        """``reactor`` must also provide IReactorFDSet, through which inotify is read."""
+        self.directory = os.path.abspath(directory)
+        self._parent = os.path.dirname(self.directory)
+        self._parent_bytes = os.fsencode(self._parent)
+        self._name_bytes = os.fsencode(os.path.basename(self.directory))
+        self._reactor = reactor
+        self._fds = IReactorFDSet(reactor)
+        self._on_change = on_change
+        self._book = RegistrationBook(self.directory, default_timeout)
+        self._current = HookServers()
+        self._notifier: inotify.INotify | None = None
+        self._watched: tuple[Identity | None, Identity | None] = (None, None)
+        self._watch_trouble = Trouble("watching {directory} again")
+        self._list_trouble = Trouble("can list {directory} again")
+        self._rescan_call: IDelayedCall | None = None
+        self._tick_call: IDelayedCall | None = None
+
+    @property
+    def current(self) -> HookServers:
+        """The servers in force. Replaced whole on each change, so any thread may read it without a lock."""
+        return self._current
+
+    def startService(self) -> None:
+        super().startService()  # type: ignore[no-untyped-call]
+        try:
+            os.makedirs(self.directory, mode=0o755, exist_ok=True)
+        except OSError as error:
+            # Without the directory koordrp is a plain proxy, which beats not starting at all;
+            # the directory is picked up when it appears.
+            self.log.warn("cannot create {directory}: {reason}", directory=self.directory, reason=error.strerror)
+        self._rescan()
+        if self._watch_trouble.current is None:
+            self.log.info("watching {directory} for hook server registrations", directory=self.directory)
+
+    def stopService(self) -> None:
+        super().stopService()  # type: ignore[no-untyped-call]
+        for call in (self._rescan_call, self._tick_call):
+            if call is not None and call.active():
+                call.cancel()
+        self._rescan_call = self._tick_call = None
+        self._stop_watching()
+
+    def _on_directory_event(self, _watch: object, _path: FilePath[bytes], _mask: int) -> None:
+        self._schedule_rescan()
+
+    def _on_parent_event(self, _watch: object, path: FilePath[bytes], _mask: int) -> None:
+        # Only the parent's own fate and our directory's matter; it may have other busy children.
+        if path.path == self._parent_bytes or path.basename() == self._name_bytes:
+            self._schedule_rescan()
+
+    def _schedule_rescan(self) -> None:
+        if self.running and (self._rescan_call is None or not self._rescan_call.active()):
+            self._rescan_call = self._reactor.callLater(DEBOUNCE_SECONDS, self._rescan)
+
+    def _rescan(self) -> None:
+        if self._rescan_call is not None and self._rescan_call.active():
+            self._rescan_call.cancel()
+        self._rescan_call = None
+        try:
+            self._ensure_watching()
+            self._refresh()
+        except Exception:
+            # Every expected failure is a value by now; this keeps the unexpected from killing the watch.
+            self.log.failure("rescanning {directory} failed", directory=self.directory)
+        finally:
+            self._schedule_tick()
+
+    def _schedule_tick(self) -> None:
+        if not self.running:
+            return
+        interval = SAFETY_NET_SECONDS if self._watch_trouble.current is None else DEGRADED_SECONDS
+        if self._tick_call is not None and self._tick_call.active():
+            self._tick_call.reset(interval)
+        else:
+            self._tick_call = self._reactor.callLater(interval, self._rescan)
+
+    def _refresh(self) -> None:
+        try:
+            listing = list_registrations(self.directory)
+        except OSError as error:
+            self._emit(self._list_trouble.report(f"cannot list {self.directory}: {error.strerror or error}"))
+            return
+        self._emit(self._list_trouble.report(None, directory=self.directory))
+        changed, notices = self._book.update(listing, self._read)
+        for notice in notices:
+            self._emit(notice)
+        if changed:
+            self._current = self._book.servers
+            if self._on_change is not None:
+                try:
+                    self._on_change(self._current)
+                except Exception:
+                    self.log.failure("hook server change listener failed")
+
+    def _read(self, name: str) -> Reading:
+        return read_registration(os.path.join(self.directory, name))
+
+    def _emit(self, notice: Notice | None) -> None:
+        if notice is not None:
+            self.log.emit(notice.level, notice.format, **notice.fields)
+
+    def _ensure_watching(self) -> None:
+        wanted = (_identity(self._parent), _identity(self.directory))
+        notifier = self._notifier
+        # A deleted watched directory makes Twisted's INotify close itself, taking every watch with
+        # it: a dead notifier is replaced whole, as is one watching inodes no longer at our paths.
+        if notifier is not None and notifier.connected and wanted == self._watched:
+            if self._watch_trouble.current is None:
+                return
+        self._stop_watching()
+        self._emit(self._watch_trouble.report(self._watch(wanted), directory=self.directory))
+        if (_identity(self._parent), _identity(self.directory)) != wanted:
+            # Something moved while the watches were being set up, and its event may be lost.
+            self._schedule_rescan()
+
+    def _watch(self, wanted: tuple[Identity | None, Identity | None]) -> str | None:
+        """Set up the watches; return what could not be watched, if anything."""
+        fallback = f"; looking at {self.directory} every {DEGRADED_SECONDS:g}s instead"
+        try:
+            notifier = inotify.INotify(reactor=self._fds)  # type: ignore[no-untyped-call]
+        except (inotify.INotifyError, OSError):
+            return "cannot create an inotify instance (fs.inotify.max_user_instances reached?)" + fallback
+        notifier.startReading()  # type: ignore[no-untyped-call]
+        self._notifier = notifier
+        self._watched = wanted
+        parent, directory = wanted
+        targets: list[tuple[str, int, _EventCallback]] = []
+        if parent is not None:
+            targets.append((self._parent, _PARENT_MASK, self._on_parent_event))
+        if directory is not None:
+            targets.append((self.directory, _DIRECTORY_MASK, self._on_directory_event))
+        for path, mask, callback in targets:
+            try:
+                notifier.watch(FilePath(path), mask=mask, callbacks=[callback])  # type: ignore[no-untyped-call]
+            except inotify.INotifyError:
+                return f"cannot watch {path} (unreadable, or fs.inotify.max_user_watches reached?)" + fallback
+        if parent is None:
+            return f"cannot watch {self._parent}: it does not exist" + fallback
+        return None
+
+    def _stop_watching(self) -> None:
+        notifier, self._notifier = self._notifier, None
+        self._watched = (None, None)
+        if notifier is not None:
+            notifier.loseConnection()  # type: ignore[no-untyped-call]

@@ -1,0 +1,67 @@
+"""The hook points, failure policies and hook server registrations koordrp knows."""
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class HookType(Enum):
+    """A hook point; the value is its name in hookserver.d files."""
+
+    PRE_RUN_POD_SANDBOX = "PreRunPodSandbox"
+    POST_STOP_POD_SANDBOX = "PostStopPodSandbox"
+    PRE_CREATE_CONTAINER = "PreCreateContainer"
+    PRE_START_CONTAINER = "PreStartContainer"
+    POST_START_CONTAINER = "PostStartContainer"
+    POST_STOP_CONTAINER = "PostStopContainer"
+    PRE_UPDATE_CONTAINER_RESOURCES = "PreUpdateContainerResources"
+
+    @property
+    def rpc_name(self) -> str:
+        """The RuntimeHookService method called for this hook point."""
+        return self.value + "Hook"
+
+    @property
+    def is_pre(self) -> bool:
+        return self.value.startswith("Pre")
+
+    @property
+    def is_pod_hook(self) -> bool:
+        """Pod hooks exchange PodSandboxHook messages; the others ContainerResourceHook messages."""
+        return self in (HookType.PRE_RUN_POD_SANDBOX, HookType.POST_STOP_POD_SANDBOX)
+
+
+class FailurePolicy(Enum):
+    FAIL = "Fail"
+    IGNORE = "Ignore"
+
+
+@dataclass(frozen=True)
+class HookServerConfig:
+    """One hook server, as registered by one hookserver.d file."""
+
+    name: str
+    """The registration's file name (e.g. ``koordlet.json``): how logs and errors name the server."""
+    endpoint: str
+    """Absolute path of the server's unix socket."""
+    failure_policy: FailurePolicy
+    hooks: frozenset[HookType]
+    timeout: float
+    """Seconds one hook call may take."""
+
+
+@dataclass(frozen=True)
+class HookServers:
+    """An immutable snapshot of the registered servers, in file-name order.
+
+    A CRI call takes the snapshot in force when it arrives and uses it throughout, so a
+    registration that changes mid-call affects only the calls that arrive after it.
+    """
+
+    servers: tuple[HookServerConfig, ...] = ()
+
+    def subscribed(self, hook: HookType) -> tuple[HookServerConfig, ...]:
+        return tuple(server for server in self.servers if hook in server.hooks)
+
+    @property
+    def endpoints(self) -> frozenset[str]:
+        return frozenset(server.endpoint for server in self.servers)

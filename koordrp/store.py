@@ -1,0 +1,90 @@
+"""What koordrp told the runtime about each pod and container, by id, safe to use from any thread.
+
+Entries are hook requests: exactly what the next hook for that pod or container is sent. Every read
+and write copies, so no caller can change what another one sees.
+"""
+
+import threading
+from dataclasses import dataclass
+from typing import Iterable
+
+from koordrp.lifecycle import ContainerHookRequest, PodHookRequest
+
+
+def _copy_pod(pod: PodHookRequest) -> PodHookRequest:
+    copied = PodHookRequest()
+    copied.CopyFrom(pod)
+    return copied
+
+
+def _copy_container(container: ContainerHookRequest) -> ContainerHookRequest:
+    copied = ContainerHookRequest()
+    copied.CopyFrom(container)
+    return copied
+
+
+@dataclass(frozen=True)
+class StoredContainer:
+    sandbox_id: str
+    info: ContainerHookRequest
+
+
+class Store:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pods: dict[str, PodHookRequest] = {}
+        self._containers: dict[str, StoredContainer] = {}
+
+    def pod(self, sandbox_id: str) -> PodHookRequest | None:
+        with self._lock:
+            pod = self._pods.get(sandbox_id)
+        return None if pod is None else _copy_pod(pod)
+
+    def container(self, container_id: str) -> StoredContainer | None:
+        with self._lock:
+            stored = self._containers.get(container_id)
+        return None if stored is None else StoredContainer(stored.sandbox_id, _copy_container(stored.info))
+
+    def put_pod(self, sandbox_id: str, pod: PodHookRequest) -> None:
+        copied = _copy_pod(pod)
+        with self._lock:
+            self._pods[sandbox_id] = copied
+
+    def put_container(self, container_id: str, sandbox_id: str, info: ContainerHookRequest) -> None:
+        stored = StoredContainer(sandbox_id, _copy_container(info))
+        with self._lock:
+            self._containers[container_id] = stored
+
+    def forget_container(self, container_id: str) -> None:
+        with self._lock:
+            self._containers.pop(container_id, None)
+
+    def forget_pod(self, sandbox_id: str) -> None:
+        """Forget a pod and every container in it: the runtime removes them with the sandbox."""
+        with self._lock:
+            self._pods.pop(sandbox_id, None)
+            for container_id in [cid for cid, c in self._containers.items() if c.sandbox_id == sandbox_id]:
+                del self._containers[container_id]
+
+    def learn(
+        self, pods: Iterable[tuple[str, PodHookRequest]], containers: Iterable[tuple[str, StoredContainer]]
+    ) -> None:
+        """Add what the runtime has and the store lacks (after a start or a store miss).
+
+        An entry already present was written by a CRI call that went through koordrp, which is
+        at least as fresh as anything read back from the runtime, so it is kept.
+        """
+        new_pods = [(sandbox_id, _copy_pod(pod)) for sandbox_id, pod in pods]
+        new_containers = [
+            (container_id, StoredContainer(stored.sandbox_id, _copy_container(stored.info)))
+            for container_id, stored in containers
+        ]
+        with self._lock:
+            for sandbox_id, pod in new_pods:
+                self._pods.setdefault(sandbox_id, pod)
+            for container_id, stored in new_containers:
+                self._containers.setdefault(container_id, stored)
+
+    def sizes(self) -> tuple[int, int]:
+        with self._lock:
+            return len(self._pods), len(self._containers)

@@ -1,0 +1,305 @@
+"""Runtime hooks end to end: koordrp between a real containerd and real hook servers."""
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import grpc
+import pytest
+from cri_api.v1 import api_pb2
+
+from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
+from tests.fake.hook_server import FakeHookServer
+from tests.support.containerd import Containerd
+from tests.support.cri_objects import container_config, linux_resources, pod_sandbox_config
+from tests.support.hook_registration import register
+from tests.support.images import BUSYBOX_REF
+from tests.support.koordrp_process import KoordrpProcess
+from tests.support.pods import TIMEOUT, remove_pod, running_container, start_container
+
+CGROUP_PARENT = "/koordrp-e2e"
+CREATE = "PreCreateContainerHook"
+
+
+@pytest.fixture
+def hooks_dir(workdir: Path) -> Path:
+    return workdir / "hookserver.d"
+
+
+@pytest.fixture
+def runtime(koordrp: KoordrpProcess) -> Iterator[Any]:
+    with koordrp.channel() as channel:
+        yield koordrp.runtime(channel)
+
+
+@pytest.fixture
+def servers(workdir: Path) -> Iterator[dict[str, FakeHookServer]]:
+    started: dict[str, FakeHookServer] = {}
+    yield started
+    for server in started.values():
+        server.stop()
+
+
+def hook_server(servers: dict[str, FakeHookServer], workdir: Path, name: str) -> FakeHookServer:
+    server = FakeHookServer(str(workdir / f"{name}.sock")).start()
+    servers[name] = server
+    return server
+
+
+def wait_registered(koordrp: KoordrpProcess, servers: int) -> None:
+    """Until koordrp's log says exactly ``servers`` hook servers are registered."""
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline:
+        if koordrp.registered_servers() == servers:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"koordrp did not register {servers} servers within 1s:\n{koordrp.log()}")
+
+
+def runtime_spec(runtime: Any, container_id: str) -> dict[str, Any]:
+    status = runtime.ContainerStatus(api_pb2.ContainerStatusRequest(container_id=container_id, verbose=True))
+    spec: dict[str, Any] = json.loads(status.info["info"])["runtimeSpec"]
+    return spec
+
+
+def container_env(runtime: Any, container_id: str) -> list[str]:
+    result = runtime.ExecSync(api_pb2.ExecSyncRequest(container_id=container_id, cmd=["env"], timeout=10))
+    return result.stdout.decode().split()
+
+
+def remove_cgroup_parent() -> None:
+    for controller in Path("/sys/fs/cgroup").iterdir():
+        leftover = controller / CGROUP_PARENT.lstrip("/")
+        if leftover.is_dir():
+            for child in sorted(leftover.glob("**/"), key=lambda p: len(str(p)), reverse=True):
+                try:
+                    child.rmdir()
+                except OSError:
+                    pass
+
+
+def test_pre_hooks_change_what_the_container_gets(
+    koordrp: KoordrpProcess, runtime: Any, servers: dict[str, FakeHookServer], workdir: Path, hooks_dir: Path
+) -> None:
+    server = hook_server(servers, workdir, "tuner")
+    server.behaviours["PreRunPodSandboxHook"] = lambda request: hook.PodSandboxHookResponse(cgroup_parent=CGROUP_PARENT)
+    server.behaviours[CREATE] = lambda request: hook.ContainerResourceHookResponse(
+        container_envs={"KOORDRP_TEST": "1"},
+        container_resources=hook.LinuxContainerResources(cpu_shares=512, cpuset_cpus="0"),
+        container_annotations={"koordrp.test/tuned": "yes"},
+    )
+    register(hooks_dir, "tuner", server.path, ["PreRunPodSandbox", "PreCreateContainer"])
+    wait_registered(koordrp, 1)
+    try:
+        with running_container(runtime, "tuned", workdir, container_options={"env": {"FROM_KUBELET": "a=b"}}) as pod:
+            assert "KOORDRP_TEST=1" in container_env(runtime, pod.container_id)
+            assert "FROM_KUBELET=a=b" in container_env(runtime, pod.container_id)
+            spec = runtime_spec(runtime, pod.container_id)
+            assert spec["linux"]["resources"]["cpu"]["shares"] == 512
+            assert spec["linux"]["resources"]["cpu"]["cpus"] == "0"
+            status = runtime.ContainerStatus(api_pb2.ContainerStatusRequest(container_id=pod.container_id)).status
+            assert status.annotations["koordrp.test/tuned"] == "yes"
+            assert spec["linux"]["cgroupsPath"].startswith(CGROUP_PARENT + "/")
+            sandbox = runtime.PodSandboxStatus(api_pb2.PodSandboxStatusRequest(pod_sandbox_id=pod.sandbox_id, verbose=True))
+            sandbox_spec = json.loads(sandbox.info["info"])["runtimeSpec"]
+            assert sandbox_spec["linux"]["cgroupsPath"].startswith(CGROUP_PARENT + "/")
+            created = server.calls(CREATE)[0]
+            assert created.pod_cgroup_parent == CGROUP_PARENT
+            assert created.pod_meta.name == "tuned"
+    finally:
+        remove_cgroup_parent()
+
+
+def test_servers_chain_in_file_name_order(
+    koordrp: KoordrpProcess, runtime: Any, servers: dict[str, FakeHookServer], workdir: Path, hooks_dir: Path
+) -> None:
+    first, second = hook_server(servers, workdir, "first"), hook_server(servers, workdir, "second")
+    first.behaviours[CREATE] = lambda request: hook.ContainerResourceHookResponse(container_envs={"ORDER": "first"})
+    second.behaviours[CREATE] = lambda request: hook.ContainerResourceHookResponse(
+        container_envs={"ORDER": request.container_envs["ORDER"] + ",second", "SECOND": "1"}
+    )
+    register(hooks_dir, "20-second", second.path, ["PreCreateContainer"])
+    register(hooks_dir, "10-first", first.path, ["PreCreateContainer"])
+    wait_registered(koordrp, 2)
+    with running_container(runtime, "chained", workdir) as pod:
+        env = container_env(runtime, pod.container_id)
+        assert "ORDER=first,second" in env
+        assert "SECOND=1" in env
+
+
+@pytest.mark.parametrize("policy", ["Fail", "Ignore"])
+def test_failure_policies(
+    policy: str, koordrp: KoordrpProcess, runtime: Any, servers: dict[str, FakeHookServer], workdir: Path, hooks_dir: Path
+) -> None:
+    broken = hook_server(servers, workdir, "broken")
+    broken.failures[CREATE] = grpc.StatusCode.INTERNAL
+    register(hooks_dir, "broken", broken.path, ["PreCreateContainer"], policy=policy)
+    wait_registered(koordrp, 1)
+    if policy == "Fail":
+        with pytest.raises(grpc.RpcError) as error:
+            with running_container(runtime, "refused", workdir):
+                pass
+        assert "broken.json" in error.value.details()
+        assert "PreCreateContainer" in error.value.details()
+    else:
+        with running_container(runtime, "tolerated", workdir) as pod:
+            assert not any(line.startswith("KOORDRP") for line in container_env(runtime, pod.container_id))
+    assert len(broken.calls(CREATE)) == 1
+
+
+@pytest.mark.parametrize("policy", ["Fail", "Ignore"])
+def test_a_server_slower_than_its_timeout(
+    policy: str, koordrp: KoordrpProcess, runtime: Any, servers: dict[str, FakeHookServer], workdir: Path, hooks_dir: Path
+) -> None:
+    slow = hook_server(servers, workdir, "slow")
+    slow.delays[CREATE] = 5
+    register(hooks_dir, "slow", slow.path, ["PreCreateContainer"], policy=policy, **{"timeout-seconds": 0.5})
+    wait_registered(koordrp, 1)
+    pod = pod_sandbox_config("slow", log_directory=workdir / "slow")
+    sandbox_id = runtime.RunPodSandbox(api_pb2.RunPodSandboxRequest(config=pod), timeout=TIMEOUT).pod_sandbox_id
+    try:
+        container = container_config("slow", image=BUSYBOX_REF, command=["sleep", "3600"])
+        started = time.monotonic()
+        if policy == "Fail":
+            with pytest.raises(grpc.RpcError) as error:
+                start_container(runtime, sandbox_id, pod, container)
+            assert "no answer within 0.5s" in error.value.details()
+        else:
+            runtime.CreateContainer(
+                api_pb2.CreateContainerRequest(pod_sandbox_id=sandbox_id, config=container, sandbox_config=pod),
+                timeout=TIMEOUT,
+            )
+        assert 0.45 < time.monotonic() - started < 2.5
+    finally:
+        remove_pod(runtime, sandbox_id)
+
+
+def test_a_missing_socket_fails_at_once(
+    koordrp: KoordrpProcess, runtime: Any, workdir: Path, hooks_dir: Path
+) -> None:
+    register(hooks_dir, "absent", str(workdir / "nobody.sock"), ["PreRunPodSandbox"], policy="Fail")
+    wait_registered(koordrp, 1)
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as error:
+        runtime.RunPodSandbox(
+            api_pb2.RunPodSandboxRequest(config=pod_sandbox_config("nobody", log_directory=workdir / "n")), timeout=TIMEOUT
+        )
+    assert time.monotonic() - started < 0.5
+    assert "does not exist" in error.value.details()
+
+
+def test_hot_reload_gives_each_pod_the_config_in_force_when_it_arrived(
+    koordrp: KoordrpProcess, runtime: Any, servers: dict[str, FakeHookServer], workdir: Path, hooks_dir: Path
+) -> None:
+    server = hook_server(servers, workdir, "reload")
+    server.behaviours[CREATE] = lambda request: hook.ContainerResourceHookResponse(container_envs={"RELOADED": "1"})
+
+    def env_of(name: str) -> list[str]:
+        with running_container(runtime, name, workdir) as pod:
+            return container_env(runtime, pod.container_id)
+
+    assert "RELOADED=1" not in env_of("before")
+    path = register(hooks_dir, "reload", server.path, ["PreStartContainer"])
+    wait_registered(koordrp, 1)
+    assert "RELOADED=1" not in env_of("start-only")
+    register(hooks_dir, "reload", server.path, ["PreCreateContainer"])  # renamed over the old one
+    time.sleep(1.0)
+    assert "RELOADED=1" in env_of("after-rename")
+    path.write_text("{ not json")  # a broken edit keeps the last good version
+    time.sleep(1.0)
+    assert "RELOADED=1" in env_of("after-broken-edit")
+    assert "reload.json" in koordrp.log() and koordrp.process.poll() is None  # type: ignore[union-attr]
+    path.unlink()
+    wait_registered(koordrp, 0)
+    assert "RELOADED=1" not in env_of("after-delete")
+
+
+def test_skip_label_calls_no_hook(
+    koordrp: KoordrpProcess, runtime: Any, servers: dict[str, FakeHookServer], workdir: Path, hooks_dir: Path
+) -> None:
+    server = hook_server(servers, workdir, "watcher")
+    register(hooks_dir, "watcher", server.path, [h.removesuffix("Hook") for h in (
+        "PreRunPodSandboxHook", "PreCreateContainerHook", "PreStartContainerHook", "PostStartContainerHook",
+        "PostStopContainerHook", "PostStopPodSandboxHook",
+    )])
+    wait_registered(koordrp, 1)
+    skip = {"runtimeproxy.koordinator.sh/skip-hookserver": "true"}
+    with running_container(runtime, "skipped", workdir, labels=skip) as pod:
+        runtime.StopContainer(api_pb2.StopContainerRequest(container_id=pod.container_id, timeout=0))
+    assert server.rpcs() == []
+    with running_container(runtime, "hooked", workdir) as pod:
+        runtime.StopContainer(api_pb2.StopContainerRequest(container_id=pod.container_id, timeout=0))
+    assert server.rpcs() == [
+        "PreRunPodSandboxHook", "PreCreateContainerHook", "PreStartContainerHook", "PostStartContainerHook",
+        "PostStopContainerHook", "PostStopPodSandboxHook",
+    ]
+
+
+def test_post_hooks_see_final_values_and_their_failures_do_not_fail_the_call(
+    koordrp: KoordrpProcess, runtime: Any, servers: dict[str, FakeHookServer], workdir: Path, hooks_dir: Path
+) -> None:
+    tuner, post = hook_server(servers, workdir, "tuner"), hook_server(servers, workdir, "post")
+    tuner.behaviours[CREATE] = lambda request: hook.ContainerResourceHookResponse(
+        container_envs={"TUNED": "1"}, container_resources=hook.LinuxContainerResources(cpu_shares=300)
+    )
+    post.failures["PostStartContainerHook"] = grpc.StatusCode.INTERNAL
+    post.failures["PostStopContainerHook"] = grpc.StatusCode.INTERNAL
+    register(hooks_dir, "10-tuner", tuner.path, ["PreCreateContainer"])
+    register(hooks_dir, "20-post", post.path, ["PostStartContainer", "PostStopContainer"], policy="Fail")
+    wait_registered(koordrp, 2)
+    with running_container(runtime, "post", workdir) as pod:
+        runtime.StopContainer(api_pb2.StopContainerRequest(container_id=pod.container_id, timeout=0))
+    for request in post.calls():
+        assert request.container_envs["TUNED"] == "1"
+        assert request.container_resources.cpu_shares == 300
+        assert request.container_meta.id == pod.container_id
+    assert post.rpcs() == ["PostStartContainerHook", "PostStopContainerHook"]
+
+
+def test_after_a_restart_hooks_get_the_same_information(
+    containerd: Containerd, servers: dict[str, FakeHookServer], workdir: Path, hooks_dir: Path
+) -> None:
+    server = hook_server(servers, workdir, "memory")
+    server.behaviours["PreRunPodSandboxHook"] = lambda request: hook.PodSandboxHookResponse(
+        cgroup_parent=CGROUP_PARENT, annotations={"koordrp.test/pod": "tuned"}
+    )
+    server.behaviours[CREATE] = lambda request: hook.ContainerResourceHookResponse(
+        container_envs={"KOORDRP_TEST": "1"},
+        container_resources=hook.LinuxContainerResources(cpu_shares=700, cpuset_cpus="0"),
+    )
+    register(
+        hooks_dir, "memory", server.path, ["PreRunPodSandbox", "PreCreateContainer", "PreStartContainer", "PostStopContainer"]
+    )
+    pod = pod_sandbox_config("restart", labels={"app": "r"}, annotations={"a": "1"}, log_directory=workdir / "r")
+    container = container_config(
+        "restart", command=["sleep", "3600"], env={"B": "2", "A": "1"}, resources=linux_resources(memory_limit_in_bytes=64 << 20)
+    )
+    first = KoordrpProcess(workdir, containerd.endpoint)
+    first.start()
+    sandbox_id = ""
+    try:
+        with first.channel() as channel:
+            runtime = first.runtime(channel)
+            sandbox_id = runtime.RunPodSandbox(api_pb2.RunPodSandboxRequest(config=pod), timeout=TIMEOUT).pod_sandbox_id
+            container_id = start_container(runtime, sandbox_id, pod, container)
+        before = server.calls("PreStartContainerHook")[-1]
+        assert first.terminate() == 0
+        second = KoordrpProcess(workdir, containerd.endpoint)
+        second.start()
+        try:
+            with second.channel() as channel:
+                second.runtime(channel).StopContainer(api_pb2.StopContainerRequest(container_id=container_id, timeout=0))
+        finally:
+            second.stop()
+    finally:
+        first.stop()
+        if sandbox_id:
+            remove_pod(containerd.runtime(), sandbox_id)
+        remove_cgroup_parent()
+    after = server.calls("PostStopContainerHook")[-1]
+    assert after == before
+    assert after.pod_cgroup_parent == CGROUP_PARENT
+    assert dict(after.container_envs) == {"B": "2", "A": "1", "KOORDRP_TEST": "1"}
+    assert after.container_resources.cpu_shares == 700
+    assert after.pod_annotations["koordrp.test/pod"] == "tuned"

@@ -1,0 +1,96 @@
+"""A runtime hook server on a real unix socket, scripted per hook by tests.
+
+Each hook has a behaviour: a function from the request to the response (default: an empty answer,
+which changes nothing), or a failure, or a delay. Every request that arrives is recorded, so tests
+can check exactly what koordrp sent.
+"""
+
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import grpc
+
+from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
+from koordrp.api.runtime.v1alpha1 import api_pb2_grpc as hook_grpc
+from koordrp.endpoints import grpc_target
+
+Behaviour = Callable[[Any], Any]
+
+POD_HOOKS = {"PreRunPodSandboxHook", "PostStopPodSandboxHook"}
+HOOK_RPCS = (
+    "PreRunPodSandboxHook",
+    "PostStopPodSandboxHook",
+    "PreCreateContainerHook",
+    "PreStartContainerHook",
+    "PostStartContainerHook",
+    "PostStopContainerHook",
+    "PreUpdateContainerResourcesHook",
+)
+
+
+def empty_response(rpc: str) -> Any:
+    return hook.PodSandboxHookResponse() if rpc in POD_HOOKS else hook.ContainerResourceHookResponse()
+
+
+@dataclass
+class Received:
+    rpc: str
+    request: Any
+
+
+@dataclass
+class FakeHookServer:
+    path: str
+    behaviours: dict[str, Behaviour] = field(default_factory=dict)
+    failures: dict[str, grpc.StatusCode] = field(default_factory=dict)
+    delays: dict[str, float] = field(default_factory=dict)
+    received: list[Received] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _server: grpc.Server | None = None
+
+    def start(self) -> "FakeHookServer":
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+        hook_grpc.add_RuntimeHookServiceServicer_to_server(_Servicer(self), server)
+        server.add_insecure_port(grpc_target(self.path))
+        server.start()
+        self._server = server
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.stop(0).wait()
+            self._server = None
+
+    def calls(self, rpc: str | None = None) -> list[Any]:
+        with self._lock:
+            return [r.request for r in self.received if rpc is None or r.rpc == rpc]
+
+    def rpcs(self) -> list[str]:
+        with self._lock:
+            return [r.rpc for r in self.received]
+
+    def answer(self, rpc: str, request: Any, context: grpc.ServicerContext) -> Any:
+        with self._lock:
+            self.received.append(Received(rpc, request))
+        delay = self.delays.get(rpc)
+        if delay:
+            time.sleep(delay)
+        code = self.failures.get(rpc)
+        if code is not None:
+            context.abort(code, f"{rpc} refused by the test")
+        behaviour = self.behaviours.get(rpc)
+        return behaviour(request) if behaviour is not None else empty_response(rpc)
+
+
+class _Servicer(hook_grpc.RuntimeHookServiceServicer):  # type: ignore[misc]
+    def __init__(self, server: FakeHookServer) -> None:
+        self._server = server
+
+    def __getattribute__(self, name: str) -> Any:
+        if name in HOOK_RPCS:
+            server = object.__getattribute__(self, "_server")
+            return lambda request, context: server.answer(name, request, context)
+        return object.__getattribute__(self, name)

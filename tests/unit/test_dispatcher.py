@@ -1,0 +1,160 @@
+"""Hook stages against real hook servers on unix sockets: chaining, policies, timeouts."""
+
+import os
+import time
+
+import grpc
+from twisted.internet import reactor
+from twisted.internet.defer import inlineCallbacks
+from twisted.logger import LogEvent, LogLevel, globalLogPublisher
+from twisted.trial.unittest import TestCase
+
+from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
+from koordrp.hooks.client import HookClients
+from koordrp.hooks.dispatcher import Dispatcher
+from koordrp.hooks.types import FailurePolicy, HookServerConfig, HookType
+from tests.fake.hook_server import FakeHookServer
+from tests.support.tempdirs import short_tempdir
+
+CREATE = HookType.PRE_CREATE_CONTAINER
+
+
+def add_env(key: str, value: str):  # type: ignore[no-untyped-def]
+    def behaviour(request: hook.ContainerResourceHookRequest) -> hook.ContainerResourceHookResponse:
+        return hook.ContainerResourceHookResponse(container_envs={key: value + "|saw:" + ",".join(sorted(request.container_envs))})
+
+    return behaviour
+
+
+class DispatcherTests(TestCase):
+    def setUp(self) -> None:
+        self.dir = short_tempdir(self)
+        self.clients = HookClients(reactor)
+        self.addCleanup(self.clients.close_all)
+        self.dispatcher = Dispatcher(self.clients, reactor)
+        self.events: list[LogEvent] = []
+        globalLogPublisher.addObserver(self.events.append)
+        self.addCleanup(globalLogPublisher.removeObserver, self.events.append)
+
+    def server(self, name: str) -> FakeHookServer:
+        fake = FakeHookServer(os.path.join(self.dir, name + ".sock")).start()
+        self.addCleanup(fake.stop)
+        return fake
+
+    def config(
+        self, name: str, fake: FakeHookServer | None = None, policy: FailurePolicy = FailurePolicy.IGNORE, timeout: float = 2.0
+    ) -> HookServerConfig:
+        endpoint = fake.path if fake is not None else os.path.join(self.dir, name + ".sock")
+        return HookServerConfig(name + ".json", endpoint, policy, frozenset(HookType), timeout)
+
+    @inlineCallbacks
+    def test_each_server_sees_the_request_as_changed_before_it(self):  # type: ignore[no-untyped-def]
+        first, second = self.server("a"), self.server("b")
+        first.behaviours["PreCreateContainerHook"] = add_env("FIRST", "1")
+        second.behaviours["PreCreateContainerHook"] = add_env("SECOND", "2")
+        request = hook.ContainerResourceHookRequest(container_envs={"KUBELET": "0"})
+        outcome = yield self.dispatcher.dispatch(CREATE, (self.config("a", first), self.config("b", second)), request, None)
+        self.assertIsNone(outcome.failure)
+        self.assertEqual(
+            dict(outcome.request.container_envs),
+            {"KUBELET": "0", "FIRST": "1|saw:KUBELET", "SECOND": "2|saw:FIRST,KUBELET"},
+        )
+        self.assertEqual(outcome.called, ["a.json", "b.json"])
+
+    @inlineCallbacks
+    def test_fail_policy_fails_the_stage_naming_server_and_hook(self):  # type: ignore[no-untyped-def]
+        broken, after = self.server("broken"), self.server("after")
+        broken.failures["PreCreateContainerHook"] = grpc.StatusCode.INTERNAL
+        servers = (self.config("broken", broken, FailurePolicy.FAIL), self.config("after", after))
+        outcome = yield self.dispatcher.dispatch(CREATE, servers, hook.ContainerResourceHookRequest(), None)
+        self.assertIsNotNone(outcome.failure)
+        self.assertIn("broken.json", outcome.failure.message)
+        self.assertIn("PreCreateContainer", outcome.failure.message)
+        self.assertIn("INTERNAL", outcome.failure.message)
+        self.assertEqual(after.calls(), [])
+
+    @inlineCallbacks
+    def test_ignore_policy_logs_and_goes_on(self):  # type: ignore[no-untyped-def]
+        broken, after = self.server("broken"), self.server("after")
+        broken.failures["PreCreateContainerHook"] = grpc.StatusCode.INTERNAL
+        after.behaviours["PreCreateContainerHook"] = add_env("AFTER", "1")
+        servers = (self.config("broken", broken), self.config("after", after))
+        outcome = yield self.dispatcher.dispatch(CREATE, servers, hook.ContainerResourceHookRequest(), None)
+        self.assertIsNone(outcome.failure)
+        self.assertIn("AFTER", outcome.request.container_envs)
+        warnings = [e for e in self.events if e.get("log_level") is LogLevel.warn and e.get("server") == "broken.json"]
+        self.assertEqual(len(warnings), 1)
+
+    @inlineCallbacks
+    def test_a_slow_server_is_cut_off_at_its_timeout(self):  # type: ignore[no-untyped-def]
+        slow = self.server("slow")
+        slow.delays["PreCreateContainerHook"] = 3
+        for policy in (FailurePolicy.IGNORE, FailurePolicy.FAIL):
+            started = time.monotonic()
+            outcome = yield self.dispatcher.dispatch(
+                CREATE, (self.config("slow", slow, policy, timeout=0.3),), hook.ContainerResourceHookRequest(), None
+            )
+            elapsed = time.monotonic() - started
+            self.assertTrue(0.25 < elapsed < 1.5, elapsed)
+            if policy is FailurePolicy.FAIL:
+                self.assertIn("no answer within 0.3s", outcome.failure.message)
+            else:
+                self.assertIsNone(outcome.failure)
+
+    @inlineCallbacks
+    def test_the_cri_deadline_bounds_the_hook(self):  # type: ignore[no-untyped-def]
+        slow = self.server("slow")
+        slow.delays["PreCreateContainerHook"] = 3
+        started = time.monotonic()
+        outcome = yield self.dispatcher.dispatch(
+            CREATE, (self.config("slow", slow, FailurePolicy.FAIL, timeout=2),), hook.ContainerResourceHookRequest(), 0.2
+        )
+        self.assertLess(time.monotonic() - started, 1.0)
+        self.assertIsNotNone(outcome.failure)
+
+    @inlineCallbacks
+    def test_a_missing_socket_fails_at_once(self):  # type: ignore[no-untyped-def]
+        started = time.monotonic()
+        outcome = yield self.dispatcher.dispatch(
+            CREATE, (self.config("absent", None, FailurePolicy.FAIL),), hook.ContainerResourceHookRequest(), None
+        )
+        self.assertLess(time.monotonic() - started, 0.1)
+        self.assertIn("does not exist", outcome.failure.message)
+
+    @inlineCallbacks
+    def test_post_hook_answers_and_failures_change_nothing(self):  # type: ignore[no-untyped-def]
+        answering, broken = self.server("answering"), self.server("broken")
+        answering.behaviours["PostStopContainerHook"] = add_env("IGNORED", "1")
+        broken.failures["PostStopContainerHook"] = grpc.StatusCode.INTERNAL
+        servers = (self.config("answering", answering), self.config("broken", broken, FailurePolicy.FAIL))
+        request = hook.ContainerResourceHookRequest(container_envs={"A": "1"})
+        outcome = yield self.dispatcher.dispatch(HookType.POST_STOP_CONTAINER, servers, request, None)
+        self.assertIsNone(outcome.failure)
+        self.assertEqual(dict(outcome.request.container_envs), {"A": "1"})
+        self.assertEqual(len(broken.calls("PostStopContainerHook")), 1)
+
+    @inlineCallbacks
+    def test_two_servers_changing_one_field_is_logged_at_debug(self):  # type: ignore[no-untyped-def]
+        first, second = self.server("a"), self.server("b")
+        first.behaviours["PreCreateContainerHook"] = add_env("SAME", "1")
+        second.behaviours["PreCreateContainerHook"] = add_env("SAME", "2")
+        yield self.dispatcher.dispatch(
+            CREATE, (self.config("a", first), self.config("b", second)), hook.ContainerResourceHookRequest(), None
+        )
+        conflicts = [e for e in self.events if e.get("log_level") is LogLevel.debug and e.get("field") == "container_envs[SAME]"]
+        self.assertEqual([(e["earlier"], e["server"]) for e in conflicts], [("a.json", "b.json")])
+
+    @inlineCallbacks
+    def test_a_restarted_server_is_heard_again_on_the_same_client(self):  # type: ignore[no-untyped-def]
+        fake = self.server("flaky")
+        fake.behaviours["PreCreateContainerHook"] = add_env("UP", "1")
+        servers = (self.config("flaky", fake, FailurePolicy.FAIL),)
+        outcome = yield self.dispatcher.dispatch(CREATE, servers, hook.ContainerResourceHookRequest(), None)
+        self.assertIsNone(outcome.failure)
+        fake.stop()
+        outcome = yield self.dispatcher.dispatch(CREATE, servers, hook.ContainerResourceHookRequest(), None)
+        self.assertIsNotNone(outcome.failure)
+        fake.start()
+        outcome = yield self.dispatcher.dispatch(CREATE, servers, hook.ContainerResourceHookRequest(), 5)
+        self.assertIsNone(outcome.failure, outcome.failure and outcome.failure.message)
+        self.assertIn("UP", outcome.request.container_envs)

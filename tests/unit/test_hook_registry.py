@@ -1,0 +1,699 @@
+"""The hook server registry: its rules without I/O, its file reading, and real inotify watching."""
+
+import json
+import os
+import shutil
+import stat
+import time
+from typing import Any, Callable
+
+from twisted.internet import reactor as _global_reactor
+from twisted.internet.interfaces import IReactorTime
+from twisted.internet.task import deferLater
+from twisted.logger import LogEvent, LogLevel, formatEvent, globalLogPublisher
+from twisted.trial.unittest import SynchronousTestCase, TestCase
+
+from koordrp.hooks import registry
+from koordrp.hooks.config import MAX_CONFIG_BYTES, TOO_LARGE
+from koordrp.hooks.registry import (
+    Content,
+    HookRegistry,
+    Notice,
+    Reading,
+    RegistrationBook,
+    Refusal,
+    StatKey,
+    Trouble,
+    describe,
+    list_registrations,
+    read_registration,
+)
+from koordrp.hooks.types import FailurePolicy, HookServerConfig, HookServers, HookType
+from tests.support.tempdirs import short_tempdir
+
+reactor: IReactorTime = _global_reactor  # type: ignore[assignment]
+
+DIRECTORY = "/etc/runtime/hookserver.d"
+
+
+def registration(endpoint: str, hooks: tuple[str, ...] = ("PreRunPodSandbox",), **extra: object) -> bytes:
+    fields = {name.replace("_", "-"): value for name, value in extra.items()}
+    return json.dumps({"remote-endpoint": endpoint, "runtime-hooks": list(hooks), **fields}).encode()
+
+
+def key(n: int) -> StatKey:
+    return (1, n, n * 1000, 100, n * 1000)
+
+
+class FakeFiles:
+    """What ``read`` finds for each name, and which names were read."""
+
+    def __init__(self) -> None:
+        self.found: dict[str, Reading] = {}
+        self.reads: list[str] = []
+
+    def put(self, name: str, data: bytes, seen: StatKey | None) -> None:
+        self.found[name] = Content(data, seen)
+
+    def read(self, name: str) -> Reading:
+        self.reads.append(name)
+        return self.found.get(name)
+
+
+class BookTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.book = RegistrationBook(DIRECTORY, 3.0)
+        self.files = FakeFiles()
+
+    def update(self, listing: dict[str, StatKey | Refusal] | None) -> tuple[bool, list[Notice]]:
+        self.files.reads.clear()
+        return self.book.update(listing, self.files.read)
+
+    def endpoints(self) -> list[tuple[str, str]]:
+        return [(server.name, server.endpoint) for server in self.book.servers.servers]
+
+    def warnings(self, notices: list[Notice]) -> list[str]:
+        return [notice.format.format(**notice.fields) for notice in notices if notice.level is LogLevel.warn]
+
+    def test_first_update_always_says_what_is_in_force(self) -> None:
+        changed, notices = self.update({})
+        self.assertFalse(changed)
+        self.assertEqual(notices, [Notice(LogLevel.info, registry.SERVERS, {"servers": "none"})])
+        self.assertEqual(self.update({}), (False, []))
+
+    def test_servers_are_in_file_name_order(self) -> None:
+        for name in ("b.json", "10-z.json", "a.json"):
+            self.files.put(name, registration(f"/run/{name}.sock"), key(len(name)))
+        changed, _ = self.update({"b.json": key(1), "10-z.json": key(2), "a.json": key(3)})
+        self.assertTrue(changed)
+        self.assertEqual([name for name, _ in self.endpoints()], ["10-z.json", "a.json", "b.json"])
+
+    def test_unchanged_stat_is_not_read_again(self) -> None:
+        self.files.put("a.json", registration("/run/a.sock"), key(1))
+        self.update({"a.json": key(1)})
+        self.assertEqual(self.update({"a.json": key(1)}), (False, []))
+        self.assertEqual(self.files.reads, [])
+
+    def test_changed_stat_is_read_and_same_content_is_no_change(self) -> None:
+        self.files.put("a.json", registration("/run/a.sock"), key(1))
+        self.update({"a.json": key(1)})
+        self.files.put("a.json", registration("/run/a.sock"), key(2))
+        self.assertEqual(self.update({"a.json": key(2)}), (False, []))
+        self.assertEqual(self.files.reads, ["a.json"])
+
+    def test_modified_file_replaces_its_server(self) -> None:
+        self.files.put("a.json", registration("/run/a.sock"), key(1))
+        self.update({"a.json": key(1)})
+        self.files.put("a.json", registration("/run/b.sock", failure_policy="Fail"), key(2))
+        changed, notices = self.update({"a.json": key(2)})
+        self.assertTrue(changed)
+        self.assertEqual(self.endpoints(), [("a.json", "/run/b.sock")])
+        self.assertEqual(
+            [n.format.format(**n.fields) for n in notices],
+            ["hook servers: a.json (/run/b.sock, Fail, 3s): PreRunPodSandbox"],
+        )
+
+    def test_fresh_file_is_read_again_without_complaining_twice(self) -> None:
+        self.files.put("a.json", b"{", None)
+        _, notices = self.update({"a.json": key(1)})
+        self.assertEqual(len(self.warnings(notices)), 1)
+        _, notices = self.update({"a.json": key(1)})
+        self.assertEqual(self.files.reads, ["a.json"])
+        self.assertEqual(notices, [])
+
+    def test_bad_version_keeps_last_good_and_is_logged_once(self) -> None:
+        self.files.put("a.json", registration("/run/a.sock"), key(1))
+        self.update({"a.json": key(1)})
+        self.files.put("a.json", registration("relative.sock"), key(2))
+        changed, notices = self.update({"a.json": key(2)})
+        self.assertFalse(changed)
+        self.assertEqual(self.endpoints(), [("a.json", "/run/a.sock")])
+        self.assertEqual(
+            self.warnings(notices),
+            [
+                "hook server registration /etc/runtime/hookserver.d/a.json rejected: \"remote-endpoint\": "
+                "'relative.sock' is not an absolute path or unix:// URL; its last good version stays in force"
+            ],
+        )
+        self.assertEqual(self.update({"a.json": key(2)}), (False, []))
+        self.files.put("a.json", registration("relative.sock"), key(3))
+        self.assertEqual(self.update({"a.json": key(3)}), (False, []), "same bad content, touched")
+
+    def test_another_bad_version_is_logged_again(self) -> None:
+        self.files.put("a.json", b"{", key(1))
+        _, first = self.update({"a.json": key(1)})
+        self.files.put("a.json", b"[", key(2))
+        _, second = self.update({"a.json": key(2)})
+        self.assertEqual(len(self.warnings(first)), 1)
+        self.assertEqual(len(self.warnings(second)), 1)
+        self.assertNotIn("last good", self.warnings(second)[0])
+
+    def test_recovery_is_logged(self) -> None:
+        self.files.put("a.json", b"{", key(1))
+        self.update({"a.json": key(1)})
+        self.files.put("a.json", registration("/run/a.sock"), key(2))
+        changed, notices = self.update({"a.json": key(2)})
+        self.assertTrue(changed)
+        self.assertIn(
+            Notice(LogLevel.info, registry.VALID_AGAIN, {"file": "/etc/runtime/hookserver.d/a.json"}), notices
+        )
+
+    def test_refusals_from_listing_and_reading(self) -> None:
+        self.files.found["big.json"] = Refusal(TOO_LARGE, key(2))
+        _, notices = self.update({"loop.json": Refusal("cannot stat: Too many levels of symbolic links"), "big.json": key(2)})
+        self.assertEqual(
+            self.warnings(notices),
+            [
+                "hook server registration /etc/runtime/hookserver.d/big.json rejected: larger than 1 MiB",
+                "hook server registration /etc/runtime/hookserver.d/loop.json rejected: "
+                "cannot stat: Too many levels of symbolic links",
+            ],
+        )
+        again = {"loop.json": Refusal("cannot stat: Too many levels of symbolic links"), "big.json": key(2)}
+        self.assertEqual(self.update(again), (False, []))
+
+    def test_removed_file_is_unregistered(self) -> None:
+        self.files.put("a.json", registration("/run/a.sock"), key(1))
+        self.files.put("b.json", b"{", key(2))
+        self.update({"a.json": key(1), "b.json": key(2)})
+        changed, notices = self.update({})
+        self.assertTrue(changed)
+        self.assertEqual(
+            [n.format.format(**n.fields) for n in notices],
+            [
+                "hook server a.json unregistered: /etc/runtime/hookserver.d/a.json is gone",
+                "hook servers: none",
+            ],
+        )
+
+    def test_vanished_while_reading_counts_as_removed(self) -> None:
+        self.files.put("a.json", registration("/run/a.sock"), key(1))
+        self.update({"a.json": key(1)})
+        del self.files.found["a.json"]
+        changed, notices = self.update({"a.json": key(2)})
+        self.assertTrue(changed)
+        self.assertEqual(notices[0].format, registry.UNREGISTERED)
+
+    def test_directory_gone_and_back(self) -> None:
+        self.files.put("a.json", registration("/run/a.sock"), key(1))
+        self.update({"a.json": key(1)})
+        changed, notices = self.update(None)
+        self.assertTrue(changed)
+        self.assertEqual(
+            [n.format for n in notices], [registry.DIRECTORY_GONE, registry.UNREGISTERED, registry.SERVERS]
+        )
+        self.assertEqual(self.update(None), (False, []))
+        changed, notices = self.update({"a.json": key(1)})
+        self.assertTrue(changed)
+        self.assertEqual(self.files.reads, ["a.json"])
+        self.assertEqual([n.format for n in notices], [registry.DIRECTORY_BACK, registry.SERVERS])
+
+    def test_describe(self) -> None:
+        servers = HookServers(
+            (
+                HookServerConfig(
+                    "a.json",
+                    "/run/a.sock",
+                    FailurePolicy.IGNORE,
+                    frozenset({HookType.PRE_START_CONTAINER, HookType.PRE_RUN_POD_SANDBOX}),
+                    1.5,
+                ),
+                HookServerConfig("b.json", "/run/b.sock", FailurePolicy.FAIL, frozenset(), 3.0),
+            )
+        )
+        self.assertEqual(
+            describe(servers),
+            "a.json (/run/a.sock, Ignore, 1.5s): PreRunPodSandbox, PreStartContainer; "
+            "b.json (/run/b.sock, Fail, 3s): no hooks",
+        )
+        self.assertEqual(describe(HookServers()), "none")
+
+
+class TroubleTests(SynchronousTestCase):
+    def test_logged_when_it_starts_changes_and_ends(self) -> None:
+        trouble = Trouble("fine again in {directory}")
+        self.assertIsNone(trouble.report(None, directory="/d"))
+        self.assertEqual(trouble.report("broken"), Notice(LogLevel.warn, "{problem}", {"problem": "broken"}))
+        self.assertIsNone(trouble.report("broken"))
+        self.assertEqual(trouble.report("worse").fields["problem"], "worse")  # type: ignore[union-attr]
+        self.assertEqual(
+            trouble.report(None, directory="/d"), Notice(LogLevel.info, "fine again in {directory}", {"directory": "/d"})
+        )
+
+
+class FileTests(SynchronousTestCase):
+    """list_registrations and read_registration on a real directory."""
+
+    def setUp(self) -> None:
+        self.dir = short_tempdir(self)
+
+    def write(self, name: str, data: bytes, age: float = 10.0) -> str:
+        path = os.path.join(self.dir, name)
+        with open(path, "wb") as file:
+            file.write(data)
+        past = time.time() - age
+        os.utime(path, (past, past))
+        return path
+
+    def test_only_regular_json_files_are_listed(self) -> None:
+        self.write("a.json", b"{}")
+        self.write("a.json.tmp", b"{}")
+        self.write("README", b"")
+        self.write("b.yaml", b"")
+        os.mkdir(os.path.join(self.dir, "d.json"))
+        os.mkfifo(os.path.join(self.dir, "f.json"))
+        listing = list_registrations(self.dir)
+        assert listing is not None
+        self.assertEqual(sorted(listing), ["a.json"])
+
+    def test_symlinks(self) -> None:
+        target = self.write("target", b"{}")
+        os.symlink(target, os.path.join(self.dir, "link.json"))
+        os.symlink("loop.json", os.path.join(self.dir, "loop.json"))
+        os.symlink("missing", os.path.join(self.dir, "dangling.json"))
+        os.symlink(self.dir, os.path.join(self.dir, "dir.json"))
+        listing = list_registrations(self.dir)
+        assert listing is not None
+        self.assertEqual(listing["link.json"], registry.stat_key(os.stat(target)))
+        self.assertEqual(listing["loop.json"], Refusal("cannot stat: Too many levels of symbolic links"))
+        self.assertEqual(listing["dangling.json"], Refusal("is a symbolic link to a missing file"))
+        self.assertNotIn("dir.json", listing)
+
+    def test_file_vanishing_between_listing_and_stat_is_left_out(self) -> None:
+        self.write("a.json", b"{}")
+        real_listdir = os.listdir
+        self.patch(registry.os, "listdir", lambda path: real_listdir(path) + ["gone.json"])
+        self.assertEqual(sorted(list_registrations(self.dir) or {}), ["a.json"])
+
+    def test_missing_directory(self) -> None:
+        self.assertIsNone(list_registrations(os.path.join(self.dir, "nope")))
+        self.assertIsNone(list_registrations(self.write("file", b"")))
+
+    def test_read(self) -> None:
+        path = self.write("a.json", b"{}")
+        self.assertEqual(read_registration(path), Content(b"{}", registry.stat_key(os.stat(path))))
+
+    def test_read_of_a_fresh_file_is_not_trusted(self) -> None:
+        path = self.write("a.json", b"{}", age=0)
+        self.assertEqual(read_registration(path), Content(b"{}", None))
+
+    def test_read_of_a_vanished_file_or_a_fifo(self) -> None:
+        self.assertIsNone(read_registration(os.path.join(self.dir, "gone.json")))
+        fifo = os.path.join(self.dir, "f.json")
+        os.mkfifo(fifo)
+        self.assertIsNone(read_registration(fifo))
+
+    def test_unreadable(self) -> None:
+        def refuse(*args: Any) -> int:
+            raise PermissionError(13, "Permission denied")
+
+        path = self.write("a.json", b"{}")
+        self.patch(registry.os, "open", refuse)
+        self.assertEqual(read_registration(path), Refusal("cannot open: Permission denied"))
+
+    def test_oversized_file_is_not_read(self) -> None:
+        read: list[int] = []
+        real_read = os.read
+
+        def counting_read(fd: int, n: int) -> bytes:
+            data = real_read(fd, n)
+            read.append(len(data))
+            return data
+
+        path = os.path.join(self.dir, "big.json")
+        with open(path, "wb") as file:
+            file.truncate(10 * MAX_CONFIG_BYTES)
+        self.patch(registry.os, "read", counting_read)
+        reading = read_registration(path)
+        self.assertEqual(reading, Refusal(TOO_LARGE, registry.stat_key(os.stat(path))))
+        self.assertEqual(read, [])
+
+    def test_file_that_grows_past_the_limit_is_read_only_that_far(self) -> None:
+        read: list[int] = []
+
+        def growing_read(fd: int, n: int) -> bytes:
+            read.append(n)
+            return b" " * n
+
+        path = self.write("grows.json", b"{}")
+        self.patch(registry.os, "read", growing_read)
+        self.assertIsInstance(read_registration(path), Refusal)
+        self.assertLessEqual(sum(read), MAX_CONFIG_BYTES + 64 * 1024)
+
+    def test_a_thousand_unchanged_files_are_not_read_again(self) -> None:
+        for i in range(1000):
+            self.write(f"{i:04}.json", registration(f"/run/{i}.sock"))
+        book = RegistrationBook(self.dir, 3.0)
+        reads: list[str] = []
+
+        def read(name: str) -> Reading:
+            reads.append(name)
+            return read_registration(os.path.join(self.dir, name))
+
+        book.update(list_registrations(self.dir), read)
+        self.assertEqual(len(reads), 1000)
+        self.assertEqual(len(book.servers.servers), 1000)
+        reads.clear()
+        started = time.monotonic()
+        self.assertEqual(book.update(list_registrations(self.dir), read), (False, []))
+        self.assertEqual(reads, [])
+        self.assertLess(time.monotonic() - started, 0.5)
+
+
+BUDGET = 1.0
+
+
+class WatchingTests(TestCase):
+    """HookRegistry with the real reactor and real inotify: every change shows within a second."""
+
+    def setUp(self) -> None:
+        self.root = short_tempdir(self)
+        self.dir = os.path.join(self.root, "hookserver.d")
+        self.changes: list[HookServers] = []
+        self.markers = 0
+        self.events: list[LogEvent] = []
+        globalLogPublisher.addObserver(self.events.append)
+        self.addCleanup(globalLogPublisher.removeObserver, self.events.append)
+
+    def start(self) -> HookRegistry:
+        hooks = HookRegistry(self.dir, 3.0, reactor, self.changes.append)
+        hooks.startService()
+        self.addCleanup(lambda: hooks.running and hooks.stopService())
+        return hooks
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.dir, name)
+
+    def write(self, name: str, data: bytes) -> None:
+        with open(self.path(name), "wb") as file:
+            file.write(data)
+
+    def replace(self, name: str, data: bytes) -> None:
+        self.write(name + ".tmp", data)
+        os.rename(self.path(name + ".tmp"), self.path(name))
+
+    def lines(self, level: LogLevel | None = None) -> list[str]:
+        return [
+            formatEvent(event)
+            for event in self.events
+            if event.get("log_namespace", "").startswith("koordrp.hooks.registry")
+            and (level is None or event.get("log_level") is level)
+        ]
+
+    def warnings_about(self, name: str) -> list[str]:
+        return [line for line in self.lines(LogLevel.warn) if self.path(name) in line]
+
+    @staticmethod
+    def endpoints(hooks: HookRegistry) -> dict[str, str]:
+        return {server.name: server.endpoint for server in hooks.current.servers}
+
+    async def until(self, condition: Callable[[], bool], what: str, budget: float = BUDGET) -> None:
+        deadline = time.monotonic() + budget
+        while not condition():
+            if time.monotonic() > deadline:
+                self.fail(f"not within {budget}s: {what}")
+            await deferLater(reactor, 0.01, lambda: None)
+
+    async def settle(self, hooks: HookRegistry) -> None:
+        """Make one more change and wait for it, so that every rescan before it has happened."""
+        self.markers += 1
+        marker = f"zz-marker-{self.markers}.json"
+        self.write(marker, registration("/run/marker.sock"))
+        await self.until(lambda: marker in self.endpoints(hooks), "marker registered")
+
+    def test_loads_existing_files_in_name_order_and_creates_nothing_else(self) -> None:
+        os.mkdir(self.dir)
+        for name in ("b.json", "10-z.json", "a.json"):
+            self.write(name, registration(f"/run/{name}.sock"))
+        self.write("notes.txt", b"not a registration")
+        hooks = self.start()
+        self.assertEqual([server.name for server in hooks.current.servers], ["10-z.json", "a.json", "b.json"])
+        self.assertEqual(self.changes, [hooks.current])
+        self.assertIn(f"watching {self.dir} for hook server registrations", self.lines(LogLevel.info))
+
+    def test_creates_the_missing_directory(self) -> None:
+        hooks = self.start()
+        self.assertTrue(stat.S_ISDIR(os.stat(self.dir).st_mode))
+        self.assertEqual(hooks.current, HookServers())
+        self.assertEqual(self.changes, [])
+        self.assertIn("hook servers: none", self.lines(LogLevel.info))
+
+    async def test_create(self) -> None:
+        hooks = self.start()
+        self.write("a.json", registration("/run/a.sock", timeout_seconds=1))
+        await self.until(lambda: self.endpoints(hooks) == {"a.json": "/run/a.sock"}, "a.json registered")
+        self.assertEqual(hooks.current.servers[0].timeout, 1.0)
+        self.assertEqual(len(self.changes), 1)
+
+    async def test_modify_in_place(self) -> None:
+        os.mkdir(self.dir)
+        self.write("a.json", registration("/run/a.sock"))
+        hooks = self.start()
+        self.write("a.json", registration("/run/b.sock"))
+        await self.until(lambda: self.endpoints(hooks) == {"a.json": "/run/b.sock"}, "a.json modified")
+
+    async def test_truncate_then_write_keeps_last_good_meanwhile(self) -> None:
+        os.mkdir(self.dir)
+        self.write("a.json", registration("/run/a.sock"))
+        hooks = self.start()
+        with open(self.path("a.json"), "r+b") as file:
+            file.truncate(0)
+            file.flush()
+            await self.until(lambda: len(self.warnings_about("a.json")) == 1, "empty a.json rejected")
+            self.assertEqual(self.endpoints(hooks), {"a.json": "/run/a.sock"})
+            self.assertIn("its last good version stays in force", self.warnings_about("a.json")[0])
+            file.write(registration("/run/b.sock"))
+        await self.until(lambda: self.endpoints(hooks) == {"a.json": "/run/b.sock"}, "a.json rewritten")
+        self.assertEqual(len(self.warnings_about("a.json")), 1)
+        self.assertIn(f"hook server registration {self.path('a.json')} is valid again", self.lines(LogLevel.info))
+
+    async def test_atomic_rename_over(self) -> None:
+        os.mkdir(self.dir)
+        self.write("a.json", registration("/run/a.sock"))
+        hooks = self.start()
+        self.replace("a.json", registration("/run/b.sock"))
+        await self.until(lambda: self.endpoints(hooks) == {"a.json": "/run/b.sock"}, "a.json replaced")
+        self.replace("a.json", registration("/run/c.sock"))
+        await self.until(lambda: self.endpoints(hooks) == {"a.json": "/run/c.sock"}, "a.json replaced again")
+
+    async def test_delete(self) -> None:
+        os.mkdir(self.dir)
+        self.write("a.json", registration("/run/a.sock"))
+        self.write("b.json", registration("/run/b.sock"))
+        hooks = self.start()
+        os.unlink(self.path("a.json"))
+        await self.until(lambda: self.endpoints(hooks) == {"b.json": "/run/b.sock"}, "a.json unregistered")
+        self.assertIn(f"hook server a.json unregistered: {self.path('a.json')} is gone", self.lines(LogLevel.info))
+
+    async def test_renamed_away_from_json(self) -> None:
+        os.mkdir(self.dir)
+        self.write("a.json", registration("/run/a.sock"))
+        hooks = self.start()
+        os.rename(self.path("a.json"), self.path("a.json.disabled"))
+        await self.until(lambda: self.endpoints(hooks) == {}, "a.json unregistered")
+
+    async def test_directory_deleted_and_recreated(self) -> None:
+        os.mkdir(self.dir)
+        self.write("a.json", registration("/run/a.sock"))
+        hooks = self.start()
+        for round in range(3):
+            shutil.rmtree(self.dir)
+            await self.until(lambda: self.endpoints(hooks) == {}, f"round {round}: directory gone")
+            os.mkdir(self.dir)
+            self.write("a.json", registration(f"/run/a{round}.sock"))
+            await self.until(
+                lambda: self.endpoints(hooks) == {"a.json": f"/run/a{round}.sock"}, f"round {round}: directory back"
+            )
+            # The re-created directory is watched, not just listed once.
+            self.write("b.json", registration("/run/b.sock"))
+            await self.until(lambda: "b.json" in self.endpoints(hooks), f"round {round}: b.json in the new directory")
+        self.assertEqual(self.lines(LogLevel.warn), [])
+        self.assertIn(
+            f"hook server directory {self.dir} is gone; its hook servers are unregistered", self.lines(LogLevel.info)
+        )
+
+    async def test_directory_deleted_and_recreated_at_once(self) -> None:
+        os.mkdir(self.dir)
+        self.write("a.json", registration("/run/a.sock"))
+        hooks = self.start()
+        shutil.rmtree(self.dir)
+        os.mkdir(self.dir)
+        self.write("a.json", registration("/run/b.sock"))
+        await self.until(lambda: self.endpoints(hooks) == {"a.json": "/run/b.sock"}, "new directory read")
+        self.write("c.json", registration("/run/c.sock"))
+        await self.until(lambda: "c.json" in self.endpoints(hooks), "new directory watched")
+
+    async def test_directory_moved_away_and_back(self) -> None:
+        os.mkdir(self.dir)
+        self.write("a.json", registration("/run/a.sock"))
+        hooks = self.start()
+        os.rename(self.dir, self.dir + ".old")
+        await self.until(lambda: self.endpoints(hooks) == {}, "directory moved away")
+        # Changes in the moved directory are no longer ours.
+        with open(os.path.join(self.dir + ".old", "b.json"), "wb") as file:
+            file.write(registration("/run/b.sock"))
+        os.rename(self.dir + ".old", self.dir)
+        await self.until(lambda: sorted(self.endpoints(hooks)) == ["a.json", "b.json"], "directory moved back")
+
+    async def test_parent_deleted_and_recreated(self) -> None:
+        # Nothing is left to watch then: the registry looks every DEGRADED_SECONDS until it can.
+        parent = os.path.join(self.root, "runtime")
+        self.dir = os.path.join(parent, "hookserver.d")
+        hooks = self.start()
+        self.write("a.json", registration("/run/a.sock"))
+        await self.until(lambda: "a.json" in self.endpoints(hooks), "a.json registered")
+        shutil.rmtree(parent)
+        await self.until(lambda: self.endpoints(hooks) == {}, "parent gone")
+        await self.until(lambda: any("does not exist" in line for line in self.lines(LogLevel.warn)), "warned")
+        os.makedirs(self.dir)
+        self.write("b.json", registration("/run/b.sock"))
+        budget = registry.DEGRADED_SECONDS + BUDGET
+        await self.until(lambda: self.endpoints(hooks) == {"b.json": "/run/b.sock"}, "back", budget)
+        self.assertIn(f"watching {self.dir} again", self.lines(LogLevel.info))
+        self.write("c.json", registration("/run/c.sock"))
+        await self.until(lambda: "c.json" in self.endpoints(hooks), "watched again")
+        self.assertEqual(
+            self.lines(LogLevel.warn),
+            [f"cannot watch {parent}: it does not exist; looking at {self.dir} every 1s instead"],
+        )
+
+    async def test_safety_net_catches_what_inotify_cannot_see(self) -> None:
+        # A symlink's target outside the directory changes without an event in it.
+        self.patch(registry, "SAFETY_NET_SECONDS", 0.2)
+        elsewhere = os.path.join(self.root, "koordlet.json")
+        with open(elsewhere, "wb") as file:
+            file.write(registration("/run/v1.sock"))
+        os.mkdir(self.dir)
+        os.symlink(elsewhere, self.path("koordlet.json"))
+        hooks = self.start()
+        self.assertEqual(self.endpoints(hooks), {"koordlet.json": "/run/v1.sock"})
+        with open(elsewhere, "wb") as file:
+            file.write(registration("/run/v2.sock"))
+        await self.until(lambda: self.endpoints(hooks) == {"koordlet.json": "/run/v2.sock"}, "target change seen")
+
+    async def test_bad_file_keeps_last_good_with_one_log_line(self) -> None:
+        os.mkdir(self.dir)
+        self.write("a.json", registration("/run/a.sock"))
+        hooks = self.start()
+        self.write("a.json", registration("/run/a.sock", ("PreRunPodSandbox", "PreFlightCheck")))
+        await self.until(lambda: len(self.warnings_about("a.json")) == 1, "bad a.json rejected")
+        self.assertEqual(self.endpoints(hooks), {"a.json": "/run/a.sock"})
+        os.utime(self.path("a.json"))  # same bad version, new stat
+        await self.settle(hooks)
+        await self.settle(hooks)
+        self.assertEqual(
+            self.warnings_about("a.json"),
+            [
+                f"hook server registration {self.path('a.json')} rejected: "
+                '"runtime-hooks" names unknown hook "PreFlightCheck" (known: PreRunPodSandbox, PostStopPodSandbox, '
+                "PreCreateContainer, PreStartContainer, PostStartContainer, PostStopContainer, "
+                "PreUpdateContainerResources); its last good version stays in force"
+            ],
+        )
+        self.assertEqual(self.endpoints(hooks)["a.json"], "/run/a.sock")
+
+    async def test_bad_new_file_is_not_registered(self) -> None:
+        hooks = self.start()
+        self.write("a.json", b'{"remote-endpoint": "tcp://1.2.3.4:5", "runtime-hooks": []}')
+        await self.until(lambda: len(self.warnings_about("a.json")) == 1, "bad a.json rejected")
+        await self.settle(hooks)
+        self.assertNotIn("a.json", self.endpoints(hooks))
+        self.assertEqual(len(self.warnings_about("a.json")), 1)
+
+    async def test_non_json_files_are_ignored(self) -> None:
+        hooks = self.start()
+        self.write("a.yaml", registration("/run/a.sock"))
+        self.write("a.json.tmp", registration("/run/a.sock"))
+        self.write("README", b"hello")
+        os.mkdir(self.path("sub.json"))
+        await self.settle(hooks)
+        self.assertEqual(list(self.endpoints(hooks)), ["zz-marker-1.json"])
+        self.assertEqual(self.lines(LogLevel.warn), [])
+
+    async def test_symlink_to_a_file(self) -> None:
+        elsewhere = os.path.join(self.root, "koordlet-v1.json")
+        with open(elsewhere, "wb") as file:
+            file.write(registration("/run/v1.sock"))
+        hooks = self.start()
+        os.symlink(elsewhere, self.path("koordlet.json"))
+        await self.until(lambda: self.endpoints(hooks) == {"koordlet.json": "/run/v1.sock"}, "symlink registered")
+        # Retargeted the way Kubernetes updates a mounted ConfigMap: a new link renamed over the old.
+        second = os.path.join(self.root, "koordlet-v2.json")
+        with open(second, "wb") as file:
+            file.write(registration("/run/v2.sock"))
+        os.symlink(second, self.path("koordlet.json.new"))
+        os.rename(self.path("koordlet.json.new"), self.path("koordlet.json"))
+        await self.until(lambda: self.endpoints(hooks) == {"koordlet.json": "/run/v2.sock"}, "symlink retargeted")
+
+    async def test_symlink_loop(self) -> None:
+        hooks = self.start()
+        os.symlink("loop.json", self.path("loop.json"))
+        self.write("a.json", registration("/run/a.sock"))
+        await self.until(lambda: "a.json" in self.endpoints(hooks), "a.json registered beside the loop")
+        await self.settle(hooks)
+        self.assertEqual(
+            self.warnings_about("loop.json"),
+            [f"hook server registration {self.path('loop.json')} rejected: cannot stat: Too many levels of symbolic links"],
+        )
+        self.assertNotIn("loop.json", self.endpoints(hooks))
+
+    async def test_oversized_file(self) -> None:
+        hooks = self.start()
+        with open(self.path("big.json"), "wb") as file:
+            file.write(b" " * (10 * MAX_CONFIG_BYTES))
+        await self.until(lambda: len(self.warnings_about("big.json")) == 1, "big.json rejected")
+        await self.settle(hooks)
+        self.assertEqual(
+            self.warnings_about("big.json"),
+            [f"hook server registration {self.path('big.json')} rejected: larger than 1 MiB"],
+        )
+
+    async def test_invalid_utf8(self) -> None:
+        hooks = self.start()
+        self.write("latin1.json", b'{"remote-endpoint": "/run/caf\xe9.sock", "runtime-hooks": []}')
+        await self.until(lambda: len(self.warnings_about("latin1.json")) == 1, "latin1.json rejected")
+        await self.settle(hooks)
+        self.assertEqual(
+            self.warnings_about("latin1.json"),
+            [f"hook server registration {self.path('latin1.json')} rejected: not valid UTF-8 (byte offset 29)"],
+        )
+
+    async def test_unreadable_file(self) -> None:
+        if os.geteuid() == 0:
+            self.skipTest("root reads any file")
+        hooks = self.start()
+        self.write("secret.json", registration("/run/a.sock"))
+        os.chmod(self.path("secret.json"), 0)
+        await self.until(lambda: len(self.warnings_about("secret.json")) >= 1, "secret.json rejected")
+        await self.settle(hooks)
+        self.assertEqual(len(self.warnings_about("secret.json")), 1)
+
+    async def test_on_change_once_per_effective_change(self) -> None:
+        hooks = self.start()
+        self.assertEqual(self.changes, [])
+        self.write("a.json", registration("/run/a.sock"))
+        await self.until(lambda: len(self.changes) == 1, "a.json registered")
+        self.replace("a.json", registration("/run/a.sock"))  # same content: no change
+        self.write("a.yaml", b"")  # not a registration: no change
+        await self.settle(hooks)  # the marker is the second change
+        self.assertEqual(len(self.changes), 2)
+        self.assertEqual(self.changes[-1], hooks.current)
+        os.unlink(self.path("a.json"))
+        await self.until(lambda: len(self.changes) == 3, "a.json unregistered")
+        self.assertEqual(list(self.endpoints(hooks)), ["zz-marker-1.json"])
+        self.assertEqual(self.changes[-1], hooks.current)
+
+    async def test_bursts_are_coalesced(self) -> None:
+        hooks = self.start()
+        for i in range(50):
+            self.write(f"{i:02}.json", registration(f"/run/{i}.sock"))
+        await self.until(lambda: len(self.endpoints(hooks)) == 50, "50 files registered")
+        self.assertLess(len(self.changes), 10)
+
+    async def test_stop_stops_watching(self) -> None:
+        hooks = self.start()
+        hooks.stopService()
+        self.write("a.json", registration("/run/a.sock"))
+        await deferLater(reactor, 0.2, lambda: None)
+        self.assertEqual(hooks.current, HookServers())
+        self.assertEqual(self.changes, [])
