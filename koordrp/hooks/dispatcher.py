@@ -57,11 +57,14 @@ class Dispatcher:
         outcome = StageOutcome(request)
         deadline = None if budget is None else self._reactor.seconds() + budget
         changed_by: dict[str, str] = {}
+        # Two servers can only disagree about a field when there are two: spare the single-server
+        # case (the usual one) the copy and the comparison.
+        track_changes = hook.is_pre and len(servers) > 1
         for server in servers:
             timeout = server.timeout
             if deadline is not None:
                 timeout = min(timeout, deadline - self._reactor.seconds())
-            before = copy.deepcopy(request)
+            before = copy.deepcopy(request) if track_changes else request
             try:
                 if timeout <= 0:
                     raise HookCallError("the CRI call's deadline had passed")
@@ -88,6 +91,8 @@ class Dispatcher:
             if not hook.is_pre:
                 continue
             merge_response(request, response)
+            if not track_changes:
+                continue
             for path in changed_fields(before, request):
                 earlier = changed_by.get(path)
                 if earlier is not None:

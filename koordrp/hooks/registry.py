@@ -55,10 +55,10 @@ _PARENT_MASK = (
 StatKey = tuple[int, int, int, int, int]
 """(device, inode, mtime_ns, size, ctime_ns): a file whose key is unchanged is not read again."""
 
-_EventCallback = Callable[[object, FilePath[bytes], int], None]
-
 Identity = tuple[int, int]
 """(device, inode) of a watched directory: inotify follows the inode, not the path."""
+
+_EventCallback = Callable[[object, FilePath[bytes], int], None]
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,7 @@ class Notice:
 
 REJECTED = "hook server registration {file} rejected: {reason}"
 REJECTED_KEEPING = "hook server registration {file} rejected: {reason}; its last good version stays in force"
-VALID_AGAIN = "hook server registration {file} is valid again"
+VALID_AGAIN = "hook server registration {file} is valid now"
 UNREGISTERED = "hook server {name} unregistered: {file} is gone"
 DIRECTORY_GONE = "hook server directory {directory} is gone; its hook servers are unregistered"
 DIRECTORY_BACK = "hook server directory {directory} is back"
@@ -402,7 +402,9 @@ class HookRegistry(service.Service):
         try:
             listing = list_registrations(self.directory)
         except OSError as error:
-            self._emit(self._list_trouble.report(f"cannot list {self.directory}: {error.strerror or error}"))
+            reason = error.strerror or str(error)
+            problem = f"cannot list {self.directory}: {reason}; hook servers stay as they are"
+            self._emit(self._list_trouble.report(problem))
             return
         self._emit(self._list_trouble.report(None, directory=self.directory))
         changed, notices = self._book.update(listing, self._read)

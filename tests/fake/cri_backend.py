@@ -84,6 +84,9 @@ class FakeCRIBackend:
         ended.wait(self.slow_call_seconds)
         return api_pb2.ExecSyncResponse(stdout=b"late").SerializeToString()
 
+    def create_container(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        return api_pb2.CreateContainerResponse(container_id="created-1").SerializeToString()
+
     def list_images(self, request: bytes, context: grpc.ServicerContext) -> bytes:
         return api_pb2.ListImagesResponse(images=[api_pb2.Image(id=self.name)]).SerializeToString()
 
@@ -106,6 +109,7 @@ class _Handler(grpc.GenericRpcHandler):
             RUNTIME + "Version": backend.version,
             RUNTIME + "ContainerStatus": backend.container_status,
             RUNTIME + "ExecSync": backend.exec_sync,
+            RUNTIME + "CreateContainer": backend.create_container,
             IMAGE + "ListImages": backend.list_images,
         }
         self._unary = unary

@@ -160,7 +160,8 @@ class BookTests(SynchronousTestCase):
 
     def test_refusals_from_listing_and_reading(self) -> None:
         self.files.found["big.json"] = Refusal(TOO_LARGE, key(2))
-        _, notices = self.update({"loop.json": Refusal("cannot stat: Too many levels of symbolic links"), "big.json": key(2)})
+        loop = Refusal("cannot stat: Too many levels of symbolic links")
+        _, notices = self.update({"loop.json": loop, "big.json": key(2)})
         self.assertEqual(
             self.warnings(notices),
             [
@@ -169,8 +170,7 @@ class BookTests(SynchronousTestCase):
                 "cannot stat: Too many levels of symbolic links",
             ],
         )
-        again = {"loop.json": Refusal("cannot stat: Too many levels of symbolic links"), "big.json": key(2)}
-        self.assertEqual(self.update(again), (False, []))
+        self.assertEqual(self.update({"loop.json": loop, "big.json": key(2)}), (False, []))
 
     def test_removed_file_is_unregistered(self) -> None:
         self.files.put("a.json", registration("/run/a.sock"), key(1))
@@ -236,9 +236,8 @@ class TroubleTests(SynchronousTestCase):
         self.assertEqual(trouble.report("broken"), Notice(LogLevel.warn, "{problem}", {"problem": "broken"}))
         self.assertIsNone(trouble.report("broken"))
         self.assertEqual(trouble.report("worse").fields["problem"], "worse")  # type: ignore[union-attr]
-        self.assertEqual(
-            trouble.report(None, directory="/d"), Notice(LogLevel.info, "fine again in {directory}", {"directory": "/d"})
-        )
+        ended = Notice(LogLevel.info, "fine again in {directory}", {"directory": "/d"})
+        self.assertEqual(trouble.report(None, directory="/d"), ended)
 
 
 class FileTests(SynchronousTestCase):
@@ -465,7 +464,7 @@ class WatchingTests(TestCase):
             file.write(registration("/run/b.sock"))
         await self.until(lambda: self.endpoints(hooks) == {"a.json": "/run/b.sock"}, "a.json rewritten")
         self.assertEqual(len(self.warnings_about("a.json")), 1)
-        self.assertIn(f"hook server registration {self.path('a.json')} is valid again", self.lines(LogLevel.info))
+        self.assertIn(f"hook server registration {self.path('a.json')} is valid now", self.lines(LogLevel.info))
 
     async def test_atomic_rename_over(self) -> None:
         os.mkdir(self.dir)
@@ -633,7 +632,10 @@ class WatchingTests(TestCase):
         await self.settle(hooks)
         self.assertEqual(
             self.warnings_about("loop.json"),
-            [f"hook server registration {self.path('loop.json')} rejected: cannot stat: Too many levels of symbolic links"],
+            [
+                f"hook server registration {self.path('loop.json')} rejected: "
+                "cannot stat: Too many levels of symbolic links"
+            ],
         )
         self.assertNotIn("loop.json", self.endpoints(hooks))
 

@@ -1,0 +1,121 @@
+"""Cost of runtime hooks: pod start through koordrp with a no-op hook server on every hook vs direct.
+
+Starts a private containerd and ``twistd -n koordrp`` in front of it, registers one hook server that
+answers every hook with an empty response (it changes nothing), then prints:
+
+* RunPodSandbox + CreateContainer + StartContainer latency over ``--pods`` pods, direct and through
+  koordrp (interleaved, so both see the same machine), p50/p90 and the ratio;
+* the dispatch overhead of one hook stage: UpdateContainerResources (one pre hook) on the same
+  container through koordrp with the hook registered and without, p50 difference.
+
+    .venv/bin/python -m benchmarks.hooks [--pods 50] [--updates 300]
+"""
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from cri_api.v1 import api_pb2
+
+from koordrp.hooks.types import HookType
+from tests.support.cri_objects import container_config, linux_resources, pod_sandbox_config
+from tests.support.hook_registration import register
+from tests.support.images import BUSYBOX_REF
+from tests.support.pods import TIMEOUT, remove_pod, start_container
+from tests.support.stack import containerd_and_koordrp
+
+
+def pod_start(runtime: Any, name: str, logs: Path) -> tuple[float, str]:
+    """Seconds for RunPodSandbox + CreateContainer + StartContainer, and the sandbox id."""
+    pod = pod_sandbox_config(name, log_directory=logs / name)
+    container = container_config(name, image=BUSYBOX_REF, command=["sleep", "3600"], log_path=f"{name}.log")
+    started = time.perf_counter()
+    sandbox_id = runtime.RunPodSandbox(api_pb2.RunPodSandboxRequest(config=pod), timeout=TIMEOUT).pod_sandbox_id
+    start_container(runtime, sandbox_id, pod, container)
+    return time.perf_counter() - started, sandbox_id
+
+
+def updates(runtime: Any, container_id: str, count: int) -> list[float]:
+    samples = []
+    for index in range(count):
+        request = api_pb2.UpdateContainerResourcesRequest(
+            container_id=container_id, linux=linux_resources(cpu_shares=1024 + index % 2)
+        )
+        started = time.perf_counter()
+        runtime.UpdateContainerResources(request, timeout=TIMEOUT)
+        samples.append(time.perf_counter() - started)
+    return samples
+
+
+def quantile(samples: list[float], fraction: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
+
+
+def wait_for_servers(proxy: Any, count: int) -> None:
+    deadline = time.monotonic() + 5
+    while proxy.registered_servers() != count:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"koordrp did not register {count} hook servers:\n{proxy.log()}")
+        time.sleep(0.02)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pods", type=int, default=50)
+    parser.add_argument("--updates", type=int, default=300)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="krp-bench-", dir="/tmp") as scratch:
+        base = Path(scratch)
+        socket = str(base / "noop.sock")
+        noop = subprocess.Popen([sys.executable, "-m", "benchmarks.noop_hook_server", socket], stdout=subprocess.PIPE)
+        try:
+            assert noop.stdout is not None and noop.stdout.readline().strip() == b"ready"
+            with containerd_and_koordrp(base) as (containerd, proxy):
+                direct = containerd.runtime()
+                with proxy.channel() as channel:
+                    measure(args, base, direct, proxy.runtime(channel), proxy, socket)
+        finally:
+            noop.terminate()
+            noop.wait(10)
+
+
+def measure(args: argparse.Namespace, base: Path, direct: Any, proxied: Any, proxy: Any, socket: str) -> None:
+    registration = register(base / "hookserver.d", "noop", socket, [hook.value for hook in HookType])
+    wait_for_servers(proxy, 1)
+    direct_times, proxied_times, sandboxes = [], [], []
+    for index in range(args.pods):
+        elapsed, sandbox_id = pod_start(direct, f"direct-{index}", base / "logs")
+        direct_times.append(elapsed)
+        sandboxes.append(sandbox_id)
+        elapsed, sandbox_id = pod_start(proxied, f"proxied-{index}", base / "logs")
+        proxied_times.append(elapsed)
+        sandboxes.append(sandbox_id)
+    print(f"pod start (RunPodSandbox + CreateContainer + StartContainer), {args.pods} pods each way")
+    print(f"{'':<26}{'p50':>10}{'p90':>10}")
+    for label, samples in (("direct", direct_times), ("koordrp, no-op hooks", proxied_times)):
+        print(f"{label:<26}{statistics.median(samples) * 1e3:>8.1f}ms{quantile(samples, 0.9) * 1e3:>8.1f}ms")
+    ratio = statistics.median(proxied_times) / statistics.median(direct_times)
+    print(f"{'ratio koordrp/direct':<26}{ratio:>10.3f}   (4 hook stages per pod)")
+
+    container_id = proxied.ListContainers(api_pb2.ListContainersRequest()).containers[0].id
+    hooked = updates(proxied, container_id, args.updates)
+    registration.unlink()
+    wait_for_servers(proxy, 0)
+    bare = updates(proxied, container_id, args.updates)
+    overhead = statistics.median(hooked) - statistics.median(bare)
+    print(f"\nUpdateContainerResources through koordrp, {args.updates} calls each")
+    print(f"{'without hooks':<26}{statistics.median(bare) * 1e3:>8.2f}ms")
+    print(f"{'with a no-op pre hook':<26}{statistics.median(hooked) * 1e3:>8.2f}ms")
+    print(f"{'one hook stage adds':<26}{overhead * 1e3:>8.2f}ms (p50)")
+    for sandbox_id in sandboxes:
+        remove_pod(direct, sandbox_id)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""Intercepted lifecycle calls on real grpc servers: a stand-in CRI backend and a real hook server."""
+
+import os
+from concurrent import futures
+
+import grpc
+from cri_api.v1 import api_pb2 as cri
+from twisted.internet import reactor
+from twisted.internet.defer import inlineCallbacks
+from twisted.internet.threads import deferToThread
+from twisted.trial.unittest import TestCase
+
+from koordrp import lifecycle
+from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
+from koordrp.cri.backend import BackendChannel
+from koordrp.cri.bridge import HookBridge
+from koordrp.cri.intercept import Interceptor, SkipLabel
+from koordrp.cri.methods import BackendRole
+from koordrp.cri.passthrough import PassThroughHandler
+from koordrp.cri.runtime_lookup import RuntimeLookup
+from koordrp.endpoints import grpc_target
+from koordrp.hooks.client import HookClients
+from koordrp.hooks.dispatcher import Dispatcher
+from koordrp.hooks.types import FailurePolicy, HookServerConfig, HookServers, HookType
+from koordrp.store import Store
+from tests.fake.cri_backend import FakeCRIBackend
+from tests.fake.hook_server import FakeHookServer
+from tests.support.tempdirs import short_tempdir
+
+CREATE = "/runtime.v1.RuntimeService/CreateContainer"
+# Field 111 (varint 1): in no CRI stub, as a field newer than koordrp's would be.
+UNKNOWN_FIELD = b"\xf8\x06\x01"
+
+
+def create_request_bytes() -> bytes:
+    config = cri.ContainerConfig(
+        metadata=cri.ContainerMetadata(name="app"), envs=[cri.KeyValue(key="A", value="1")]
+    ).SerializeToString()
+    config += UNKNOWN_FIELD
+    prefix = cri.CreateContainerRequest(pod_sandbox_id="sandbox-1").SerializeToString()
+    return prefix + b"\x12" + bytes([len(config)]) + config
+
+
+class InterceptTests(TestCase):
+    def setUp(self) -> None:
+        directory = short_tempdir(self)
+        self.backend = FakeCRIBackend(os.path.join(directory, "cri.sock")).start()
+        self.addCleanup(self.backend.stop)
+        self.hook_server = FakeHookServer(os.path.join(directory, "hook.sock")).start()
+        self.addCleanup(self.hook_server.stop)
+        self.hook_server.behaviours["PreCreateContainerHook"] = lambda request: hook.ContainerResourceHookResponse(
+            container_envs={"HOOKED": "1"}
+        )
+        self.store = Store()
+        pod = lifecycle.pod_hook_request(
+            cri.RunPodSandboxRequest(config=cri.PodSandboxConfig(metadata=cri.PodSandboxMetadata(name="p", uid="u")))
+        )
+        self.store.put_pod("sandbox-1", pod)
+        servers = HookServers(
+            (HookServerConfig("hook.json", self.hook_server.path, FailurePolicy.FAIL, frozenset(HookType), 2.0),)
+        )
+        clients = HookClients(reactor)
+        self.addCleanup(clients.close_all)
+        bridge = HookBridge(reactor, Dispatcher(clients, reactor), lambda: servers)
+        channel = BackendChannel(self.backend.path, lambda change, path: None)
+        self.addCleanup(channel.close)
+        interceptor = Interceptor(channel, self.store, bridge, SkipLabel("skip", "true"), RuntimeLookup(channel.channel))
+        handler = PassThroughHandler({BackendRole.RUNTIME: channel, BackendRole.IMAGE: channel}, interceptor.handlers)
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), handlers=[handler])
+        listen = os.path.join(directory, "proxy.sock")
+        server.add_insecure_port(grpc_target(listen))
+        server.start()
+        self.addCleanup(lambda: server.stop(0).wait())
+        self.client = grpc.insecure_channel(grpc_target(listen))
+        self.addCleanup(self.client.close)
+
+    def call(self, method: str, request: bytes) -> bytes:
+        return bytes(self.client.unary_unary(method)(request, timeout=10))
+
+    @inlineCallbacks
+    def test_hook_changes_reach_the_runtime_with_fields_newer_than_the_stubs(self):  # type: ignore[no-untyped-def]
+        response = yield deferToThread(self.call, CREATE, create_request_bytes())
+        self.assertEqual(cri.CreateContainerResponse.FromString(response).container_id, "created-1")
+        received = [c for c in self.backend.calls if c.method == CREATE][-1].request
+        config = cri.CreateContainerRequest.FromString(received).config
+        self.assertEqual([(e.key, e.value) for e in config.envs], [("A", "1"), ("HOOKED", "1")])
+        self.assertIn(UNKNOWN_FIELD, config.SerializeToString())
+        stored = self.store.container("created-1")
+        assert stored is not None
+        self.assertEqual((stored.sandbox_id, dict(stored.info.container_envs)), ("sandbox-1", {"A": "1", "HOOKED": "1"}))
+        self.assertEqual(self.hook_server.calls("PreCreateContainerHook")[0].pod_meta.uid, "u")
+
+    @inlineCallbacks
+    def test_bytes_that_do_not_parse_are_invalid_argument(self):  # type: ignore[no-untyped-def]
+        for method in ("CreateContainer", "RunPodSandbox", "StartContainer", "StopContainer"):
+            with self.assertRaises(grpc.RpcError) as error:
+                yield deferToThread(self.call, "/runtime.v1.RuntimeService/" + method, b"\xff\xff\xff")
+            self.assertEqual(error.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+            self.assertIn(method, error.exception.details())
+        self.assertEqual(self.hook_server.rpcs(), [])
+
+    @inlineCallbacks
+    def test_remove_forgets_the_pod_and_its_containers(self):  # type: ignore[no-untyped-def]
+        yield deferToThread(self.call, CREATE, create_request_bytes())
+        request = cri.RemovePodSandboxRequest(pod_sandbox_id="sandbox-1").SerializeToString()
+        yield deferToThread(self.call, "/runtime.v1.RuntimeService/RemovePodSandbox", request)
+        self.assertEqual(self.store.sizes(), (0, 0))
