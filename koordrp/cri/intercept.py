@@ -51,13 +51,13 @@ class LifecycleCall:
         try:
             outcome = self.interceptor.hooks.run(hook, self.servers, request, remaining_timeout(self.context))
         except HookStageTimeout as error:
-            if hook.is_pre:
-                self.context.abort(grpc.StatusCode.UNAVAILABLE, f"koordrp: {error}")
-            self.interceptor.log.warn("{error}", error=str(error))
-            return StageOutcome(request)
+            self.context.abort(grpc.StatusCode.UNAVAILABLE, f"koordrp: {error}")
         if outcome.failure is not None:
             self.context.abort(grpc.StatusCode.UNKNOWN, outcome.failure.message)
         return outcome
+
+    def notify(self, hook: HookType, request: HookRequest) -> None:
+        self.interceptor.hooks.notify(hook, self.servers, request)
 
     def forward(self, request: bytes) -> bytes:
         upstream = self.interceptor.upstream(self.method)
@@ -196,7 +196,7 @@ class Interceptor:
             return call.forward(raw)
         container = _as_container(call.hooks(HookType.PRE_START_CONTAINER, stored.info).request)
         response = call.forward(raw)
-        call.hooks(HookType.POST_START_CONTAINER, container)
+        call.notify(HookType.POST_START_CONTAINER, container)
         return response
 
     def update_container_resources(self, call: LifecycleCall, request: Any, raw: bytes) -> bytes:
@@ -217,14 +217,14 @@ class Interceptor:
         stored = call.container(request.container_id)
         response = call.forward(raw)
         if stored is not None and not self.skip.skips(stored.info.pod_labels):
-            call.hooks(HookType.POST_STOP_CONTAINER, stored.info)
+            call.notify(HookType.POST_STOP_CONTAINER, stored.info)
         return response
 
     def stop_pod_sandbox(self, call: LifecycleCall, request: Any, raw: bytes) -> bytes:
         pod = call.pod(request.pod_sandbox_id)
         response = call.forward(raw)
         if pod is not None and not self.skip.skips(pod.labels):
-            call.hooks(HookType.POST_STOP_POD_SANDBOX, pod)
+            call.notify(HookType.POST_STOP_POD_SANDBOX, pod)
         return response
 
     def remove_container(self, call: LifecycleCall, request: Any, raw: bytes) -> bytes:

@@ -142,6 +142,8 @@ class CRIProxyService(service.Service):
         handler.streams.end_all()
         stopped = server.stop(self.settings.grace_period)
         drained: Deferred[bool] = deferToThreadPool(self._reactor, self._reactor.getThreadPool(), stopped.wait)
+        # Post hooks of calls that finished are still owed to their servers.
+        drained.addCallback(lambda _: self.lifecycle.hooks.drain())
         return drained.addCallback(lambda _: self._release())
 
     def _release(self) -> None:

@@ -230,7 +230,7 @@ def test_skip_label_calls_no_hook(
     assert server.rpcs() == []
     with running_container(runtime, "hooked", workdir) as pod:
         runtime.StopContainer(api_pb2.StopContainerRequest(container_id=pod.container_id, timeout=0))
-    assert server.rpcs() == [
+    assert server.rpcs_once(6) == [
         "PreRunPodSandboxHook", "PreCreateContainerHook", "PreStartContainerHook", "PostStartContainerHook",
         "PostStopContainerHook", "PostStopPodSandboxHook",
     ]
@@ -250,11 +250,11 @@ def test_post_hooks_see_final_values_and_their_failures_do_not_fail_the_call(
     wait_registered(koordrp, 2)
     with running_container(runtime, "post", workdir) as pod:
         runtime.StopContainer(api_pb2.StopContainerRequest(container_id=pod.container_id, timeout=0))
+    assert post.rpcs_once(2) == ["PostStartContainerHook", "PostStopContainerHook"]
     for request in post.calls():
         assert request.container_envs["TUNED"] == "1"
         assert request.container_resources.cpu_shares == 300
         assert request.container_meta.id == pod.container_id
-    assert post.rpcs() == ["PostStartContainerHook", "PostStopContainerHook"]
 
 
 def test_after_a_restart_hooks_get_the_same_information(

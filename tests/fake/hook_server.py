@@ -72,6 +72,13 @@ class FakeHookServer:
         with self._lock:
             return [r.rpc for r in self.received]
 
+    def rpcs_once(self, count: int, timeout: float = 2.0) -> list[str]:
+        """The RPCs received, once there are ``count`` of them: post hooks arrive after the CRI answer."""
+        deadline = time.monotonic() + timeout
+        while len(self.rpcs()) < count and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self.rpcs()
+
     def answer(self, rpc: str, request: Any, context: grpc.ServicerContext) -> Any:
         with self._lock:
             self.received.append(Received(rpc, request))

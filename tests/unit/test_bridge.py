@@ -1,0 +1,58 @@
+"""Crossing from CRI worker threads into the reactor for hook stages."""
+
+import os
+import time
+
+from twisted.internet import reactor
+from twisted.internet.defer import inlineCallbacks
+from twisted.internet.threads import deferToThread
+from twisted.trial.unittest import TestCase
+
+from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
+from koordrp.cri.bridge import HookBridge
+from koordrp.hooks.client import HookClients
+from koordrp.hooks.dispatcher import Dispatcher
+from koordrp.hooks.types import FailurePolicy, HookServerConfig, HookServers, HookType
+from tests.fake.hook_server import FakeHookServer
+from tests.support.tempdirs import short_tempdir
+
+
+class HookBridgeTests(TestCase):
+    def setUp(self) -> None:
+        self.server = FakeHookServer(os.path.join(short_tempdir(self), "hook.sock")).start()
+        self.addCleanup(self.server.stop)
+        self.servers = HookServers(
+            (HookServerConfig("hook.json", self.server.path, FailurePolicy.FAIL, frozenset(HookType), 2.0),)
+        )
+        clients = HookClients(reactor)
+        self.addCleanup(clients.close_all)
+        self.bridge = HookBridge(reactor, Dispatcher(clients, reactor), lambda: self.servers)
+
+    @inlineCallbacks
+    def test_a_stage_nobody_subscribed_to_does_not_reach_the_reactor(self):  # type: ignore[no-untyped-def]
+        request = hook.ContainerResourceHookRequest()
+        outcome = yield deferToThread(self.bridge.run, HookType.PRE_START_CONTAINER, HookServers(), request, 1.0)
+        self.assertIs(outcome.request, request)
+        self.assertEqual(self.server.rpcs(), [])
+
+    @inlineCallbacks
+    def test_a_pre_stage_runs_in_the_reactor_and_answers_the_worker(self):  # type: ignore[no-untyped-def]
+        self.server.behaviours["PreStartContainerHook"] = lambda r: hook.ContainerResourceHookResponse(
+            container_envs={"SEEN": "1"}
+        )
+        outcome = yield deferToThread(
+            self.bridge.run, HookType.PRE_START_CONTAINER, self.servers, hook.ContainerResourceHookRequest(), 5.0
+        )
+        self.assertEqual(dict(outcome.request.container_envs), {"SEEN": "1"})
+
+    @inlineCallbacks
+    def test_post_stages_do_not_hold_the_worker_and_drain_waits_for_them(self):  # type: ignore[no-untyped-def]
+        self.server.delays["PostStopContainerHook"] = 0.5
+        started = time.monotonic()
+        yield deferToThread(
+            self.bridge.notify, HookType.POST_STOP_CONTAINER, self.servers, hook.ContainerResourceHookRequest()
+        )
+        self.assertLess(time.monotonic() - started, 0.3)
+        yield self.bridge.drain()
+        self.assertGreater(time.monotonic() - started, 0.45)
+        self.assertEqual(self.server.rpcs(), ["PostStopContainerHook"])
