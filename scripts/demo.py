@@ -1,15 +1,23 @@
-"""The demo: a private containerd, ``twistd -n koordrp`` in front of it, and a pod created through it.
+"""The demo: a private containerd, ``twistd -n koordrp`` in front of it, a hook server, and a pod.
 
-Every CRI call the demo makes goes through koordrp's socket and is printed with its answer. Nothing
-is left behind: containerd, koordrp, the pod and the temporary directory all go at the end.
+A small hook server registers itself in koordrp's hookserver.d for PreRunPodSandbox and
+PreCreateContainer: it pins the container to CPU 0 and injects an environment variable naming the
+pod's QoS class. Every CRI call the demo makes goes through koordrp's socket and is printed with its
+answer; then the container itself shows what the hook changed (its env, its cgroup's cpuset). Nothing
+is left behind: containerd, koordrp, the hook server, the pod and the temporary directory all go.
 """
 
+import json
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 from cri_api.v1 import api_pb2, api_pb2_grpc
+
+from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
+from tests.fake.hook_server import FakeHookServer
+from tests.support.hook_registration import register
 
 from tests.support.cri_objects import container_config, pod_sandbox_config
 from tests.support.images import BUSYBOX_REF
@@ -29,20 +37,56 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="krp-demo-", dir="/tmp") as scratch:
         base = Path(scratch)
         print(f"building the pause and busybox images from /bin/busybox, in {base}")
-        with containerd_and_koordrp(base) as (containerd, proxy):
-            print(f"private containerd on {containerd.endpoint}")
-            print(f"koordrp (twistd -n koordrp) on {proxy.endpoint}\n")
-            with proxy.channel() as channel:
-                walk_a_pod(api_pb2_grpc.RuntimeServiceStub(channel), base)
-            print("\nkoordrp's log:")
-            print("\n".join("  " + line for line in proxy.log().splitlines()))
+        tuner = start_hook_server(base)
+        try:
+            with containerd_and_koordrp(base) as (containerd, proxy):
+                print(f"private containerd on {containerd.endpoint}")
+                print(f"koordrp (twistd -n koordrp) on {proxy.endpoint}")
+                registration = register(
+                    base / "hookserver.d", "demo-tuner", tuner.path, ["PreRunPodSandbox", "PreCreateContainer"]
+                )
+                print(f"hook server on unix://{tuner.path}, registered by {registration}:")
+                print(f"  {registration.read_text()}")
+                wait_until_registered(proxy)
+                with proxy.channel() as channel:
+                    walk_a_pod(api_pb2_grpc.RuntimeServiceStub(channel), base)
+                print("\nwhat the hook server was asked:")
+                for rpc, request in zip(tuner.rpcs(), tuner.calls()):
+                    print(f"  {rpc}: pod {request.pod_meta.namespace}/{request.pod_meta.name}")
+                print("\nkoordrp's log:")
+                print("\n".join("  " + line for line in proxy.log().splitlines()))
+        finally:
+            tuner.stop()
     print("\ncleaned up: koordrp stopped, containerd stopped, its state removed")
 
 
+def start_hook_server(base: Path) -> FakeHookServer:
+    """A hook server with the demo's policy: pin to CPU 0, and say the pod's QoS class in the env."""
+    tuner = FakeHookServer(str(base / "demo-tuner.sock")).start()
+    tuner.behaviours["PreRunPodSandboxHook"] = lambda request: hook.PodSandboxHookResponse(
+        annotations={"demo.koordrp/tuned": "true"}
+    )
+    tuner.behaviours["PreCreateContainerHook"] = lambda request: hook.ContainerResourceHookResponse(
+        container_envs={"POD_QOS_CLASS": request.pod_labels.get("koordinator.sh/qosClass", "none")},
+        container_resources=hook.LinuxContainerResources(cpuset_cpus="0"),
+    )
+    return tuner
+
+
+def wait_until_registered(proxy: Any) -> None:
+    deadline = time.monotonic() + 5
+    while proxy.registered_servers() != 1:
+        if time.monotonic() > deadline:
+            raise RuntimeError("koordrp did not pick up the hook server registration")
+        time.sleep(0.02)
+
+
 def walk_a_pod(runtime: api_pb2_grpc.RuntimeServiceStub, base: Path) -> None:
-    print("CRI calls made through koordrp:")
+    print("\nCRI calls made through koordrp:")
     step("Version", lambda: runtime.Version(api_pb2.VersionRequest()), lambda v: f"{v.runtime_name} {v.runtime_version}")
-    pod = pod_sandbox_config("demo", namespace="default", log_directory=base / "pod-logs")
+    pod = pod_sandbox_config(
+        "demo", namespace="default", labels={"koordinator.sh/qosClass": "LS"}, log_directory=base / "pod-logs"
+    )
     sandbox = step(
         "RunPodSandbox",
         lambda: runtime.RunPodSandbox(api_pb2.RunPodSandboxRequest(config=pod), timeout=60),
@@ -67,9 +111,17 @@ def walk_a_pod(runtime: api_pb2_grpc.RuntimeServiceStub, base: Path) -> None:
         lambda answer: " ".join(sorted(answer.stdout.decode().split())),
     )
     step(
+        "ExecSync cpuset",
+        lambda: runtime.ExecSync(
+            api_pb2.ExecSyncRequest(container_id=cid, cmd=["cat", "/sys/fs/cgroup/cpuset/cpuset.cpus"], timeout=10)
+        ),
+        lambda answer: f"cpuset.cpus = {answer.stdout.decode().strip() or answer.stderr.decode().strip()}",
+    )
+    step(
         "ContainerStatus",
-        lambda: runtime.ContainerStatus(api_pb2.ContainerStatusRequest(container_id=cid)),
-        lambda answer: api_pb2.ContainerState.Name(answer.status.state),
+        lambda: runtime.ContainerStatus(api_pb2.ContainerStatusRequest(container_id=cid, verbose=True)),
+        lambda answer: f"{api_pb2.ContainerState.Name(answer.status.state)}, runtime spec cpus = "
+        + json.loads(answer.info["info"])["runtimeSpec"]["linux"]["resources"]["cpu"].get("cpus", "?"),
     )
     step(
         "ListPodSandbox",

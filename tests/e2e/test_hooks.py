@@ -206,6 +206,11 @@ def test_hot_reload_gives_each_pod_the_config_in_force_when_it_arrived(
     register(hooks_dir, "reload", server.path, ["PreCreateContainer"])  # renamed over the old one
     time.sleep(1.0)
     assert "RELOADED=1" in env_of("after-rename")
+    path.write_text(json.dumps({"remote-endpoint": server.path, "runtime-hooks": ["PreStartContainer"]}))  # in place
+    time.sleep(1.0)
+    assert "RELOADED=1" not in env_of("after-edit")
+    register(hooks_dir, "reload", server.path, ["PreCreateContainer"])
+    time.sleep(1.0)
     path.write_text("{ not json")  # a broken edit keeps the last good version
     time.sleep(1.0)
     assert "RELOADED=1" in env_of("after-broken-edit")

@@ -29,6 +29,9 @@ def test_demo_walks_a_pod_through_koordrp_and_cleans_up() -> None:
     for method in ("RunPodSandbox", "CreateContainer", "StartContainer", "RemovePodSandbox"):
         assert method in output
     assert "GREETING=hello" in output
+    assert "POD_QOS_CLASS=LS" in output
+    assert "cpuset.cpus = 0" in output
+    assert "PreCreateContainerHook: pod default/demo" in output
     assert "cleaned up" in output
 
 
