@@ -29,7 +29,7 @@ from koordrp.hooks.types import HookType
 from tests.support.cri_objects import container_config, linux_resources, pod_sandbox_config
 from tests.support.hook_registration import register
 from tests.support.images import BUSYBOX_REF
-from tests.support.pods import TIMEOUT, remove_pod, start_container
+from tests.support.pods import TIMEOUT, remove_pod
 from tests.support.stack import containerd_and_koordrp
 
 

@@ -35,6 +35,7 @@ from google.protobuf import json_format
 from google.protobuf.descriptor import Descriptor
 
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
+from koordrp.jsonvalues import json_type
 from koordrp.lifecycle import as_hook_resources, pod_hook_request
 
 __all__ = [
@@ -145,7 +146,7 @@ def _verbose_info(response: Any, what: str) -> dict[str, Any]:
     except (ValueError, RecursionError) as exc:
         raise RuntimeInfoError(f"{what} verbose info is not JSON: {_one_line(exc)}") from None
     if not isinstance(info, dict):
-        raise RuntimeInfoError(f"{what} verbose info is a JSON {_json_type(info)}, not an object")
+        raise RuntimeInfoError(f"{what} verbose info is a JSON {json_type(info)}, not an object")
     return info
 
 
@@ -157,7 +158,7 @@ def _object(parent: dict[str, Any], key: str, where: str, *, required: bool = Fa
             raise RuntimeInfoError(f"{where} has no {key!r}")
         return {}
     if not isinstance(value, dict):
-        raise RuntimeInfoError(f"{where}: {key!r} is a JSON {_json_type(value)}, not an object")
+        raise RuntimeInfoError(f"{where}: {key!r} is a JSON {json_type(value)}, not an object")
     return value
 
 
@@ -167,7 +168,7 @@ def _string(parent: dict[str, Any], key: str, where: str) -> str:
     if value is None:
         return ""
     if not isinstance(value, str):
-        raise RuntimeInfoError(f"{where}: {key!r} is a JSON {_json_type(value)}, not a string")
+        raise RuntimeInfoError(f"{where}: {key!r} is a JSON {json_type(value)}, not a string")
     return value
 
 
@@ -177,26 +178,10 @@ def _integer(parent: dict[str, Any], key: str, where: str, *, low: int = INT64_M
     if value is None:
         return 0
     if isinstance(value, bool) or not isinstance(value, int):
-        raise RuntimeInfoError(f"{where}: {key!r} is a JSON {_json_type(value)}, not an integer")
+        raise RuntimeInfoError(f"{where}: {key!r} is a JSON {json_type(value)}, not an integer")
     if not low <= value <= high:
         raise RuntimeInfoError(f"{where}: {key!r} is {value}, out of range [{low}, {high}]")
     return value
-
-
-def _json_type(value: object) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, (int, float)):
-        return "number"
-    if isinstance(value, dict):
-        return "object"
-    if isinstance(value, list):
-        return "array"
-    if isinstance(value, str):
-        return "string"
-    return type(value).__name__
 
 
 def _check_shape(value: object, descriptor: Descriptor, where: str) -> None:
@@ -206,7 +191,7 @@ def _check_shape(value: object, descriptor: Descriptor, where: str) -> None:
     that is, as an empty message: a malformed config would silently lose its metadata or resources.
     """
     if not isinstance(value, dict):
-        raise RuntimeInfoError(f"{where} is a JSON {_json_type(value)}, not an object")
+        raise RuntimeInfoError(f"{where} is a JSON {json_type(value)}, not an object")
     for key, item in value.items():
         field = next((f for f in descriptor.fields if key in (f.name, f.json_name)), None)
         if field is None or item is None or field.message_type is None:
@@ -214,14 +199,14 @@ def _check_shape(value: object, descriptor: Descriptor, where: str) -> None:
         inner = f"{where}.{key}"
         if field.message_type.GetOptions().map_entry:
             if not isinstance(item, dict):
-                raise RuntimeInfoError(f"{inner} is a JSON {_json_type(item)}, not an object")
+                raise RuntimeInfoError(f"{inner} is a JSON {json_type(item)}, not an object")
             entry_value = field.message_type.fields_by_name["value"].message_type
             if entry_value is not None:
                 for entry_key, entry in item.items():
                     _check_shape(entry, entry_value, f"{inner}[{entry_key!r}]")
         elif field.is_repeated:
             if not isinstance(item, list):
-                raise RuntimeInfoError(f"{inner} is a JSON {_json_type(item)}, not an array")
+                raise RuntimeInfoError(f"{inner} is a JSON {json_type(item)}, not an array")
             for index, element in enumerate(item):
                 _check_shape(element, field.message_type, f"{inner}[{index}]")
         else:
@@ -251,7 +236,7 @@ def _spec_annotations(info: dict[str, Any], what: str) -> dict[str, str]:
     annotations = _object(_object(info, "runtimeSpec", f"{what} info"), "annotations", where)
     for key, value in annotations.items():
         if not isinstance(value, str):
-            raise RuntimeInfoError(f"{where}: annotation {key!r} is a JSON {_json_type(value)}, not a string")
+            raise RuntimeInfoError(f"{where}: annotation {key!r} is a JSON {json_type(value)}, not a string")
     return annotations
 
 
@@ -296,16 +281,16 @@ def _resources_from_spec(info: dict[str, Any], what: str) -> hook.LinuxContainer
     limits = resources.get("hugepageLimits")
     if limits is not None:
         if not isinstance(limits, list):
-            raise RuntimeInfoError(f"{where}: 'hugepageLimits' is a JSON {_json_type(limits)}, not an array")
+            raise RuntimeInfoError(f"{where}: 'hugepageLimits' is a JSON {json_type(limits)}, not an array")
         for index, limit in enumerate(limits):
             if not isinstance(limit, dict):
-                raise RuntimeInfoError(f"{where}.hugepageLimits[{index}] is a JSON {_json_type(limit)}, not an object")
+                raise RuntimeInfoError(f"{where}.hugepageLimits[{index}] is a JSON {json_type(limit)}, not an object")
             converted.hugepage_limits.add(
                 page_size=_string(limit, "pageSize", f"{where}.hugepageLimits[{index}]"),
                 limit=_integer(limit, "limit", f"{where}.hugepageLimits[{index}]", low=0, high=UINT64_MAX),
             )
     for key, value in _object(resources, "unified", where).items():
         if not isinstance(value, str):
-            raise RuntimeInfoError(f"{where}.unified: {key!r} is a JSON {_json_type(value)}, not a string")
+            raise RuntimeInfoError(f"{where}.unified: {key!r} is a JSON {json_type(value)}, not a string")
         converted.unified[key] = value
     return converted

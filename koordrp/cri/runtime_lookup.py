@@ -1,6 +1,6 @@
 """Reading pods and containers back from the runtime, for store misses and start-up."""
 
-from typing import Callable
+from typing import Callable, TypeVar
 
 import grpc
 from cri_api.v1 import api_pb2 as cri
@@ -15,6 +15,21 @@ class LookupFailed(Exception):
     """The runtime could not say (unreachable, or an answer koordrp cannot read)."""
 
 
+Found = TypeVar("Found")
+
+
+def _ask(what: str, read: Callable[[], Found]) -> Found | None:
+    """``read()``, None when the runtime says it does not know the id, LookupFailed for anything else."""
+    try:
+        return read()
+    except grpc.RpcError as error:
+        if error.code() is grpc.StatusCode.NOT_FOUND:
+            return None
+        raise LookupFailed(f"{what}: {error.code().name}: {error.details()}") from None
+    except RuntimeInfoError as error:
+        raise LookupFailed(f"{what}: {error}") from None
+
+
 PodSource = Callable[[str], PodHookRequest | None]
 
 
@@ -24,32 +39,23 @@ class RuntimeLookup:
 
     def pod(self, sandbox_id: str, timeout: float | None) -> PodHookRequest | None:
         """The pod as the runtime has it, or None when the runtime does not know it."""
-        try:
-            status = self._runtime.PodSandboxStatus(
-                cri.PodSandboxStatusRequest(pod_sandbox_id=sandbox_id, verbose=True), timeout=timeout
-            )
-            return pod_info_from_status(status)
-        except grpc.RpcError as error:
-            if error.code() is grpc.StatusCode.NOT_FOUND:
-                return None
-            raise LookupFailed(f"PodSandboxStatus: {error.code().name}: {error.details()}") from None
-        except RuntimeInfoError as error:
-            raise LookupFailed(f"PodSandboxStatus of {sandbox_id}: {error}") from None
+
+        def read() -> PodHookRequest:
+            request = cri.PodSandboxStatusRequest(pod_sandbox_id=sandbox_id, verbose=True)
+            return pod_info_from_status(self._runtime.PodSandboxStatus(request, timeout=timeout))
+
+        return _ask(f"PodSandboxStatus of {sandbox_id}", read)
 
     def container(self, container_id: str, pods: PodSource, timeout: float | None) -> StoredContainer | None:
         """The container as the runtime has it, its pod from ``pods``; None when the runtime does not know it."""
-        try:
-            status = self._runtime.ContainerStatus(
-                cri.ContainerStatusRequest(container_id=container_id, verbose=True), timeout=timeout
-            )
+
+        def read() -> StoredContainer:
+            request = cri.ContainerStatusRequest(container_id=container_id, verbose=True)
+            status = self._runtime.ContainerStatus(request, timeout=timeout)
             sandbox_id = container_sandbox_id(status)
             return StoredContainer(sandbox_id, container_info_from_status(status, pods(sandbox_id)))
-        except grpc.RpcError as error:
-            if error.code() is grpc.StatusCode.NOT_FOUND:
-                return None
-            raise LookupFailed(f"ContainerStatus: {error.code().name}: {error.details()}") from None
-        except RuntimeInfoError as error:
-            raise LookupFailed(f"ContainerStatus of {container_id}: {error}") from None
+
+        return _ask(f"ContainerStatus of {container_id}", read)
 
     def everything(self, timeout: float | None) -> tuple[list[tuple[str, PodHookRequest]], list[tuple[str, StoredContainer]]]:
         """Every pod and container the runtime has, as the store keeps them."""

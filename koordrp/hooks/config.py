@@ -6,6 +6,7 @@ from typing import NoReturn
 
 from koordrp.endpoints import EndpointError, parse_unix_endpoint
 from koordrp.hooks.types import FailurePolicy, HookServerConfig, HookType
+from koordrp.jsonvalues import json_type
 
 MAX_CONFIG_BYTES = 1 << 20
 """A registration is a few hundred bytes; anything past this is a mistake and is not read whole."""
@@ -39,7 +40,7 @@ def parse_hook_server_config(name: str, data: bytes, default_timeout: float) -> 
         raise HookConfigError(TOO_LARGE)
     document = _decode(data)
     if not isinstance(document, dict):
-        raise HookConfigError(f"not a JSON object (found {_json_type(document)})")
+        raise HookConfigError(f"not a JSON object (found {json_type(document)})")
     return HookServerConfig(
         name=name,
         endpoint=_endpoint(document),
@@ -79,26 +80,12 @@ def _show(value: object) -> str:
     return text if len(text) <= _SHOWN_CHARS else text[: _SHOWN_CHARS - 3] + "..."
 
 
-def _json_type(value: object) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, (int, float)):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, list):
-        return "array"
-    return "object"
-
-
 def _endpoint(document: dict[str, object]) -> str:
     value = document.get("remote-endpoint")
     if value is None:
         raise HookConfigError('"remote-endpoint" is missing')
     if not isinstance(value, str):
-        raise HookConfigError(f'"remote-endpoint" must be a string, not {_json_type(value)}')
+        raise HookConfigError(f'"remote-endpoint" must be a string, not {json_type(value)}')
     if "\0" in value:
         raise HookConfigError('"remote-endpoint" contains a NUL character')
     try:
@@ -126,7 +113,7 @@ def _failure_policy(document: dict[str, object]) -> FailurePolicy:
     if isinstance(value, str) and value in _POLICIES_BY_NAME:
         return _POLICIES_BY_NAME[value]
     known = " or ".join(f'"{name}"' for name in _POLICIES_BY_NAME)
-    shown = _show(value) if isinstance(value, str) else f"a {_json_type(value)}"
+    shown = _show(value) if isinstance(value, str) else f"a {json_type(value)}"
     raise HookConfigError(f'"failure-policy" must be {known}, not {shown}')
 
 
@@ -135,11 +122,11 @@ def _hooks(document: dict[str, object]) -> frozenset[HookType]:
         raise HookConfigError('"runtime-hooks" is missing')
     value = document["runtime-hooks"]
     if not isinstance(value, list):
-        raise HookConfigError(f'"runtime-hooks" must be a list of hook names, not {_json_type(value)}')
+        raise HookConfigError(f'"runtime-hooks" must be a list of hook names, not {json_type(value)}')
     hooks = set()
     for index, item in enumerate(value):
         if not isinstance(item, str):
-            raise HookConfigError(f'"runtime-hooks"[{index}] must be a string, not {_json_type(item)}')
+            raise HookConfigError(f'"runtime-hooks"[{index}] must be a string, not {json_type(item)}')
         hook = _HOOKS_BY_NAME.get(item)
         if hook is None:
             raise HookConfigError(
@@ -162,4 +149,4 @@ def _timeout(document: dict[str, object], default: float) -> float:
         if math.isfinite(seconds) and seconds > 0:
             return seconds
         raise HookConfigError(f'"timeout-seconds" must be a positive finite number, not {_show(value)}')
-    raise HookConfigError(f'"timeout-seconds" must be a positive finite number, not {_json_type(value)}')
+    raise HookConfigError(f'"timeout-seconds" must be a positive finite number, not {json_type(value)}')

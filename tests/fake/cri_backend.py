@@ -7,14 +7,13 @@ bytes and records what reached it.
 
 import threading
 import time
-from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import grpc
 from cri_api.v1 import api_pb2
 
-from koordrp.endpoints import grpc_target
+from tests.fake import FakeGrpcServer
 
 RUNTIME = "/runtime.v1.RuntimeService/"
 IMAGE = "/runtime.v1.ImageService/"
@@ -29,7 +28,7 @@ class ReceivedCall:
 
 
 @dataclass
-class FakeCRIBackend:
+class FakeCRIBackend(FakeGrpcServer):
     """Behaviour per method, configurable by tests; unknown methods echo their request."""
 
     path: str
@@ -41,19 +40,10 @@ class FakeCRIBackend:
     calls: list[ReceivedCall] = field(default_factory=list)
     stream_cancelled: threading.Event = field(default_factory=threading.Event)
     slow_call_ended: threading.Event = field(default_factory=threading.Event)
-    _server: grpc.Server | None = None
 
     def start(self) -> "FakeCRIBackend":
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), handlers=[_Handler(self)])
-        server.add_insecure_port(grpc_target(self.path))
-        server.start()
-        self._server = server
+        self._serve(lambda server: None, handlers=[_Handler(self)])
         return self
-
-    def stop(self) -> None:
-        if self._server is not None:
-            self._server.stop(0).wait()
-            self._server = None
 
     def record(self, method: str, request: bytes, context: grpc.ServicerContext) -> None:
         remaining = context.time_remaining()

@@ -7,7 +7,6 @@ can check exactly what koordrp sent.
 
 import threading
 import time
-from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -15,20 +14,13 @@ import grpc
 
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
 from koordrp.api.runtime.v1alpha1 import api_pb2_grpc as hook_grpc
-from koordrp.endpoints import grpc_target
+from koordrp.hooks.types import HookType
+from tests.fake import FakeGrpcServer
 
 Behaviour = Callable[[Any], Any]
 
-POD_HOOKS = {"PreRunPodSandboxHook", "PostStopPodSandboxHook"}
-HOOK_RPCS = (
-    "PreRunPodSandboxHook",
-    "PostStopPodSandboxHook",
-    "PreCreateContainerHook",
-    "PreStartContainerHook",
-    "PostStartContainerHook",
-    "PostStopContainerHook",
-    "PreUpdateContainerResourcesHook",
-)
+POD_HOOKS = {hook_type.rpc_name for hook_type in HookType if hook_type.is_pod_hook}
+HOOK_RPCS = {hook_type.rpc_name for hook_type in HookType}
 
 
 def empty_response(rpc: str) -> Any:
@@ -42,27 +34,17 @@ class Received:
 
 
 @dataclass
-class FakeHookServer:
+class FakeHookServer(FakeGrpcServer):
     path: str
     behaviours: dict[str, Behaviour] = field(default_factory=dict)
     failures: dict[str, grpc.StatusCode] = field(default_factory=dict)
     delays: dict[str, float] = field(default_factory=dict)
     received: list[Received] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
-    _server: grpc.Server | None = None
 
     def start(self) -> "FakeHookServer":
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
-        hook_grpc.add_RuntimeHookServiceServicer_to_server(_Servicer(self), server)
-        server.add_insecure_port(grpc_target(self.path))
-        server.start()
-        self._server = server
+        self._serve(lambda server: hook_grpc.add_RuntimeHookServiceServicer_to_server(_Servicer(self), server))
         return self
-
-    def stop(self) -> None:
-        if self._server is not None:
-            self._server.stop(0).wait()
-            self._server = None
 
     def calls(self, rpc: str | None = None) -> list[Any]:
         with self._lock:
