@@ -26,7 +26,7 @@ from koordrp.store import Store, StoredContainer
 
 RUNTIME_SERVICE = "/runtime.v1.RuntimeService/"
 
-Request = TypeVar("Request", bound=Message)
+Found = TypeVar("Found")
 
 
 @dataclass(frozen=True)
@@ -75,38 +75,39 @@ class LifecycleCall:
 
     def pod(self, sandbox_id: str) -> PodHookRequest | None:
         """The pod from the store, or read back from the runtime (and remembered) if the store lacks it."""
-        store = self.interceptor.store
+        store, lookup = self.interceptor.store, self.interceptor.lookup
         pod = store.pod(sandbox_id)
-        if pod is None and sandbox_id:
-            try:
-                pod = self.interceptor.lookup.pod(sandbox_id, remaining_timeout(self.context))
-            except LookupFailed as error:
-                self.interceptor.log.warn(
-                    "pod {sandbox} is not in the store and could not be read from the runtime: {error}",
-                    sandbox=sandbox_id,
-                    error=str(error),
-                )
-                return None
+        if pod is None:
+            pod = self._read_back("pod", sandbox_id, lambda: lookup.pod(sandbox_id, remaining_timeout(self.context)))
             if pod is not None:
                 store.learn([(sandbox_id, pod)], [])
         return pod
 
     def container(self, container_id: str) -> StoredContainer | None:
-        store = self.interceptor.store
+        """The container from the store, or read back from the runtime (and remembered)."""
+        store, lookup = self.interceptor.store, self.interceptor.lookup
         stored = store.container(container_id)
-        if stored is None and container_id:
-            try:
-                stored = self.interceptor.lookup.container(container_id, self.pod, remaining_timeout(self.context))
-            except LookupFailed as error:
-                self.interceptor.log.warn(
-                    "container {container} is not in the store and could not be read from the runtime: {error}",
-                    container=container_id,
-                    error=str(error),
-                )
-                return None
+        if stored is None:
+            stored = self._read_back(
+                "container", container_id, lambda: lookup.container(container_id, self.pod, remaining_timeout(self.context))
+            )
             if stored is not None:
                 store.learn([], [(container_id, stored)])
         return stored
+
+    def _read_back(self, kind: str, identifier: str, read: Callable[[], Found | None]) -> Found | None:
+        if not identifier:
+            return None
+        try:
+            return read()
+        except LookupFailed as error:
+            self.interceptor.log.warn(
+                "{kind} {id} is not in the store and could not be read from the runtime: {error}",
+                kind=kind,
+                id=identifier,
+                error=str(error),
+            )
+            return None
 
 
 class Interceptor:
