@@ -150,3 +150,18 @@ def _timeout(document: dict[str, object], default: float) -> float:
             return seconds
         raise HookConfigError(f'"timeout-seconds" must be a positive finite number, not {_show(value)}')
     raise HookConfigError(f'"timeout-seconds" must be a positive finite number, not {json_type(value)}')
+
+
+def permission_problem(mode: int, owner: int, koordrp_uid: int) -> str | None:
+    """Why a registration file may not be trusted, or None.
+
+    A hook server can rewrite every container's environment, resources and cgroup, so registering
+    one must take what changing koordrp itself takes: the rule sudo and sshd apply to their
+    configuration. A file others can write, or (when koordrp runs as root) one root does not own,
+    is refused.
+    """
+    if mode & 0o022:
+        return f"is group- or world-writable (mode {mode & 0o7777:04o}); only its owner may be able to change it"
+    if koordrp_uid == 0 and owner != 0:
+        return f"is owned by uid {owner}, not root; only root may register hook servers"
+    return None

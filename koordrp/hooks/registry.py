@@ -21,7 +21,13 @@ from twisted.internet.interfaces import IDelayedCall, IReactorFDSet, IReactorTim
 from twisted.logger import Logger, LogLevel
 from twisted.python.filepath import FilePath
 
-from koordrp.hooks.config import MAX_CONFIG_BYTES, TOO_LARGE, HookConfigError, parse_hook_server_config
+from koordrp.hooks.config import (
+    MAX_CONFIG_BYTES,
+    TOO_LARGE,
+    HookConfigError,
+    parse_hook_server_config,
+    permission_problem,
+)
 from koordrp.hooks.types import HookServerConfig, HookServers, HookType
 
 SUFFIX = ".json"
@@ -158,6 +164,10 @@ def read_registration(path: str) -> Reading:
         if not stat.S_ISREG(info.st_mode):
             return None
         key = stat_key(info)
+        # Checked on the opened file, so a swap between this check and the read cannot slip through.
+        untrusted = permission_problem(info.st_mode, info.st_uid, os.geteuid())
+        if untrusted is not None:
+            return Refusal(untrusted, seen=key)
         if info.st_size > MAX_CONFIG_BYTES:
             return Refusal(TOO_LARGE, seen=key)
         chunks: list[bytes] = []

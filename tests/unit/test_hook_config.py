@@ -4,7 +4,7 @@ import json
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from koordrp.hooks.config import MAX_CONFIG_BYTES, HookConfigError, parse_hook_server_config
+from koordrp.hooks.config import MAX_CONFIG_BYTES, HookConfigError, parse_hook_server_config, permission_problem
 from koordrp.hooks.types import FailurePolicy, HookServerConfig, HookType
 
 KOORDLET = {
@@ -211,3 +211,12 @@ class RejectTests(SynchronousTestCase):
         self.assertEqual(reason, '"timeout-seconds" must be a positive finite number, not boolean')
         self.assertIn("not string", self.reason(with_fields(timeout_seconds="3")))
         self.assertIn("not object", self.reason(with_fields(timeout_seconds={})))
+
+
+class PermissionTests(SynchronousTestCase):
+    def test_only_files_nobody_else_can_change_are_trusted(self) -> None:
+        self.assertIsNone(permission_problem(0o100644, 0, 0))
+        self.assertIsNone(permission_problem(0o100600, 1000, 1000))
+        self.assertIn("world-writable", permission_problem(0o100646, 0, 0) or "")
+        self.assertIn("group- or world-writable", permission_problem(0o100664, 0, 0) or "")
+        self.assertIn("not root", permission_problem(0o100644, 1000, 0) or "")

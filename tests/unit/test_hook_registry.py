@@ -591,6 +591,23 @@ class WatchingTests(TestCase):
         )
         self.assertEqual(self.endpoints(hooks)["a.json"], "/run/a.sock")
 
+    async def test_a_file_others_could_change_is_not_trusted(self) -> None:
+        os.mkdir(self.dir)
+        self.write("a.json", registration("/run/a.sock"))
+        hooks = self.start()
+        os.chmod(self.path("a.json"), 0o666)
+        await self.until(lambda: len(self.warnings_about("a.json")) == 1, "world-writable a.json rejected")
+        self.assertIn("group- or world-writable (mode 0666)", self.warnings_about("a.json")[0])
+        self.assertIn("last good version stays in force", self.warnings_about("a.json")[0])
+        os.chmod(self.path("a.json"), 0o644)
+        os.chown(self.path("a.json"), 4242, -1)
+        await self.until(lambda: len(self.warnings_about("a.json")) == 2, "a.json owned by a user rejected")
+        self.assertIn("owned by uid 4242, not root", self.warnings_about("a.json")[1])
+        self.write("b.json", registration("/run/b.sock"))
+        os.chmod(self.path("b.json"), 0o664)
+        await self.until(lambda: len(self.warnings_about("b.json")) == 1, "group-writable b.json rejected")
+        self.assertNotIn("b.json", self.endpoints(hooks))
+
     async def test_bad_new_file_is_not_registered(self) -> None:
         hooks = self.start()
         self.write("a.json", b'{"remote-endpoint": "tcp://1.2.3.4:5", "runtime-hooks": []}')
