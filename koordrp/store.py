@@ -85,6 +85,39 @@ class Store:
             for container_id, stored in new_containers:
                 self._containers.setdefault(container_id, stored)
 
+    def ids(self) -> tuple[set[str], set[str]]:
+        """The pod and container ids known now: what a later reconcile may forget."""
+        with self._lock:
+            return set(self._pods), set(self._containers)
+
+    def reconcile(
+        self,
+        pods: list[tuple[str, PodHookRequest]],
+        containers: list[tuple[str, StoredContainer]],
+        known_before: tuple[set[str], set[str]],
+    ) -> tuple[int, int]:
+        """Agree with a listing of the runtime taken after ``known_before``; returns (forgotten, learnt).
+
+        What was known before the listing and is not in it was removed while koordrp could not see
+        it, and is forgotten. Entries written after ``known_before`` came from calls the listing may
+        have missed, and are kept. Everything listed and unknown is learnt.
+        """
+        pods_before, containers_before = known_before
+        listed_pods = {sandbox_id for sandbox_id, _ in pods}
+        listed_containers = {container_id for container_id, _ in containers}
+        with self._lock:
+            gone_pods = [i for i in pods_before - listed_pods if i in self._pods]
+            gone_containers = [i for i in containers_before - listed_containers if i in self._containers]
+            for sandbox_id in gone_pods:
+                del self._pods[sandbox_id]
+            for container_id in gone_containers:
+                del self._containers[container_id]
+            new = sum(i not in self._pods for i in listed_pods) + sum(
+                i not in self._containers for i in listed_containers
+            )
+        self.learn(pods, containers)
+        return len(gone_pods) + len(gone_containers), new
+
     def sizes(self) -> tuple[int, int]:
         with self._lock:
             return len(self._pods), len(self._containers)

@@ -1,8 +1,10 @@
 """``twistd koordrp``: command-line options and the service tree they build."""
 
+import grp
 from typing import Any
 
 from twisted.application import service
+from twisted.logger import Logger
 from twisted.python import usage
 
 from koordrp.cri.bridge import HookBridge
@@ -14,6 +16,7 @@ from koordrp.hooks.dispatcher import Dispatcher
 from koordrp.hooks.registry import HookRegistry
 from koordrp.shutdown import OrderlyStopOnSIGTERM
 from koordrp.store import Store
+from koordrp.unixsocket import CannotListen
 
 # Flag names and defaults are koord-runtime-proxy's, so that a node's unit files carry over.
 DEFAULT_PROXY_ENDPOINT = "/var/run/koord-runtimeproxy/runtimeproxy.sock"
@@ -44,6 +47,7 @@ class Options(usage.Options):
         ["runtime-hook-server-key", None, DEFAULT_SKIP_HOOK_KEY, "pod label key that skips all hooks"],
         ["runtime-hook-server-val", None, DEFAULT_SKIP_HOOK_VALUE, "pod label value that skips all hooks"],
         ["hook-config-dir", None, DEFAULT_HOOK_CONFIG_DIR, "directory of hook server registrations (*.json)"],
+        ["socket-group", None, None, "group (name or id) given access to the CRI socket [default: koordrp's group]"],
         ["hook-timeout", None, 2.0, "seconds a hook call may take, unless its file sets timeout-seconds", float],
         ["grace-period", None, 10.0, "seconds in-flight CRI calls get to finish on shutdown", float],
         ["max-workers", None, 64, "CRI worker threads (streams hold one each)", int],
@@ -68,6 +72,12 @@ class Options(usage.Options):
         if value not in RUNTIME_MODES:
             raise usage.UsageError(f"--backend-runtime-mode: {value!r} is not one of {', '.join(RUNTIME_MODES)}")
         self["backend-runtime-mode"] = value
+
+    def opt_socket_group(self, value: str) -> None:
+        try:
+            self["socket-group"] = int(value) if value.isdigit() else grp.getgrnam(value).gr_gid
+        except KeyError:
+            raise usage.UsageError(f"--socket-group: no group named {value!r}") from None
 
     def opt_hook_config_dir(self, value: str) -> None:
         if not value.startswith("/"):
@@ -96,7 +106,21 @@ def cri_settings(config: Options) -> CRIProxySettings:
         image_path=config["remote-image-service-endpoint"],
         grace_period=config["grace-period"],
         max_workers=config["max-workers"],
+        socket_gid=config["socket-group"],
     )
+
+
+class Koordrp(service.MultiService):
+    """The whole daemon; a start-up it cannot survive ends the process with one clear line."""
+
+    log = Logger()
+
+    def startService(self) -> None:
+        try:
+            super().startService()  # type: ignore[no-untyped-call]
+        except CannotListen as error:
+            self.log.critical("cannot start: {error}", error=str(error))
+            raise SystemExit(f"koordrp cannot start: {error}") from None
 
 
 def makeService(config: Options, reactor: Any = None) -> service.MultiService:
@@ -116,7 +140,7 @@ def makeService(config: Options, reactor: Any = None) -> service.MultiService:
         hooks=HookBridge(reactor, Dispatcher(clients, reactor), lambda: registry.current),
         skip=SkipLabel(config["runtime-hook-server-key"], config["runtime-hook-server-val"]),
     )
-    top = service.MultiService()  # type: ignore[no-untyped-call]
+    top = Koordrp()  # type: ignore[no-untyped-call]
     # The registry starts first, so the first CRI call already sees every registered server.
     for child in (registry, CRIProxyService(cri_settings(config), reactor, lifecycle), OrderlyStopOnSIGTERM(reactor)):
         child.setServiceParent(top)  # type: ignore[no-untyped-call]

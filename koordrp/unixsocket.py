@@ -8,12 +8,23 @@ import stat
 from typing import Iterator
 
 
-class SocketInUse(RuntimeError):
+class CannotListen(RuntimeError):
+    """koordrp cannot take its socket; the message says why, in one line."""
+
+
+class SocketInUse(CannotListen):
     """Another live process already serves the socket path."""
 
 
-class NotASocket(RuntimeError):
+class NotASocket(CannotListen):
     """Something other than a socket sits where koordrp should listen."""
+
+
+class UnsafeDirectory(CannotListen):
+    """The socket's directory lets someone else replace koordrp's socket."""
+
+
+SOCKET_DIRECTORY_MODE = 0o755
 
 
 def prepare_listening_path(path: str) -> None:
@@ -23,7 +34,11 @@ def prepare_listening_path(path: str) -> None:
     a socket is an operator's file: koordrp refuses both rather than stealing or deleting them.
     """
     directory = os.path.dirname(path)
-    os.makedirs(directory, mode=0o755, exist_ok=True)
+    if not os.path.isdir(directory):
+        os.makedirs(directory, exist_ok=True)
+        # Explicitly: makedirs' mode is cut by the umask, and twistd daemonizes with 077.
+        os.chmod(directory, SOCKET_DIRECTORY_MODE)
+    check_directory(directory)
     try:
         mode = os.lstat(path).st_mode
     except FileNotFoundError:
@@ -33,6 +48,15 @@ def prepare_listening_path(path: str) -> None:
     if _accepts_connections(path):
         raise SocketInUse(f"{path} is in use by another running process")
     os.unlink(path)
+
+
+def check_directory(directory: str) -> None:
+    """Whoever can write the socket's directory can swap the socket kubelet talks to."""
+    info = os.stat(directory)
+    if info.st_uid != os.geteuid():
+        raise UnsafeDirectory(f"{directory} is owned by uid {info.st_uid}, not by koordrp's user (uid {os.geteuid()})")
+    if info.st_mode & 0o022:
+        raise UnsafeDirectory(f"{directory} is group- or world-writable (mode {stat.S_IMODE(info.st_mode):04o})")
 
 
 def _accepts_connections(path: str) -> bool:

@@ -25,8 +25,8 @@ from koordrp.store import Store
 from koordrp.unixsocket import prepare_listening_path, remove_socket, umask
 
 SOCKET_MODE = 0o660
-_REBUILD_TIMEOUT = 30.0
-_REBUILD_RETRY_SECONDS = 1.0
+_RECONCILE_TIMEOUT = 30.0
+_RECONCILE_RETRY_SECONDS = 1.0
 
 _REACHABILITY_MESSAGES = {
     Reachability.FIRST_CONNECTED: "backend unix://{endpoint} is reachable",
@@ -51,6 +51,8 @@ class CRIProxySettings:
     image_path: str
     grace_period: float
     max_workers: int
+    socket_gid: int | None = None
+    """The group that may use the socket (mode 0660); None: koordrp's own group."""
 
 
 class CRIProxyService(service.Service):
@@ -67,7 +69,8 @@ class CRIProxyService(service.Service):
         self.settings = settings
         self.lifecycle = lifecycle
         self._reactor = reactor
-        self._rebuild: IDelayedCall | None = None
+        self._reconcile: IDelayedCall | None = None
+        self._lookup: RuntimeLookup | None = None
         self._server: grpc.Server | None = None
         self._handler: PassThroughHandler | None = None
         self._backends: list[BackendChannel] = []
@@ -93,6 +96,8 @@ class CRIProxyService(service.Service):
             server.add_insecure_port(grpc_target(settings.listen_path))
             server.start()
         os.chmod(settings.listen_path, SOCKET_MODE)
+        if settings.socket_gid is not None:
+            os.chown(settings.listen_path, -1, settings.socket_gid)
         self._server = server
         super().startService()  # type: ignore[no-untyped-call]
         self.log.info(
@@ -101,40 +106,52 @@ class CRIProxyService(service.Service):
             runtime=settings.runtime_path,
             image=settings.image_path,
         )
-        self._rebuild_store(lookup)
+        self._lookup = lookup
+        self._reconcile_store()
 
-    def _rebuild_store(self, lookup: RuntimeLookup) -> None:
-        """Learn the pods and containers the runtime already has, retrying until it answers.
+    def _reconcile_store(self) -> None:
+        """Make the store agree with the runtime, retrying until the runtime answers.
 
-        CRI calls are served meanwhile: a call about something not learnt yet reads it from the
-        runtime itself.
+        At start-up this learns what already runs; after an outage it also forgets what was removed
+        meanwhile. CRI calls are served throughout: a call about something not learnt yet reads it
+        from the runtime itself.
         """
-        self._rebuild = None
+        if self._reconcile is not None and self._reconcile.active():
+            self._reconcile.cancel()
+        self._reconcile = None
+        lookup = self._lookup
+        if lookup is None or not self.running:
+            return
+        store = self.lifecycle.store
+        known_before = store.ids()
         pool = self._reactor.getThreadPool()
-        reading: Deferred[tuple[Any, Any]] = deferToThreadPool(self._reactor, pool, lookup.everything, _REBUILD_TIMEOUT)
+        reading: Deferred[tuple[Any, Any]] = deferToThreadPool(self._reactor, pool, lookup.everything, _RECONCILE_TIMEOUT)
 
-        def learnt(found: tuple[Any, Any]) -> None:
+        def agree(found: tuple[Any, Any]) -> None:
             pods, containers = found
-            self.lifecycle.store.learn(pods, containers)
+            forgotten, learnt = store.reconcile(pods, containers, known_before)
             self.log.info(
-                "store rebuilt from the runtime: {pods} pods, {containers} containers",
+                "store agrees with the runtime: {pods} pods, {containers} containers "
+                "({learnt} learnt, {forgotten} forgotten)",
                 pods=len(pods),
                 containers=len(containers),
+                learnt=learnt,
+                forgotten=forgotten,
             )
 
         def retry(failure: Failure) -> Failure | None:
             if not isinstance(failure.value, LookupFailed):
                 return failure
             if self.running:
-                self._rebuild = self._reactor.callLater(_REBUILD_RETRY_SECONDS, self._rebuild_store, lookup)
+                self._reconcile = self._reactor.callLater(_RECONCILE_RETRY_SECONDS, self._reconcile_store)
             return None
 
-        reading.addCallbacks(learnt, retry)
+        reading.addCallbacks(agree, retry)
 
     def stopService(self) -> "Deferred[None]":
         super().stopService()  # type: ignore[no-untyped-call]
-        if self._rebuild is not None and self._rebuild.active():
-            self._rebuild.cancel()
+        if self._reconcile is not None and self._reconcile.active():
+            self._reconcile.cancel()
         server, handler = self._server, self._handler
         assert server is not None and handler is not None
         self._server = None
@@ -157,3 +174,6 @@ class CRIProxyService(service.Service):
         # Connectivity callbacks arrive on a grpc thread; logs are written from the reactor.
         level = self.log.warn if change is Reachability.UNREACHABLE else self.log.info
         self._reactor.callFromThread(level, _REACHABILITY_MESSAGES[change], endpoint=endpoint)
+        if change is Reachability.RECOVERED and endpoint == self.settings.runtime_path:
+            # Pods may have been removed (or created) behind koordrp's back while it could not see.
+            self._reactor.callFromThread(self._reconcile_store)

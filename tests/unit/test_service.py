@@ -18,7 +18,7 @@ from koordrp.hooks.client import HookClients
 from koordrp.hooks.dispatcher import Dispatcher
 from koordrp.hooks.types import HookServers
 from koordrp.store import Store
-from koordrp.unixsocket import NotASocket, SocketInUse
+from koordrp.unixsocket import NotASocket, SocketInUse, UnsafeDirectory
 from tests.fake.cri_backend import FakeCRIBackend
 from tests.fake.reactor import InlineThreadsReactor
 from tests.support.tempdirs import short_tempdir
@@ -40,18 +40,19 @@ class CRIProxyServiceTests(SynchronousTestCase):
         globalLogPublisher.addObserver(self.events.append)
         self.addCleanup(globalLogPublisher.removeObserver, self.events.append)
 
-    def make_service(self, grace: float = 5.0) -> CRIProxyService:
+    def make_service(self, grace: float = 5.0, socket_gid: int | None = None) -> CRIProxyService:
         settings = CRIProxySettings(
             listen_path=self.listen,
             runtime_path=self.backend.path,
             image_path=self.backend.path,
             grace_period=grace,
             max_workers=4,
+            socket_gid=socket_gid,
         )
         return CRIProxyService(settings, self.reactor, no_hooks(self.reactor))
 
-    def start(self, grace: float = 5.0) -> CRIProxyService:
-        proxy = self.make_service(grace)
+    def start(self, grace: float = 5.0, socket_gid: int | None = None) -> CRIProxyService:
+        proxy = self.make_service(grace, socket_gid)
         proxy.startService()
         self.addCleanup(lambda: proxy.running and proxy.stopService())
         return proxy
@@ -66,6 +67,28 @@ class CRIProxyServiceTests(SynchronousTestCase):
         self.assertEqual(stat.S_IMODE(os.stat(self.listen).st_mode), 0o660)
         self.assertEqual(stat.S_IMODE(os.stat(os.path.dirname(self.listen)).st_mode), 0o755)
         self.assertEqual(self.stub().Version(api_pb2.VersionRequest(), timeout=5).runtime_name, "backend")
+
+    def test_socket_group_is_configurable(self) -> None:
+        self.start(socket_gid=4242)
+        self.assertEqual(os.stat(self.listen).st_gid, 4242)
+        self.assertEqual(stat.S_IMODE(os.stat(self.listen).st_mode), 0o660)
+
+    def test_created_directory_is_0755_whatever_the_umask(self) -> None:
+        previous = os.umask(0o077)
+        try:
+            self.start()
+        finally:
+            os.umask(previous)
+        self.assertEqual(stat.S_IMODE(os.stat(os.path.dirname(self.listen)).st_mode), 0o755)
+
+    def test_a_directory_others_can_write_or_own_is_refused(self) -> None:
+        directory = os.path.dirname(self.listen)
+        os.makedirs(directory)
+        os.chmod(directory, 0o777)
+        self.assertRaises(UnsafeDirectory, self.make_service().startService)
+        os.chmod(directory, 0o755)
+        os.chown(directory, 4242, -1)
+        self.assertRaises(UnsafeDirectory, self.make_service().startService)
 
     def test_stale_socket_is_replaced(self) -> None:
         os.makedirs(os.path.dirname(self.listen))

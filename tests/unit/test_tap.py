@@ -38,6 +38,11 @@ class OptionsTests(SynchronousTestCase):
         self.assertEqual(options["remote-runtime-service-endpoint"], "/run/containerd/containerd.sock")
         self.assertEqual(options["remote-image-service-endpoint"], "/run/images.sock")
 
+    def test_socket_group_by_name_or_id(self) -> None:
+        self.assertEqual(parse("--socket-group=root")["socket-group"], 0)
+        self.assertEqual(parse("--socket-group=4242")["socket-group"], 4242)
+        self.assertIsNone(parse()["socket-group"])
+
     def test_image_endpoint_follows_the_runtime_endpoint(self) -> None:
         options = parse("--remote-runtime-service-endpoint=unix:///run/c.sock")
         self.assertEqual(options["remote-image-service-endpoint"], "/run/c.sock")
@@ -53,6 +58,7 @@ class OptionsTests(SynchronousTestCase):
             "--max-workers=1": "--max-workers",
             "--runtime-hook-server-key=": "--runtime-hook-server-key",
             "--hook-timeout=0": "--hook-timeout",
+            "--socket-group=no-such-group-here": "--socket-group",
         }
         for argument, flag in cases.items():
             with self.assertRaises(usage.UsageError) as error:
