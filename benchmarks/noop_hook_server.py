@@ -12,7 +12,6 @@ import json
 import queue
 import signal
 import sys
-import threading
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,7 +41,8 @@ class CountingHookServer(FakeHookServer):
 
 
 def main() -> None:
-    server = CountingHookServer(sys.argv[1]).start()
+    server = CountingHookServer(sys.argv[1])
+    server.start()
     # Handlers only queue the signal (SimpleQueue.put is safe in a signal handler); printing happens
     # here, so a report never interleaves with another one.
     signals: "queue.SimpleQueue[int]" = queue.SimpleQueue()

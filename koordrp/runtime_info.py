@@ -27,8 +27,9 @@ What containerd 1.6 returns (seen on a live instance, see tests/fixtures/):
 
 from __future__ import annotations
 
+import functools
 import json
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from cri_api.v1 import api_pb2 as cri
 from google.protobuf import json_format
@@ -61,10 +62,33 @@ class RuntimeInfoError(ValueError):
         self.reason = reason
 
 
+Result = TypeVar("Result")
+
+
+def _only_runtime_info_errors(read: Callable[..., Result]) -> Callable[..., Result]:
+    """Whatever a broken or hostile runtime writes, callers see a RuntimeInfoError and nothing else.
+
+    The readers check what they expect, but JSON can spell things protobuf refuses deep inside
+    its own code (a lone surrogate raises SystemError or UnicodeEncodeError there).
+    """
+
+    @functools.wraps(read)
+    def guarded(*args: Any) -> Result:
+        try:
+            return read(*args)
+        except RuntimeInfoError:
+            raise
+        except (ValueError, TypeError, SystemError, RecursionError, KeyError, AttributeError) as error:
+            raise RuntimeInfoError(f"unreadable status: {type(error).__name__}: {_one_line(error)}") from None
+
+    return guarded
+
+
 # ---------------------------------------------------------------------------------------------
 # Public API
 
 
+@_only_runtime_info_errors
 def pod_info_from_status(response: cri.PodSandboxStatusResponse) -> hook.PodSandboxHookRequest:
     """The PodSandboxHookRequest koordrp would have stored for this sandbox, from a verbose status."""
     status = response.status
@@ -77,6 +101,7 @@ def pod_info_from_status(response: cri.PodSandboxStatusResponse) -> hook.PodSand
     return pod_hook_request(cri.RunPodSandboxRequest(config=config, runtime_handler=handler))
 
 
+@_only_runtime_info_errors
 def container_info_from_status(
     response: cri.ContainerStatusResponse, pod: hook.PodSandboxHookRequest | None
 ) -> hook.ContainerResourceHookRequest:
@@ -120,6 +145,7 @@ def container_info_from_status(
     return container
 
 
+@_only_runtime_info_errors
 def container_sandbox_id(response: cri.ContainerStatusResponse) -> str:
     """The id of the container's pod sandbox (only the verbose info carries it)."""
     what = f"container {response.status.id or '<no id>'}"

@@ -22,6 +22,7 @@ from koordrp.cri.runtime_lookup import LookupFailed, RuntimeLookup
 from koordrp.hooks.dispatcher import StageOutcome
 from koordrp.hooks.types import HookServers, HookType
 from koordrp.lifecycle import ContainerHookRequest, HookRequest, PodHookRequest
+from koordrp.logtext import shortened
 from koordrp.store import Store, StoredContainer
 
 RUNTIME_SERVICE = "/runtime.v1.RuntimeService/"
@@ -104,8 +105,8 @@ class LifecycleCall:
             self.interceptor.log.warn(
                 "{kind} {id} is not in the store and could not be read from the runtime: {error}",
                 kind=kind,
-                id=identifier,
-                error=str(error),
+                id=shortened(identifier, 80),
+                error=shortened(str(error)),
             )
             return None
 

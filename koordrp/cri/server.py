@@ -139,12 +139,11 @@ class CRIProxyService(service.Service):
                 forgotten=forgotten,
             )
 
-        def retry(failure: Failure) -> Failure | None:
+        def retry(failure: Failure) -> None:
             if not isinstance(failure.value, LookupFailed):
-                return failure
+                self.log.failure("reading the runtime's pods and containers failed", failure)
             if self.running:
                 self._reconcile = self._reactor.callLater(_RECONCILE_RETRY_SECONDS, self._reconcile_store)
-            return None
 
         reading.addCallbacks(agree, retry)
 

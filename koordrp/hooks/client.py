@@ -11,6 +11,7 @@ from koordrp.api.runtime.v1alpha1 import api_pb2_grpc
 from koordrp.endpoints import grpc_target
 from koordrp.hooks.types import HookType
 from koordrp.lifecycle import HookRequest, HookResponse
+from koordrp.logtext import shortened
 
 # Hook servers come and go with their plugins; reconnect quickly when one is back.
 _CHANNEL_OPTIONS = [
@@ -18,6 +19,9 @@ _CHANNEL_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
     ("grpc.enable_retries", 0),
+    # grpc shares connections between channels to the same target, backoff included; a fresh
+    # channel (see HookClient.call) must really start afresh.
+    ("grpc.use_local_subchannel_pool", 1),
 ]
 
 
@@ -47,8 +51,12 @@ class HookClient:
     def __init__(self, endpoint: str, reactor: Any) -> None:
         self.endpoint = endpoint
         self._reactor = reactor
-        self._channel = grpc.insecure_channel(grpc_target(endpoint), options=_CHANNEL_OPTIONS)
+        self._connect()
+
+    def _connect(self) -> None:
+        self._channel = grpc.insecure_channel(grpc_target(self.endpoint), options=_CHANNEL_OPTIONS)
         self._stub = api_pb2_grpc.RuntimeHookServiceStub(self._channel)
+        self._lost = False
 
     def call(self, hook: HookType, request: HookRequest, timeout: float) -> "Deferred[HookResponse]":
         """Call ``hook`` with ``request``; fails with HookCallError, at the latest after ``timeout``."""
@@ -56,6 +64,11 @@ class HookClient:
         problem = _socket_problem(self.endpoint)
         if problem is not None:
             return fail(HookCallError(problem))
+        if self._lost:
+            # A channel that lost its server waits out grpc's reconnect backoff before it tries
+            # again; a plugin restarted meanwhile must get the very next call, so start afresh.
+            self._channel.close()
+            self._connect()
         future = getattr(self._stub, hook.rpc_name).future(request, timeout=timeout)
         answered: Deferred[HookResponse] = Deferred(lambda _: future.cancel())
 
@@ -67,12 +80,14 @@ class HookClient:
                 answered.callback(done.result())
             elif isinstance(error, grpc.RpcError):
                 call: Any = error
+                if call.code() is grpc.StatusCode.UNAVAILABLE:
+                    self._lost = True
                 if call.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
                     answered.errback(HookCallError(_timed_out(timeout)))
                 else:
-                    answered.errback(HookCallError(f"{call.code().name}: {call.details()}"))
+                    answered.errback(HookCallError(f"{call.code().name}: {shortened(call.details() or '')}"))
             else:
-                answered.errback(HookCallError(str(error)))
+                answered.errback(HookCallError(shortened(str(error))))
 
         future.add_done_callback(lambda done: self._reactor.callFromThread(settle, done))
         # The reactor's clock bounds the call too, so a hook that never answers cannot hold a CRI call.

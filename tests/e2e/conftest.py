@@ -2,11 +2,13 @@
 
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 
+from tests.fake.hook_server import FakeHookServer
 from tests.support.containerd import Containerd, ContainerdError, require_binaries
 from tests.support.images import ImageSet, build_test_images
 from tests.support.koordrp_process import KoordrpProcess
@@ -54,3 +56,27 @@ def koordrp(containerd: Containerd, workdir: Path) -> Iterator[KoordrpProcess]:
     proxy.start()
     yield proxy
     proxy.stop()
+
+
+@pytest.fixture
+def servers(workdir: Path) -> Iterator[dict[str, FakeHookServer]]:
+    started: dict[str, FakeHookServer] = {}
+    yield started
+    for server in started.values():
+        server.stop()
+
+
+def hook_server(servers: dict[str, FakeHookServer], workdir: Path, name: str) -> FakeHookServer:
+    server = FakeHookServer(str(workdir / f"{name}.sock")).start()
+    servers[name] = server
+    return server
+
+
+def wait_registered(koordrp: KoordrpProcess, servers: int) -> None:
+    """Until koordrp's log says exactly ``servers`` hook servers are registered."""
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline:
+        if koordrp.registered_servers() == servers:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"koordrp did not register {servers} servers within 1s:\n{koordrp.log()}")

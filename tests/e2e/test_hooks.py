@@ -10,6 +10,7 @@ import pytest
 from cri_api.v1 import api_pb2
 
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
+from tests.e2e.conftest import hook_server, wait_registered
 from tests.fake.hook_server import FakeHookServer
 from tests.support.containerd import Containerd
 from tests.support.cri_objects import container_config, linux_resources, pod_sandbox_config
@@ -31,30 +32,6 @@ def hooks_dir(workdir: Path) -> Path:
 def runtime(koordrp: KoordrpProcess) -> Iterator[Any]:
     with koordrp.channel() as channel:
         yield koordrp.runtime(channel)
-
-
-@pytest.fixture
-def servers(workdir: Path) -> Iterator[dict[str, FakeHookServer]]:
-    started: dict[str, FakeHookServer] = {}
-    yield started
-    for server in started.values():
-        server.stop()
-
-
-def hook_server(servers: dict[str, FakeHookServer], workdir: Path, name: str) -> FakeHookServer:
-    server = FakeHookServer(str(workdir / f"{name}.sock")).start()
-    servers[name] = server
-    return server
-
-
-def wait_registered(koordrp: KoordrpProcess, servers: int) -> None:
-    """Until koordrp's log says exactly ``servers`` hook servers are registered."""
-    deadline = time.monotonic() + 1.0
-    while time.monotonic() < deadline:
-        if koordrp.registered_servers() == servers:
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"koordrp did not register {servers} servers within 1s:\n{koordrp.log()}")
 
 
 def runtime_spec(runtime: Any, container_id: str) -> dict[str, Any]:

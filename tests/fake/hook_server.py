@@ -40,15 +40,21 @@ class FakeHookServer(FakeGrpcServer):
     failures: dict[str, grpc.StatusCode] = field(default_factory=dict)
     delays: dict[str, float] = field(default_factory=dict)
     received: list[Received] = field(default_factory=list)
+    _stopping: threading.Event = field(default_factory=threading.Event)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def start(self) -> "FakeHookServer":
+        self._stopping.clear()
         self._serve(lambda server: hook_grpc.add_RuntimeHookServiceServicer_to_server(_Servicer(self), server))
         return self
 
     def calls(self, rpc: str | None = None) -> list[Any]:
         with self._lock:
             return [r.request for r in self.received if rpc is None or r.rpc == rpc]
+
+    def stop(self) -> None:
+        self._stopping.set()
+        super().stop()
 
     def rpcs(self) -> list[str]:
         with self._lock:
@@ -66,7 +72,8 @@ class FakeHookServer(FakeGrpcServer):
             self.received.append(Received(rpc, request))
         delay = self.delays.get(rpc)
         if delay:
-            time.sleep(delay)
+            # Interrupted by stop(): a handler still asleep would keep the test process from exiting.
+            self._stopping.wait(delay)
         code = self.failures.get(rpc)
         if code is not None:
             context.abort(code, f"{rpc} refused by the test")
