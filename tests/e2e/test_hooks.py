@@ -285,3 +285,23 @@ def test_after_a_restart_hooks_get_the_same_information(
     assert dict(after.container_envs) == {"B": "2", "A": "1", "KOORDRP_TEST": "1"}
     assert after.container_resources.cpu_shares == 700
     assert after.pod_annotations["koordrp.test/pod"] == "tuned"
+
+
+def test_environment_values_from_hooks_are_never_logged(
+    koordrp: KoordrpProcess, runtime: Any, servers: dict[str, FakeHookServer], workdir: Path, hooks_dir: Path
+) -> None:
+    secret = "s3cr3t-value-that-must-not-leak"
+    first, second = hook_server(servers, workdir, "first"), hook_server(servers, workdir, "second")
+    first.behaviours[CREATE] = lambda request: hook.ContainerResourceHookResponse(container_envs={"TOKEN": "old-" + secret})
+    second.behaviours[CREATE] = lambda request: hook.ContainerResourceHookResponse(container_envs={"TOKEN": secret})
+    broken = hook_server(servers, workdir, "broken")
+    broken.failures[CREATE] = grpc.StatusCode.INTERNAL
+    register(hooks_dir, "10-first", first.path, ["PreCreateContainer"])
+    register(hooks_dir, "20-second", second.path, ["PreCreateContainer"])
+    register(hooks_dir, "30-broken", broken.path, ["PreCreateContainer"])
+    wait_registered(koordrp, 3)
+    with running_container(runtime, "secret", workdir) as pod:
+        assert f"TOKEN={secret}" in container_env(runtime, pod.container_id)
+    log = koordrp.log()
+    assert "container_envs[TOKEN]" in log  # the conflict is logged, by key
+    assert secret not in log
