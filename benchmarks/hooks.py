@@ -23,6 +23,7 @@ from typing import Any
 import grpc
 from cri_api.v1 import api_pb2
 
+from benchmarks.stats import quantile
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
 from koordrp.api.runtime.v1alpha1 import api_pb2_grpc as hook_grpc
 from koordrp.hooks.types import HookType
@@ -77,19 +78,6 @@ def hook_round_trips(socket: str, count: int) -> list[float]:
     return samples
 
 
-def quantile(samples: list[float], fraction: float) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
-
-
-def wait_for_servers(proxy: Any, count: int) -> None:
-    deadline = time.monotonic() + 5
-    while proxy.registered_servers() != count:
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"koordrp did not register {count} hook servers:\n{proxy.log()}")
-        time.sleep(0.02)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pods", type=int, default=50)
@@ -112,7 +100,7 @@ def main() -> None:
 
 def measure(args: argparse.Namespace, base: Path, direct: Any, proxied: Any, proxy: Any, socket: str) -> None:
     registration = register(base / "hookserver.d", "noop", socket, [point.value for point in HookType])
-    wait_for_servers(proxy, 1)
+    proxy.wait_for_servers(1)
     paths = {"direct": direct, "koordrp, no-op hooks": proxied}
     samples: dict[str, list[list[float]]] = {label: [] for label in paths}
     sandboxes = []
@@ -137,7 +125,7 @@ def measure(args: argparse.Namespace, base: Path, direct: Any, proxied: Any, pro
     container_id = proxied.ListContainers(api_pb2.ListContainersRequest()).containers[0].id
     hooked = updates(proxied, container_id, args.updates)
     registration.unlink()
-    wait_for_servers(proxy, 0)
+    proxy.wait_for_servers(0)
     bare = updates(proxied, container_id, args.updates)
     overhead = statistics.median(hooked) - statistics.median(bare)
     round_trip = statistics.median(hook_round_trips(socket, args.updates))

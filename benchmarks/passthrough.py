@@ -18,6 +18,7 @@ from typing import Any, Callable
 import grpc
 from cri_api.v1 import api_pb2, api_pb2_grpc
 
+from benchmarks.stats import quantile
 from tests.support.cri_objects import container_config, pod_sandbox_config
 from tests.support.images import BUSYBOX_REF
 from tests.support.koordrp_process import KoordrpProcess, cpu_seconds, rss_bytes
@@ -25,11 +26,6 @@ from tests.support.pods import start_container
 from tests.support.stack import containerd_and_koordrp
 
 Call = Callable[[api_pb2_grpc.RuntimeServiceStub], Any]
-
-
-def percentile(samples: list[float], fraction: float) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
 
 
 def sequential(stub: api_pb2_grpc.RuntimeServiceStub, call: Call, count: int) -> list[float]:
@@ -117,7 +113,7 @@ def report(
         through = sequential(proxied, call, args.calls)
         cpu_per_call = (cpu_seconds(proxy.pid) - cpu_before) / (args.calls + min(100, args.calls))
         d50, k50 = statistics.median(baseline), statistics.median(through)
-        d99, k99 = percentile(baseline, 0.99), percentile(through, 0.99)
+        d99, k99 = quantile(baseline, 0.99), quantile(through, 0.99)
         print(
             f"{name:<16}{d50 * 1e6:>10.0f}us{k50 * 1e6:>11.0f}us{(k50 - d50) * 1e6:>7.0f}us{k50 / d50:>7.2f}"
             f"{d99 * 1e6:>10.0f}us{k99 * 1e6:>11.0f}us{k99 / d99:>7.2f}{cpu_per_call * 1e6:>8.0f}us"

@@ -44,6 +44,7 @@ from typing import Any, Callable, TypeVar
 import grpc
 from cri_api.v1 import api_pb2
 
+from benchmarks.stats import quantile
 from koordrp.hooks.types import HookType
 from tests.support.containerd import Containerd
 from tests.support.cri_objects import container_config, pod_sandbox_config
@@ -93,11 +94,6 @@ SETTLED_AFTER = 2.0
 """Post hooks reach the servers after the CRI answer: counts that have not moved for this long are final."""
 RSS_PERIOD = 0.5
 RSS_TOLERANCE = 0.10
-
-
-def quantile(samples: list[float], fraction: float) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
 
 
 def containerd_race(method: str, error: Exception) -> bool:
@@ -377,14 +373,6 @@ def hook_servers(base: Path, stack: ExitStack) -> dict[str, HookServerProcess]:
     return servers
 
 
-def wait_for_servers(proxy: KoordrpProcess, count: int) -> None:
-    deadline = time.monotonic() + 5
-    while proxy.registered_servers() != count:
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"koordrp did not register {count} hook servers:\n{proxy.log()}")
-        time.sleep(0.02)
-
-
 def run_load(args: argparse.Namespace, base: Path, proxy: KoordrpProcess, outcome: Outcome) -> None:
     """Workers, poller and config rewriter together, until the pods are done or the time is up."""
     pods: "queue.Queue[int]" = queue.Queue()
@@ -474,7 +462,7 @@ def koordrp_warnings(log: str) -> Counter[str]:
 def soak(args: argparse.Namespace, base: Path, stack: ExitStack) -> int:
     servers = hook_servers(base, stack)
     containerd, proxy = stack.enter_context(containerd_and_koordrp(base))
-    wait_for_servers(proxy, len(servers))
+    proxy.wait_for_servers(len(servers))
     outcome = Outcome(pods_asked=args.pods)
     memory = Memory(proxy.pid)
     memory.begin()

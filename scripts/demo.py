@@ -47,7 +47,7 @@ def main() -> None:
                 )
                 print(f"hook server on unix://{tuner.path}, registered by {registration}:")
                 print(f"  {registration.read_text()}")
-                wait_until_registered(proxy)
+                proxy.wait_for_servers(1)
                 with proxy.channel() as channel:
                     walk_a_pod(api_pb2_grpc.RuntimeServiceStub(channel), base)
                 print("\nwhat the hook server was asked:")
@@ -71,14 +71,6 @@ def start_hook_server(base: Path) -> FakeHookServer:
         container_resources=hook.LinuxContainerResources(cpuset_cpus="0"),
     )
     return tuner
-
-
-def wait_until_registered(proxy: Any) -> None:
-    deadline = time.monotonic() + 5
-    while proxy.registered_servers() != 1:
-        if time.monotonic() > deadline:
-            raise RuntimeError("koordrp did not pick up the hook server registration")
-        time.sleep(0.02)
 
 
 def walk_a_pod(runtime: api_pb2_grpc.RuntimeServiceStub, base: Path) -> None:

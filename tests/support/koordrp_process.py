@@ -85,6 +85,14 @@ class KoordrpProcess:
         listed = lines[-1].split("] hook servers: ", 1)[1]
         return 0 if listed == "none" else listed.count(".json (")
 
+    def wait_for_servers(self, count: int, timeout: float = 5.0) -> None:
+        """Until koordrp's log says exactly ``count`` hook servers are registered."""
+        deadline = time.monotonic() + timeout
+        while self.registered_servers() != count:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"koordrp did not register {count} hook servers within {timeout}s:\n{self.log()}")
+            time.sleep(0.02)
+
     @property
     def pid(self) -> int:
         assert self.process is not None
