@@ -9,6 +9,8 @@ throughput at several concurrencies, koordrp's CPU time per call (from /proc) an
 
 import argparse
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -125,6 +127,43 @@ def report(
         proxy_rate = throughput(proxy_channel, calls["Version"], concurrency, args.throughput_calls)
         print(f"{concurrency:<12}{direct_rate:>8.0f}/s{proxy_rate:>10.0f}/s{proxy_rate / direct_rate:>7.2f}")
     print(f"\nkoordrp RSS: {rss_start / 2**20:.1f} MiB before the calls, {rss_bytes(proxy.pid) / 2**20:.1f} MiB after")
+    compare_with_the_floor(args, direct, proxied, proxy)
+
+
+def compare_with_the_floor(
+    args: argparse.Namespace, direct: api_pb2_grpc.RuntimeServiceStub, proxied: api_pb2_grpc.RuntimeServiceStub, proxy: KoordrpProcess
+) -> None:
+    """The same Version calls through the least a grpcio proxy can do (benchmarks/minimal_passthrough.py).
+
+    Measured in the same run, on the same machine, it tells what part of koordrp's cost is grpcio's
+    own and what part is koordrp's.
+    """
+    listen = str(proxy.base / "minimal.sock")
+    backend = proxy.runtime_endpoint.removeprefix("unix://")
+    floor = subprocess.Popen(
+        [sys.executable, "-m", "benchmarks.minimal_passthrough", listen, backend], stdout=subprocess.PIPE
+    )
+    try:
+        assert floor.stdout is not None and floor.stdout.readline().strip() == b"ready"
+        with grpc.insecure_channel(f"unix:{listen}") as channel:
+            minimal = api_pb2_grpc.RuntimeServiceStub(channel)
+            version: Call = lambda stub: stub.Version(api_pb2.VersionRequest())
+            rows = []
+            for label, stub, pid in (("direct", direct, None), ("minimal", minimal, floor.pid), ("koordrp", proxied, proxy.pid)):
+                cpu_before = cpu_seconds(pid) if pid else 0.0
+                samples = sequential(stub, version, args.calls)
+                cpu = (cpu_seconds(pid) - cpu_before) / (args.calls + min(100, args.calls)) if pid else 0.0
+                rows.append((label, statistics.median(samples), cpu))
+    finally:
+        floor.terminate()
+        floor.wait(10)
+    base = rows[0][1]
+    print(f"\nthe floor: Version, {args.calls} sequential calls, with a minimal grpcio pass-through in the same run")
+    print(f"{'':<10}{'p50':>10}{'added':>10}{'CPU/call':>10}")
+    for label, p50, cpu in rows:
+        print(f"{label:<10}{p50 * 1e6:>8.0f}us{(p50 - base) * 1e6:>8.0f}us{cpu * 1e6:>8.0f}us")
+    added_minimal, added_koordrp = rows[1][1] - base, rows[2][1] - base
+    print(f"koordrp's added latency / the minimal one's: {added_koordrp / added_minimal:.2f}")
 
 
 if __name__ == "__main__":
