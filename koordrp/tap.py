@@ -10,6 +10,7 @@ from twisted.python import usage
 from koordrp.cri.bridge import HookBridge
 from koordrp.cri.intercept import SkipLabel
 from koordrp.cri.server import CRIProxyService, CRIProxySettings, Lifecycle
+from koordrp.docker.service import DockerProxyService, DockerProxySettings
 from koordrp.endpoints import EndpointError, parse_unix_endpoint
 from koordrp.hooks.client import HookClients
 from koordrp.hooks.dispatcher import Dispatcher
@@ -21,6 +22,7 @@ from koordrp.unixsocket import CannotListen
 # Flag names and defaults are koord-runtime-proxy's, so that a node's unit files carry over.
 DEFAULT_PROXY_ENDPOINT = "/var/run/koord-runtimeproxy/runtimeproxy.sock"
 DEFAULT_RUNTIME_ENDPOINT = "/var/run/containerd/containerd.sock"
+DEFAULT_DOCKER_ENDPOINT = "/var/run/docker.sock"
 DEFAULT_SKIP_HOOK_KEY = "runtimeproxy.koordinator.sh/skip-hookserver"
 DEFAULT_SKIP_HOOK_VALUE = "true"
 DEFAULT_HOOK_CONFIG_DIR = "/etc/runtime/hookserver.d"
@@ -36,7 +38,12 @@ class Options(usage.Options):
 
     optParameters = [
         ["koord-runtimeproxy-endpoint", None, DEFAULT_PROXY_ENDPOINT, "unix socket koordrp serves CRI on"],
-        ["remote-runtime-service-endpoint", None, DEFAULT_RUNTIME_ENDPOINT, "backend runtime service socket"],
+        [
+            "remote-runtime-service-endpoint",
+            None,
+            None,
+            f"backend runtime socket [default: {DEFAULT_RUNTIME_ENDPOINT}, or {DEFAULT_DOCKER_ENDPOINT} in Docker mode]",
+        ],
         [
             "remote-image-service-endpoint",
             None,
@@ -85,8 +92,13 @@ class Options(usage.Options):
         self["hook-config-dir"] = value
 
     def postOptions(self) -> None:
-        if self["backend-runtime-mode"] == "Docker":
-            raise usage.UsageError("--backend-runtime-mode: Docker is not available yet")
+        docker = self["backend-runtime-mode"] == "Docker"
+        if self["remote-runtime-service-endpoint"] is None:
+            self["remote-runtime-service-endpoint"] = DEFAULT_DOCKER_ENDPOINT if docker else DEFAULT_RUNTIME_ENDPOINT
+        if docker and self["remote-image-service-endpoint"] is not None:
+            raise usage.UsageError(
+                "--remote-image-service-endpoint: not used in Docker mode (dockerd serves images itself)"
+            )
         if self["remote-image-service-endpoint"] is None:
             self["remote-image-service-endpoint"] = self["remote-runtime-service-endpoint"]
         if not 0 < self["hook-timeout"] < float("inf"):
@@ -140,8 +152,18 @@ def makeService(config: Options, reactor: Any = None) -> service.MultiService:
         hooks=HookBridge(reactor, Dispatcher(clients, reactor), lambda: registry.current),
         skip=SkipLabel(config["runtime-hook-server-key"], config["runtime-hook-server-val"]),
     )
+    proxy: service.Service
+    if config["backend-runtime-mode"] == "Docker":
+        settings = DockerProxySettings(
+            listen_path=config["koord-runtimeproxy-endpoint"],
+            backend_path=config["remote-runtime-service-endpoint"],
+            socket_gid=config["socket-group"],
+        )
+        proxy = DockerProxyService(settings, reactor, None)
+    else:
+        proxy = CRIProxyService(cri_settings(config), reactor, lifecycle)
     top = Koordrp()  # type: ignore[no-untyped-call]
-    # The registry starts first, so the first CRI call already sees every registered server.
-    for child in (registry, CRIProxyService(cri_settings(config), reactor, lifecycle), OrderlyStopOnSIGTERM(reactor)):
+    # The registry starts first, so the first call already sees every registered server.
+    for child in (registry, proxy, OrderlyStopOnSIGTERM(reactor)):
         child.setServiceParent(top)  # type: ignore[no-untyped-call]
     return top

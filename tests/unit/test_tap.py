@@ -65,10 +65,14 @@ class OptionsTests(SynchronousTestCase):
                 parse(argument)
             self.assertIn(flag, str(error.exception), argument)
 
-    def test_docker_mode_says_it_is_not_available_yet(self) -> None:
+    def test_docker_mode_talks_to_dockerd_and_has_no_image_endpoint(self) -> None:
+        options = parse("--backend-runtime-mode=Docker")
+        self.assertEqual(options["remote-runtime-service-endpoint"], "/var/run/docker.sock")
+        options = parse("--backend-runtime-mode=Docker", "--remote-runtime-service-endpoint=/run/d.sock")
+        self.assertEqual(options["remote-runtime-service-endpoint"], "/run/d.sock")
         with self.assertRaises(usage.UsageError) as error:
-            parse("--backend-runtime-mode=Docker")
-        self.assertIn("not available yet", str(error.exception))
+            parse("--backend-runtime-mode=Docker", "--remote-image-service-endpoint=/run/i.sock")
+        self.assertIn("--remote-image-service-endpoint", str(error.exception))
 
 
 class MakeServiceTests(SynchronousTestCase):

@@ -1,0 +1,242 @@
+"""The Docker API on a unix socket: each request's head is read, then the connection is spliced to
+dockerd byte for byte (streams, chunked bodies, hijacked attach/exec, half-closes), or, for the few
+calls with hooks, handed whole to an interceptor.
+
+dockerd is asked to close each connection after its answer, so a splice ends when the exchange
+does and the next request on a client's keep-alive connection never slips past the head parser:
+the client reconnects for it, as HTTP/1.1 clients do when told ``Connection: close``.
+"""
+
+from typing import Any, Callable
+
+from twisted.internet import protocol
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IHalfCloseableProtocol, ITransport
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from zope.interface import Interface, implementer
+
+from koordrp.docker.http import (
+    HEAD_END,
+    MAX_BODY_BYTES,
+    MAX_HEAD_BYTES,
+    HTTPError,
+    RequestHead,
+    dechunk,
+    json_response,
+    parse_request_head,
+)
+
+
+class IDockerInterceptor(Interface):
+    def wants(head: RequestHead) -> bool:
+        """Whether this request goes through hooks (its body is then read whole)."""
+
+    def handle(head: RequestHead, body: bytes) -> Deferred:  # type: ignore[type-arg]
+        """The whole response to send the client, as bytes."""
+
+
+class _Upstream(protocol.Protocol):
+    """dockerd's side of one spliced exchange."""
+
+    def __init__(self, client: "DockerClientConnection") -> None:
+        self.client = client
+
+    def connectionMade(self) -> None:
+        self.client.upstream_ready(self)
+
+    def dataReceived(self, data: bytes) -> None:
+        self.client.transport.write(data)  # type: ignore[union-attr]
+
+    def connectionLost(self, reason: Failure = protocol.connectionDone) -> None:
+        self.client.upstream_gone()
+
+
+class _UpstreamFactory(protocol.ClientFactory):
+    noisy = False  # one per request: "Starting factory" lines would drown the log
+
+    def __init__(self, client: "DockerClientConnection") -> None:
+        self.client = client
+
+    def buildProtocol(self, addr: Any) -> _Upstream:
+        return _Upstream(self.client)
+
+    def clientConnectionFailed(self, connector: Any, reason: Failure) -> None:
+        self.client.upstream_failed(reason)
+
+
+@implementer(IHalfCloseableProtocol)
+class DockerClientConnection(protocol.Protocol):
+    log = Logger()
+
+    def __init__(self, proxy: "DockerProxyFactory") -> None:
+        self.proxy = proxy
+        self._buffer = b""
+        self._head: RequestHead | None = None
+        self._upstream: _Upstream | None = None
+        self._client_done_writing = False
+        self._intercepting = False
+
+    def dataReceived(self, data: bytes) -> None:
+        if self._upstream is not None:
+            self._upstream.transport.write(data)  # type: ignore[union-attr]
+            return
+        self._buffer += data
+        if self._head is None:
+            self._read_head()
+        elif self._intercepting:
+            self._read_body()
+
+    def _read_head(self) -> None:
+        end = self._buffer.find(HEAD_END)
+        if end < 0:
+            if len(self._buffer) > MAX_HEAD_BYTES:
+                self._answer(json_response(431, "Request Header Fields Too Large", "koordrp: request head too large"))
+            return
+        try:
+            self._head = parse_request_head(self._buffer[:end])
+        except HTTPError as error:
+            self._answer(json_response(400, "Bad Request", f"koordrp: {error}"))
+            return
+        self._buffer = self._buffer[end + len(HEAD_END) :]
+        interceptor = self.proxy.interceptor
+        if interceptor is not None and interceptor.wants(self._head):
+            self._intercepting = True
+            self._read_body()
+        else:
+            self.proxy.connect_upstream(_UpstreamFactory(self))
+
+    def _read_body(self) -> None:
+        head = self._head
+        assert head is not None
+        try:
+            if head.chunked:
+                whole = dechunk(self._buffer)
+                if whole is None:
+                    return
+                body = whole[0]
+            else:
+                length = head.content_length() or 0
+                if length > MAX_BODY_BYTES:
+                    raise HTTPError("body larger than 1 MiB")
+                if len(self._buffer) < length:
+                    return
+                body = self._buffer[:length]
+        except HTTPError as error:
+            self._answer(json_response(400, "Bad Request", f"koordrp: {error}"))
+            return
+        self._intercepting = False
+        self._buffer = b""
+        interceptor = self.proxy.interceptor
+        assert interceptor is not None
+        handled: Deferred[bytes] = interceptor.handle(head, body)
+        handled.addErrback(self._interceptor_failed)
+        handled.addCallback(self._answer)
+
+    def _interceptor_failed(self, failure: Failure) -> bytes:
+        head = self._head
+        assert head is not None
+        self.log.failure("intercepting {method} {path} failed", failure, method=head.method, path=head.path)
+        return json_response(500, "Internal Server Error", f"koordrp: {failure.getErrorMessage()}")
+
+    def _answer(self, response: bytes) -> None:
+        transport: ITransport = self.transport  # type: ignore[assignment]
+        transport.write(response)
+        transport.loseConnection()
+
+    # The splice
+
+    def upstream_ready(self, upstream: _Upstream) -> None:
+        assert self._head is not None
+        self._upstream = upstream
+        upstream.transport.write(self._head.serialize() + self._buffer)  # type: ignore[union-attr]
+        self._buffer = b""
+        # Each side only reads as fast as the other writes: a 200 MB image load or an endless log
+        # stream passes through without piling up in koordrp.
+        upstream.transport.registerProducer(self.transport, True)  # type: ignore[union-attr]
+        self.transport.registerProducer(upstream.transport, True)  # type: ignore[union-attr]
+        if self._client_done_writing:
+            upstream.transport.loseWriteConnection()  # type: ignore[union-attr]
+
+    def upstream_failed(self, reason: Failure) -> None:
+        self._answer(self.proxy.unavailable(reason.getErrorMessage()))
+
+    def upstream_gone(self) -> None:
+        self._upstream = None
+        if self.transport is not None:
+            self.transport.unregisterProducer()  # type: ignore[attr-defined]
+            self.transport.loseConnection()
+
+    def readConnectionLost(self) -> None:
+        # The client finished writing (an exec whose stdin ended): dockerd must see it too.
+        self._client_done_writing = True
+        if self._upstream is not None:
+            self._upstream.transport.loseWriteConnection()  # type: ignore[union-attr]
+
+    def writeConnectionLost(self) -> None:
+        pass
+
+    def connectionLost(self, reason: Failure = protocol.connectionDone) -> None:
+        if self._upstream is not None:
+            self._upstream.transport.unregisterProducer()  # type: ignore[union-attr]
+            self._upstream.transport.loseConnection()  # type: ignore[union-attr]
+            self._upstream = None
+
+
+class DockerProxyFactory(protocol.Factory):
+    noisy = False
+
+    def __init__(
+        self,
+        backend_path: str,
+        reactor: Any,
+        interceptor: IDockerInterceptor | None,
+        unavailable: Callable[[str], bytes],
+    ) -> None:
+        self.backend_path = backend_path
+        self.reactor = reactor
+        self.interceptor = interceptor
+        self.unavailable = unavailable
+
+    def buildProtocol(self, addr: Any) -> DockerClientConnection:
+        return DockerClientConnection(self)
+
+    def connect_upstream(self, factory: protocol.ClientFactory) -> None:
+        self.reactor.connectUNIX(self.backend_path, factory, timeout=10)
+
+
+class _Collect(protocol.Protocol):
+    def __init__(self, request: bytes, done: "Deferred[bytes]") -> None:
+        self.request = request
+        self.done = done
+        self.received: list[bytes] = []
+
+    def connectionMade(self) -> None:
+        self.transport.write(self.request)  # type: ignore[union-attr]
+
+    def dataReceived(self, data: bytes) -> None:
+        self.received.append(data)
+
+    def connectionLost(self, reason: Failure = protocol.connectionDone) -> None:
+        self.done.callback(b"".join(self.received))
+
+
+class _CollectFactory(protocol.ClientFactory):
+    noisy = False
+
+    def __init__(self, request: bytes, done: "Deferred[bytes]") -> None:
+        self.request = request
+        self.done = done
+
+    def buildProtocol(self, addr: Any) -> _Collect:
+        return _Collect(self.request, self.done)
+
+    def clientConnectionFailed(self, connector: Any, reason: Failure) -> None:
+        self.done.errback(reason)
+
+
+def exchange(reactor: Any, backend_path: str, request: bytes) -> "Deferred[bytes]":
+    """Send one whole request (with ``Connection: close``) to dockerd; fires with the raw response."""
+    done: Deferred[bytes] = Deferred()
+    reactor.connectUNIX(backend_path, _CollectFactory(request, done), timeout=10)
+    return done
