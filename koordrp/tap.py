@@ -10,6 +10,7 @@ from twisted.python import usage
 from koordrp.cri.bridge import HookBridge
 from koordrp.cri.intercept import SkipLabel
 from koordrp.cri.server import CRIProxyService, CRIProxySettings, Lifecycle
+from koordrp.docker.intercept import DockerInterceptor
 from koordrp.docker.service import DockerProxyService, DockerProxySettings
 from koordrp.endpoints import EndpointError, parse_unix_endpoint
 from koordrp.hooks.client import HookClients
@@ -141,6 +142,8 @@ def makeService(config: Options, reactor: Any = None) -> service.MultiService:
 
         reactor = global_reactor
     clients = HookClients(reactor)
+    dispatcher = Dispatcher(clients, reactor)
+    skip = SkipLabel(config["runtime-hook-server-key"], config["runtime-hook-server-val"])
     registry = HookRegistry(
         config["hook-config-dir"],
         config["hook-timeout"],
@@ -149,8 +152,8 @@ def makeService(config: Options, reactor: Any = None) -> service.MultiService:
     )
     lifecycle = Lifecycle(
         store=Store(),
-        hooks=HookBridge(reactor, Dispatcher(clients, reactor), lambda: registry.current),
-        skip=SkipLabel(config["runtime-hook-server-key"], config["runtime-hook-server-val"]),
+        hooks=HookBridge(reactor, dispatcher, lambda: registry.current),
+        skip=skip,
     )
     proxy: service.Service
     if config["backend-runtime-mode"] == "Docker":
@@ -159,7 +162,10 @@ def makeService(config: Options, reactor: Any = None) -> service.MultiService:
             backend_path=config["remote-runtime-service-endpoint"],
             socket_gid=config["socket-group"],
         )
-        proxy = DockerProxyService(settings, reactor, None)
+        interceptor = DockerInterceptor(
+            settings.backend_path, reactor, lifecycle.store, dispatcher, lambda: registry.current, skip.skips
+        )
+        proxy = DockerProxyService(settings, reactor, interceptor)
     else:
         proxy = CRIProxyService(cri_settings(config), reactor, lifecycle)
     top = Koordrp()  # type: ignore[no-untyped-call]

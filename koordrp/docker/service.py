@@ -5,15 +5,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from twisted.application import service
-from twisted.internet.defer import Deferred
-from twisted.internet.interfaces import IListeningPort
+from twisted.internet.defer import Deferred, ensureDeferred
+from twisted.internet.interfaces import IDelayedCall, IListeningPort
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 
 from koordrp.docker.http import json_response
-from koordrp.docker.proxy import DockerProxyFactory, IDockerInterceptor
+from koordrp.docker.intercept import DockerInterceptor
+from koordrp.docker.proxy import DockerProxyFactory
 from koordrp.unixsocket import prepare_listening_path, remove_socket
 
 SOCKET_MODE = 0o660
+_REBUILD_RETRY_SECONDS = 1.0
 
 
 @dataclass(frozen=True)
@@ -26,11 +29,12 @@ class DockerProxySettings:
 class DockerProxyService(service.Service):
     log = Logger()
 
-    def __init__(self, settings: DockerProxySettings, reactor: Any, interceptor: IDockerInterceptor | None) -> None:
+    def __init__(self, settings: DockerProxySettings, reactor: Any, interceptor: DockerInterceptor) -> None:
         self.settings = settings
         self._reactor = reactor
         self._interceptor = interceptor
         self._port: IListeningPort | None = None
+        self._rebuild_call: IDelayedCall | None = None
 
     def unavailable(self, reason: str) -> bytes:
         message = f"koordrp: backend unix://{self.settings.backend_path} is unavailable: {reason}"
@@ -49,13 +53,32 @@ class DockerProxyService(service.Service):
             listen=settings.listen_path,
             backend=settings.backend_path,
         )
+        self._rebuild_store()
+
+    def _rebuild_store(self) -> None:
+        """Learn what dockerd already runs; while dockerd is away, try again every second."""
+        self._rebuild_call = None
+        rebuilding = ensureDeferred(self._interceptor.rebuild())
+
+        def learnt(count: int) -> None:
+            self.log.info("store rebuilt from dockerd: {count} Kubernetes containers", count=count)
+
+        def retry(failure: Failure) -> None:
+            if self.running:
+                self._rebuild_call = self._reactor.callLater(_REBUILD_RETRY_SECONDS, self._rebuild_store)
+
+        rebuilding.addCallbacks(learnt, retry)
 
     def stopService(self) -> "Deferred[None] | None":
         super().stopService()  # type: ignore[no-untyped-call]
+        if self._rebuild_call is not None and self._rebuild_call.active():
+            self._rebuild_call.cancel()
         port, self._port = self._port, None
         if port is None:
             return None
         stopped: Deferred[None] = port.stopListening()  # type: ignore[assignment]
+        # Post hooks of calls that were answered are still owed to their servers.
+        stopped.addCallback(lambda _: self._interceptor.drain())
 
         def release(_: object) -> None:
             remove_socket(self.settings.listen_path)

@@ -53,7 +53,7 @@ class KoordrpProcess:
         self.process = subprocess.Popen(self.argv(), cwd=self.base, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout
         # The log line, not the socket file: a stale socket may already be there.
-        while "serving CRI on" not in self.log()[earlier:]:
+        while "] serving " not in self.log()[earlier:]:
             if self.process.poll() is not None:
                 raise RuntimeError(f"koordrp exited with {self.process.returncode}:\n{self.log()}")
             if time.monotonic() > deadline:

@@ -1,0 +1,289 @@
+"""The Docker calls with hooks: create, start, stop, update and remove of Kubernetes containers.
+
+cri-dockerd makes a pod's sandbox and its containers with ``POST /containers/create``, telling them
+apart by labels; the hook requests, the merge rules and the store are the CRI mode's own
+(koordrp.lifecycle, koordrp.store), only the JSON mapping is Docker's (koordrp.docker.translate).
+Everything runs on the reactor.
+"""
+
+import copy
+import json
+import re
+from typing import Any, Awaitable, Callable
+
+from twisted.internet.defer import Deferred, ensureDeferred, gatherResults
+from twisted.logger import Logger
+from zope.interface import implementer
+
+from koordrp import lifecycle
+from koordrp.docker import translate
+from koordrp.docker.http import HTTPError, RequestHead, Response, json_response, parse_response
+from koordrp.docker.proxy import IDockerInterceptor, exchange
+from koordrp.hooks.dispatcher import Dispatcher, StageOutcome
+from koordrp.hooks.types import HookServers, HookType
+from koordrp.lifecycle import ContainerHookRequest, HookRequest, PodHookRequest
+from koordrp.store import Store, StoredContainer
+
+_VERSION = r"(?:/v[0-9.]+)?"
+_CREATE = re.compile(rf"^{_VERSION}/containers/create$")
+_ACTION = re.compile(rf"^{_VERSION}/containers/([^/]+)/(start|stop|update)$")
+_REMOVE = re.compile(rf"^{_VERSION}/containers/([^/]+)$")
+
+
+class DockerHookFailure(Exception):
+    """A Fail-policy hook server could not be heard: the Docker call fails with this message."""
+
+
+@implementer(IDockerInterceptor)
+class DockerInterceptor:
+    log = Logger()
+
+    def __init__(
+        self,
+        backend_path: str,
+        reactor: Any,
+        store: Store,
+        dispatcher: Dispatcher,
+        current_servers: Callable[[], HookServers],
+        skip: Callable[[Any], bool],
+    ) -> None:
+        self.backend_path = backend_path
+        self._reactor = reactor
+        self.store = store
+        self._dispatcher = dispatcher
+        self._current_servers = current_servers
+        self._skips = skip
+        self._cgroup_driver: str | None = None
+        self._post_stages: set[Deferred[StageOutcome]] = set()
+
+    def wants(self, head: RequestHead) -> bool:
+        path = head.path
+        if head.method == "POST":
+            return bool(_CREATE.match(path) or _ACTION.match(path))
+        return head.method == "DELETE" and bool(_REMOVE.match(path))
+
+    def handle(self, head: RequestHead, body: bytes) -> "Deferred[bytes]":
+        return ensureDeferred(self._handle(head, body))
+
+    async def _handle(self, head: RequestHead, body: bytes) -> bytes:
+        servers = self._current_servers()
+        try:
+            if _CREATE.match(head.path):
+                return await self._create(head, body, servers)
+            removal = _REMOVE.match(head.path)
+            if head.method == "DELETE" and removal:
+                return await self._remove(head, body, removal.group(1))
+            action = _ACTION.match(head.path)
+            assert action is not None
+            handlers: dict[str, Callable[[RequestHead, bytes, str, HookServers], Awaitable[bytes]]] = {
+                "start": self._start,
+                "stop": self._stop,
+                "update": self._update,
+            }
+            return await handlers[action.group(2)](head, body, action.group(1), servers)
+        except DockerHookFailure as failure:
+            return json_response(500, "Internal Server Error", str(failure))
+
+    # Talking to dockerd
+
+    async def _forward(self, head: RequestHead, body: bytes) -> tuple[bytes, Response | None]:
+        raw: bytes = await exchange(self._reactor, self.backend_path, head.serialize(len(body)) + body)
+        try:
+            return raw, parse_response(raw)
+        except HTTPError:
+            return raw, None
+
+    async def _get_json(self, path: str) -> Any:
+        request = f"GET {path} HTTP/1.1\r\nHost: docker\r\nConnection: close\r\n\r\n".encode()
+        response = parse_response(await exchange(self._reactor, self.backend_path, request))
+        return response.json() if response.status == 200 else None
+
+    async def cgroup_driver(self) -> str:
+        if self._cgroup_driver is None:
+            info = await self._get_json("/info")
+            self._cgroup_driver = str((info or {}).get("CgroupDriver") or "cgroupfs")
+        return self._cgroup_driver
+
+    # What the store lacks is read back from dockerd
+
+    async def pod(self, sandbox_id: str) -> PodHookRequest | None:
+        pod = self.store.pod(sandbox_id)
+        if pod is None and sandbox_id:
+            inspect = await self._get_json(f"/containers/{sandbox_id}/json")
+            try:
+                if inspect is not None and translate.kind_of_inspect(inspect) == "sandbox":
+                    pod = translate.stored_sandbox_from_inspect(inspect, await self.cgroup_driver())
+                    self.store.learn([(str(inspect["Id"]), pod)], [])
+            except translate.DockerShapeError as error:
+                self.log.warn("cannot read sandbox {id} back from dockerd: {error}", id=sandbox_id[:80], error=str(error))
+                pod = None
+        return pod
+
+    async def container(self, container_id: str) -> tuple[str, StoredContainer | PodHookRequest] | None:
+        """The stored container or sandbox behind ``container_id`` (an id, or a name dockerd resolves)."""
+        stored = self.store.container(container_id)
+        if stored is not None:
+            return container_id, stored
+        pod = self.store.pod(container_id)
+        if pod is not None:
+            return container_id, pod
+        inspect = await self._get_json(f"/containers/{container_id}/json")
+        if inspect is None:
+            return None
+        identifier = str(inspect.get("Id", container_id))
+        try:
+            kind = translate.kind_of_inspect(inspect)
+            driver = await self.cgroup_driver()
+            if kind == "sandbox":
+                pod = translate.stored_sandbox_from_inspect(inspect, driver)
+                self.store.learn([(identifier, pod)], [])
+                return identifier, pod
+            if kind == "container":
+                sandbox_id = translate.sandbox_id_of_inspect(inspect)
+                info = translate.stored_container_from_inspect(inspect, await self.pod(sandbox_id), driver)
+                stored = StoredContainer(sandbox_id, info)
+                self.store.learn([], [(identifier, stored)])
+                return identifier, stored
+        except translate.DockerShapeError as error:
+            self.log.warn("cannot read container {id} back from dockerd: {error}", id=container_id[:80], error=str(error))
+        return None
+
+    async def rebuild(self) -> int:
+        """Learn every Kubernetes container dockerd has, sandboxes first; returns how many."""
+        listed = await self._get_json('/containers/json?all=1&filters={"label":["io.kubernetes.docker.type"]}')
+        if not isinstance(listed, list):
+            raise ConnectionError("dockerd did not list its containers")
+        ordered = sorted(listed, key=lambda entry: (entry.get("Labels") or {}).get(translate.TYPE_LABEL) != "podsandbox")
+        learnt = 0
+        for entry in ordered:
+            if await self.container(str(entry.get("Id", ""))) is not None:
+                learnt += 1
+        return learnt
+
+    # Hook stages
+
+    async def _pre(self, hook: HookType, servers: HookServers, request: HookRequest) -> HookRequest:
+        subscribed = servers.subscribed(hook)
+        if not subscribed:
+            return request
+        outcome: StageOutcome = await self._dispatcher.dispatch(hook, subscribed, request, None)
+        if outcome.failure is not None:
+            raise DockerHookFailure(outcome.failure.message)
+        return outcome.request
+
+    def _post(self, hook: HookType, servers: HookServers, request: HookRequest) -> None:
+        subscribed = servers.subscribed(hook)
+        if subscribed:
+            stage = self._dispatcher.dispatch(hook, subscribed, request, None)
+            self._post_stages.add(stage)
+            stage.addBoth(lambda result: self._post_stages.discard(stage))
+
+    def drain(self) -> "Deferred[list[StageOutcome]]":
+        return gatherResults(list(self._post_stages), consumeErrors=True)
+
+    # The calls
+
+    async def _create(self, head: RequestHead, body: bytes, servers: HookServers) -> bytes:
+        try:
+            document = json.loads(body or b"{}")
+            kind = translate.kind_of(document) if isinstance(document, dict) else None
+        except ValueError:
+            kind = None
+        if kind is None:
+            return (await self._forward(head, body))[0]
+        name = head.query("name") or ""
+        driver = await self.cgroup_driver()
+        if kind == "sandbox":
+            pod = translate.sandbox_hook_request(name, document, driver)
+            if not self._skips(pod.labels):
+                before = copy.deepcopy(pod)
+                pod = _as_pod(await self._pre(HookType.PRE_RUN_POD_SANDBOX, servers, pod))
+                if translate.apply_to_sandbox_create(document, before, pod, driver):
+                    body = json.dumps(document).encode()
+            raw, response = await self._forward(head, body)
+            if response is not None and response.status == 201:
+                self.store.put_pod(str(_json_field(response, "Id")), pod)
+            return raw
+        sandbox_id = translate.sandbox_id_of(document)
+        stored_pod = await self.pod(sandbox_id)
+        if stored_pod is None:
+            return (await self._forward(head, body))[0]
+        container = translate.container_hook_request(name, document, stored_pod, driver)
+        as_sent = copy.deepcopy(container)
+        if not self._skips(stored_pod.labels):
+            container = _as_container(await self._pre(HookType.PRE_CREATE_CONTAINER, servers, container))
+        if translate.apply_to_container_create(document, as_sent, container, driver):
+            body = json.dumps(document).encode()
+        raw, response = await self._forward(head, body)
+        if response is not None and response.status == 201:
+            container_id = str(_json_field(response, "Id"))
+            stored = copy.deepcopy(container)
+            stored.container_meta.id = container_id
+            self.store.put_container(container_id, sandbox_id, stored)
+        return raw
+
+    async def _start(self, head: RequestHead, body: bytes, container_id: str, servers: HookServers) -> bytes:
+        found = await self.container(container_id)
+        if found is None or not isinstance(found[1], StoredContainer) or self._skips(found[1].info.pod_labels):
+            return (await self._forward(head, body))[0]
+        info = _as_container(await self._pre(HookType.PRE_START_CONTAINER, servers, found[1].info))
+        raw, response = await self._forward(head, body)
+        if response is not None and response.status in (204, 304):
+            self._post(HookType.POST_START_CONTAINER, servers, info)
+        return raw
+
+    async def _stop(self, head: RequestHead, body: bytes, container_id: str, servers: HookServers) -> bytes:
+        found = await self.container(container_id)
+        raw, response = await self._forward(head, body)
+        if found is None or response is None or response.status not in (204, 304):
+            return raw
+        stored = found[1]
+        if isinstance(stored, StoredContainer):
+            if not self._skips(stored.info.pod_labels):
+                self._post(HookType.POST_STOP_CONTAINER, servers, stored.info)
+        elif not self._skips(stored.labels):
+            self._post(HookType.POST_STOP_POD_SANDBOX, servers, stored)
+        return raw
+
+    async def _update(self, head: RequestHead, body: bytes, container_id: str, servers: HookServers) -> bytes:
+        found = await self.container(container_id)
+        try:
+            document = json.loads(body or b"{}")
+        except ValueError:
+            document = None
+        if found is None or not isinstance(found[1], StoredContainer) or not isinstance(document, dict):
+            return (await self._forward(head, body))[0]
+        identifier, stored = found[0], found[1]
+        container = translate.fold_update(stored.info, document)
+        if not self._skips(container.pod_labels):
+            before = copy.deepcopy(container)
+            container = _as_container(await self._pre(HookType.PRE_UPDATE_CONTAINER_RESOURCES, servers, container))
+            if translate.apply_to_update(document, before, container):
+                body = json.dumps(document).encode()
+        raw, response = await self._forward(head, body)
+        if response is not None and response.status == 200:
+            self.store.put_container(identifier, stored.sandbox_id, container)
+        return raw
+
+    async def _remove(self, head: RequestHead, body: bytes, container_id: str) -> bytes:
+        found = await self.container(container_id)
+        raw, response = await self._forward(head, body)
+        if found is not None and response is not None and response.status == 204:
+            self.store.forget_container(found[0])
+            self.store.forget_pod(found[0])
+        return raw
+
+
+def _json_field(response: Response, name: str) -> object:
+    document = response.json()
+    return document.get(name, "") if isinstance(document, dict) else ""
+
+
+def _as_pod(request: HookRequest) -> PodHookRequest:
+    assert isinstance(request, PodHookRequest)
+    return request
+
+
+def _as_container(request: HookRequest) -> ContainerHookRequest:
+    assert isinstance(request, ContainerHookRequest)
+    return request

@@ -1,0 +1,545 @@
+"""Docker Engine API JSON ⇄ hook requests, the way cri-dockerd lays Kubernetes pods out in dockerd.
+
+cri-dockerd (dockershim before it) turns each CRI call into plain Docker calls, and what the hooks
+need survives only in conventions:
+
+- the label ``io.kubernetes.docker.type`` says ``podsandbox`` (the pause container standing for
+  the pod) or ``container``; a container also carries its sandbox's docker id in
+  ``io.kubernetes.sandbox.id`` and its log path in ``io.kubernetes.container.logpath``;
+- the name is ``k8s_<container>_<pod>_<namespace>_<uid>_<attempt>`` (``POD`` as the container for
+  a sandbox, an ``_<random>`` suffix after a name conflict, a leading ``/`` in inspect output);
+- annotations travel as labels prefixed ``annotation.``; every other label is a CRI label, except
+  the shim's own (the three above, and ``io.kubernetes.container.name=POD`` on sandboxes);
+- resources are HostConfig fields, the pod's cgroup is HostConfig.CgroupParent in dockerd's
+  syntax: a path with the cgroupfs driver, a bare slice name with the systemd driver.
+
+Hooks are given what they would get through CRI for the same pod; what they change is written back
+into the JSON body, and only that: every other field (unknown ones included) goes to dockerd as the
+client sent it. The merging itself is ``koordrp.lifecycle``'s; this module only translates.
+
+Nothing here does I/O. Bad shapes raise ``DockerShapeError`` with a one-line reason.
+"""
+
+import re
+from typing import Any, Literal, Mapping, MutableMapping
+
+from cri_api.v1 import api_pb2 as cri
+
+from koordrp import lifecycle
+from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
+from koordrp.jsonvalues import json_type
+
+Kind = Literal["sandbox", "container"]
+JSONObject = dict[str, Any]
+
+TYPE_LABEL = "io.kubernetes.docker.type"
+SANDBOX_TYPE = "podsandbox"
+CONTAINER_TYPE = "container"
+SANDBOX_ID_LABEL = "io.kubernetes.sandbox.id"
+LOG_PATH_LABEL = "io.kubernetes.container.logpath"
+CONTAINER_NAME_LABEL = "io.kubernetes.container.name"
+ANNOTATION_PREFIX = "annotation."
+
+# cri-dockerd serves exactly one runtime handler and calls it "docker" (it refuses any other);
+# kubelet's request may have said "" for it, which the Docker body does not keep.
+RUNTIME_HANDLER = "docker"
+
+SYSTEMD = "systemd"
+
+# Labels cri-dockerd adds for itself: not CRI labels, and never overwritten by a hook's answer.
+_SHIM_LABELS = frozenset({TYPE_LABEL, SANDBOX_ID_LABEL, LOG_PATH_LABEL})
+_SANDBOX_SHIM_LABELS = _SHIM_LABELS | {CONTAINER_NAME_LABEL}
+
+# Hook resource field → Docker field, in HostConfig for create/inspect and at the top level of
+# POST /containers/{id}/update. Docker has no home for ``unified`` or ``hugepage_limits``: hook
+# changes to those cannot reach dockerd and are left out. An update cannot change OomScoreAdj.
+_RESOURCE_KEYS: tuple[tuple[str, str], ...] = (
+    ("cpu_shares", "CpuShares"),
+    ("cpu_quota", "CpuQuota"),
+    ("cpu_period", "CpuPeriod"),
+    ("memory_limit_in_bytes", "Memory"),
+    ("memory_swap_limit_in_bytes", "MemorySwap"),
+    ("cpuset_cpus", "CpusetCpus"),
+    ("cpuset_mems", "CpusetMems"),
+    ("oom_score_adj", "OomScoreAdj"),
+)
+_UPDATE_KEYS = tuple(pair for pair in _RESOURCE_KEYS if pair[0] != "oom_score_adj")
+_STRING_FIELDS = frozenset({"cpuset_cpus", "cpuset_mems"})
+
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+_UINT32_MAX = (1 << 32) - 1
+_DIGITS = re.compile(r"[0-9]+")
+
+
+class DockerShapeError(ValueError):
+    """A Docker API body that does not have the shape cri-dockerd gives it (one-line reason)."""
+
+
+def _show(value: str, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 4] + "…" + text[-1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading JSON
+
+
+def _require_object(value: object, what: str) -> Mapping[str, Any]:
+    if not isinstance(value, dict):
+        raise DockerShapeError(f"{what} is {json_type(value)}, not an object")
+    return value
+
+
+def _optional_object(holder: Mapping[str, Any], key: str, what: str) -> Mapping[str, Any] | None:
+    value = holder.get(key)
+    if value is None:
+        return None
+    return _require_object(value, f"{what}.{key}")
+
+
+def _labels(holder: Mapping[str, Any], what: str) -> dict[str, str]:
+    value = holder.get("Labels")
+    if value is None:
+        return {}
+    labels = _require_object(value, f"{what}.Labels")
+    for key, label in labels.items():
+        if not isinstance(label, str):
+            raise DockerShapeError(f"{what}.Labels[{_show(key)}] is {json_type(label)}, not a string")
+    return dict(labels)
+
+
+def _env(holder: Mapping[str, Any], what: str) -> list[str]:
+    value = holder.get("Env")
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise DockerShapeError(f"{what}.Env is {json_type(value)}, not an array")
+    for index, entry in enumerate(value):
+        if not isinstance(entry, str):
+            raise DockerShapeError(f"{what}.Env[{index}] is {json_type(entry)}, not a string")
+    return list(value)
+
+
+def _env_map(env: list[str]) -> dict[str, str]:
+    """``K=V`` entries as a map (the last of a repeated key wins); entries without ``=`` name no value."""
+    envs: dict[str, str] = {}
+    for entry in env:
+        key, sep, value = entry.partition("=")
+        if sep:
+            envs[key] = value
+    return envs
+
+
+def _resources(holder: Mapping[str, Any], what: str, keys: tuple[tuple[str, str], ...]) -> hook.LinuxContainerResources:
+    resources = hook.LinuxContainerResources()
+    for field, key in keys:
+        value = holder.get(key)
+        if value is None:
+            continue
+        if field in _STRING_FIELDS:
+            if not isinstance(value, str):
+                raise DockerShapeError(f"{what}.{key} is {json_type(value)}, not a string")
+        elif isinstance(value, bool) or not isinstance(value, int):
+            raise DockerShapeError(f"{what}.{key} is {json_type(value)}, not an integer")
+        elif not _INT64_MIN <= value <= _INT64_MAX:
+            raise DockerShapeError(f"{what}.{key} is {value}, out of the int64 range")
+        setattr(resources, field, value)
+    return resources
+
+
+class _Name:
+    """The parts of a ``k8s_<container>_<pod>_<namespace>_<uid>_<attempt>`` container name."""
+
+    def __init__(self, name: object, what: str) -> None:
+        if not isinstance(name, str):
+            raise DockerShapeError(f"{what} name is {json_type(name)}, not a string")
+        parts = name.removeprefix("/").split("_")
+        # Seven parts: cri-dockerd appended a random suffix after a name conflict.
+        if len(parts) not in (6, 7) or parts[0] != "k8s" or not all(parts[1:5]):
+            raise DockerShapeError(
+                f"{what} name {_show(name)} is not k8s_<container>_<pod>_<namespace>_<uid>_<attempt>"
+            )
+        if not _DIGITS.fullmatch(parts[5]) or int(parts[5]) > _UINT32_MAX:
+            raise DockerShapeError(f"{what} name {_show(name)} has attempt {_show(parts[5])}, not a uint32")
+        self.container, self.pod, self.namespace, self.uid = parts[1:5]
+        self.attempt = int(parts[5])
+
+
+def _kind(labels: object) -> Kind | None:
+    if not isinstance(labels, dict):
+        return None
+    value = labels.get(TYPE_LABEL)
+    if value == SANDBOX_TYPE:
+        return "sandbox"
+    if value == CONTAINER_TYPE:
+        return "container"
+    return None
+
+
+def _require_kind(labels: Mapping[str, str], kind: Kind, what: str) -> None:
+    if _kind(labels) != kind:
+        found = labels.get(TYPE_LABEL)
+        shown = "absent" if found is None else _show(found)
+        expected = SANDBOX_TYPE if kind == "sandbox" else CONTAINER_TYPE
+        raise DockerShapeError(f"{what}: label {TYPE_LABEL} is {shown}, not {expected!r}")
+
+
+def _split_labels(labels: Mapping[str, str], kind: Kind) -> tuple[dict[str, str], dict[str, str]]:
+    """CRI labels and annotations, as dockershim splits them back (its own labels dropped)."""
+    shim = _SANDBOX_SHIM_LABELS if kind == "sandbox" else _SHIM_LABELS
+    plain: dict[str, str] = {}
+    annotations: dict[str, str] = {}
+    for key, value in labels.items():
+        if key.startswith(ANNOTATION_PREFIX):
+            annotations[key[len(ANNOTATION_PREFIX) :]] = value
+        elif key not in shim:
+            plain[key] = value
+    return plain, annotations
+
+
+# ---------------------------------------------------------------------------------------------
+# Which creates are Kubernetes ones
+
+
+def kind_of(create_body: object) -> Kind | None:
+    """``sandbox`` or ``container`` for cri-dockerd's creates; None for anything else (pass it through)."""
+    if not isinstance(create_body, dict):
+        return None
+    return _kind(create_body.get("Labels"))
+
+
+def kind_of_inspect(inspect: object) -> Kind | None:
+    """The same question about ``GET /containers/{id}/json`` output (labels under ``Config``)."""
+    if not isinstance(inspect, dict) or not isinstance(inspect.get("Config"), dict):
+        return None
+    return _kind(inspect["Config"].get("Labels"))
+
+
+def _sandbox_id(labels: Mapping[str, str], what: str) -> str:
+    value = labels.get(SANDBOX_ID_LABEL)
+    if not value:
+        raise DockerShapeError(f"{what}: label {SANDBOX_ID_LABEL} is missing")
+    return value
+
+
+def sandbox_id_of(create_body: object) -> str:
+    """The docker id of a container's sandbox (where the store keeps its pod)."""
+    body = _require_object(create_body, "create body")
+    return _sandbox_id(_labels(body, "create body"), "create body")
+
+
+def sandbox_id_of_inspect(inspect: object) -> str:
+    config = _inspect_config(_require_object(inspect, "inspect"))
+    return _sandbox_id(_labels(config, "inspect.Config"), "inspect")
+
+
+# ---------------------------------------------------------------------------------------------
+# Cgroup parents: hooks speak paths, dockerd with the systemd driver wants a slice name
+
+
+def _is_slice_name(value: str) -> bool:
+    if "/" in value or not value.endswith(".slice"):
+        return False
+    units = value[: -len(".slice")].split("-")
+    return all(units)  # systemd refuses empty units: "-a.slice", "a--b.slice", "a-.slice", "-.slice"
+
+
+def to_hook_cgroup_parent(value: str, cgroup_driver: str) -> str:
+    """HostConfig.CgroupParent as hooks (and kubelet, through CRI) write it.
+
+    With systemd a slice name stands for its whole path, each ``-`` opening one level down:
+    ``kubepods-besteffort-pod1.slice`` is
+    ``/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod1.slice``, the cgroup parent
+    kubelet gives a CRI runtime (cri-dockerd kept its last part). Anything that is not a valid slice
+    name, and every value with another driver, is returned unchanged.
+    """
+    if cgroup_driver != SYSTEMD or not _is_slice_name(value):
+        return value
+    units = value[: -len(".slice")].split("-")
+    return "".join("/" + "-".join(units[: depth + 1]) + ".slice" for depth in range(len(units)))
+
+
+def to_docker_cgroup_parent(path: str, cgroup_driver: str) -> str:
+    """A hook's cgroup parent in the syntax dockerd's cgroup driver accepts.
+
+    With systemd: the last part of a path of slices (what cri-dockerd does with kubelet's value),
+    or, for a cgroupfs-style path such as ``/kubepods/besteffort/pod1``, the slice kubelet would
+    name for it (``kubepods-besteffort-pod1.slice``, ``-`` inside a part written ``_``). Other
+    drivers take the path as it is.
+    """
+    if cgroup_driver != SYSTEMD:
+        return path
+    parts = [part for part in path.split("/") if part]
+    if not parts:
+        return ""
+    if parts[-1].endswith(".slice"):
+        return parts[-1]
+    return "-".join(part.replace("-", "_") for part in parts) + ".slice"
+
+
+# ---------------------------------------------------------------------------------------------
+# Building hook requests
+
+
+def _pod_request(
+    name: _Name, labels: Mapping[str, str], host: Mapping[str, Any] | None, what: str, cgroup_driver: str
+) -> lifecycle.PodHookRequest:
+    pod_labels, annotations = _split_labels(labels, "sandbox")
+    pod = lifecycle.PodHookRequest(
+        pod_meta=hook.PodSandboxMetadata(name=name.pod, uid=name.uid, namespace=name.namespace, attempt=name.attempt),
+        runtime_handler=RUNTIME_HANDLER,
+        labels=pod_labels,
+        annotations=annotations,
+    )
+    if host is not None:
+        parent = host.get("CgroupParent")
+        if parent is not None and not isinstance(parent, str):
+            raise DockerShapeError(f"{what}.HostConfig.CgroupParent is {json_type(parent)}, not a string")
+        pod.cgroup_parent = to_hook_cgroup_parent(parent or "", cgroup_driver)
+        pod.resources.CopyFrom(_resources(host, f"{what}.HostConfig", _RESOURCE_KEYS))
+    return pod
+
+
+def _container_request(
+    name: _Name,
+    labels: Mapping[str, str],
+    env: list[str],
+    host: Mapping[str, Any] | None,
+    pod: lifecycle.PodHookRequest | None,
+    what: str,
+    cgroup_driver: str,
+) -> lifecycle.ContainerHookRequest:
+    _, annotations = _split_labels(labels, "container")
+    container = lifecycle.ContainerHookRequest(
+        container_meta=hook.ContainerMetadata(name=name.container, attempt=name.attempt),
+        container_annotations=annotations,
+        container_envs=_env_map(env),
+    )
+    own_parent = ""
+    if host is not None:
+        parent = host.get("CgroupParent")
+        if parent is not None and not isinstance(parent, str):
+            raise DockerShapeError(f"{what}.HostConfig.CgroupParent is {json_type(parent)}, not a string")
+        own_parent = to_hook_cgroup_parent(parent or "", cgroup_driver)
+        container.container_resources.CopyFrom(_resources(host, f"{what}.HostConfig", _RESOURCE_KEYS))
+    if pod is not None:
+        lifecycle.with_pod(container, pod)
+    else:
+        # No pod known: what the container itself says (its pod's attempt is not in its name).
+        container.pod_meta.CopyFrom(hook.PodSandboxMetadata(name=name.pod, uid=name.uid, namespace=name.namespace))
+    if not container.pod_cgroup_parent:
+        container.pod_cgroup_parent = own_parent
+    return container
+
+
+def sandbox_hook_request(name: str, body: object, cgroup_driver: str) -> lifecycle.PodHookRequest:
+    """The PreRunPodSandbox request for ``POST /containers/create?name=<name>`` of a sandbox."""
+    create = _require_object(body, "create body")
+    labels = _labels(create, "create body")
+    _require_kind(labels, "sandbox", "create body")
+    host = _optional_object(create, "HostConfig", "create body")
+    return _pod_request(_Name(name, "sandbox"), labels, host, "create body", cgroup_driver)
+
+
+def container_hook_request(
+    name: str, body: object, pod: lifecycle.PodHookRequest, cgroup_driver: str
+) -> lifecycle.ContainerHookRequest:
+    """The PreCreateContainer request for a container's create; its pod as the store keeps it.
+
+    The pod's cgroup parent is the stored one (hooks may have moved the pod); the container's own
+    HostConfig.CgroupParent only stands in when the stored pod has none.
+    """
+    create = _require_object(body, "create body")
+    labels = _labels(create, "create body")
+    _require_kind(labels, "container", "create body")
+    host = _optional_object(create, "HostConfig", "create body")
+    env = _env(create, "create body")
+    return _container_request(_Name(name, "container"), labels, env, host, pod, "create body", cgroup_driver)
+
+
+def fold_update(stored: lifecycle.ContainerHookRequest, body: object) -> lifecycle.ContainerHookRequest:
+    """The PreUpdateContainerResources request: the stored container with the update's values on top.
+
+    An update names only what it changes (zero or empty means "keep"), which is exactly how
+    ``lifecycle.merge_resources`` reads a set of resources.
+    """
+    update = _require_object(body, "update body")
+    folded = lifecycle.ContainerHookRequest()
+    folded.CopyFrom(stored)
+    lifecycle.merge_resources(folded.container_resources, _resources(update, "update body", _UPDATE_KEYS))
+    return folded
+
+
+# ---------------------------------------------------------------------------------------------
+# Rebuilding the store from GET /containers/{id}/json
+
+
+def _inspect_config(inspect: Mapping[str, Any]) -> Mapping[str, Any]:
+    config = _optional_object(inspect, "Config", "inspect")
+    if config is None:
+        raise DockerShapeError("inspect.Config is missing")
+    return config
+
+
+def stored_sandbox_from_inspect(inspect: object, cgroup_driver: str) -> lifecycle.PodHookRequest:
+    """The pod as koordrp stored it at create, read back from dockerd (hooks' changes included)."""
+    found = _require_object(inspect, "inspect")
+    labels = _labels(_inspect_config(found), "inspect.Config")
+    _require_kind(labels, "sandbox", "inspect")
+    host = _optional_object(found, "HostConfig", "inspect")
+    return _pod_request(_Name(found.get("Name"), "sandbox"), labels, host, "inspect", cgroup_driver)
+
+
+def stored_container_from_inspect(
+    inspect: object, pod: lifecycle.PodHookRequest | None, cgroup_driver: str
+) -> lifecycle.ContainerHookRequest:
+    """The container as koordrp stored it at create, read back from dockerd, with its id.
+
+    ``pod`` is its sandbox from the store; without it the pod's name, namespace and uid come from
+    the container's name and its cgroup parent from its HostConfig. Config.Env is the environment
+    dockerd runs, so it includes the image's ENV besides what kubelet and hooks set.
+    """
+    found = _require_object(inspect, "inspect")
+    config = _inspect_config(found)
+    labels = _labels(config, "inspect.Config")
+    _require_kind(labels, "container", "inspect")
+    container_id = found.get("Id")
+    if not isinstance(container_id, str) or not container_id:
+        raise DockerShapeError(f"inspect.Id is {json_type(container_id)}, not a container id")
+    host = _optional_object(found, "HostConfig", "inspect")
+    env = _env(config, "inspect.Config")
+    name = _Name(found.get("Name"), "container")
+    container = _container_request(name, labels, env, host, pod, "inspect", cgroup_driver)
+    container.container_meta.id = container_id
+    return container
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing what the hooks changed back into the JSON body
+
+
+def _section(body: MutableMapping[str, Any], key: str, what: str) -> MutableMapping[str, Any]:
+    """``body[key]`` as an object to write into, created when absent or null."""
+    value = body.get(key)
+    if value is None:
+        value = body[key] = {}
+    elif not isinstance(value, dict):
+        raise DockerShapeError(f"{what}.{key} is {json_type(value)}, not an object")
+    return value
+
+
+def _set(target: MutableMapping[str, Any], key: str, value: object) -> bool:
+    if key in target and type(target[key]) is type(value) and target[key] == value:
+        return False
+    target[key] = value
+    return True
+
+
+def _write_labels(
+    body: MutableMapping[str, Any],
+    before: Mapping[str, str],
+    after: Mapping[str, str],
+    prefix: str,
+    reserved: frozenset[str],
+) -> bool:
+    changed = False
+    for key, value in after.items():
+        label = prefix + key
+        if before.get(key) != value and label not in reserved:
+            changed |= _set(_section(body, "Labels", "body"), label, value)
+    return changed
+
+
+def _write_resources(
+    body: MutableMapping[str, Any],
+    section: str | None,
+    before: hook.LinuxContainerResources,
+    after: hook.LinuxContainerResources,
+    keys: tuple[tuple[str, str], ...],
+) -> bool:
+    changed = False
+    for field, key in keys:
+        value = getattr(after, field)
+        if getattr(before, field) != value:
+            target = body if section is None else _section(body, section, "body")
+            changed |= _set(target, key, value)
+    return changed
+
+
+def _write_env(body: MutableMapping[str, Any], before: Mapping[str, str], after: Mapping[str, str]) -> bool:
+    if dict(before) == dict(after):
+        return False
+    env = _env(body, "body")
+    # lifecycle.apply_envs keeps kubelet's order, replaces in place and appends new keys sorted;
+    # entries without "=" are not variables it can see, so they keep their place untouched.
+    positions = [index for index, entry in enumerate(env) if "=" in entry]
+    pairs = [env[index].split("=", 1) for index in positions]
+    merged = lifecycle.apply_envs(
+        [cri.KeyValue(key=key, value=value) for key, value in pairs], dict(before), dict(after)
+    )
+    result = list(env)
+    for index, pair in zip(positions, merged):
+        result[index] = f"{pair.key}={pair.value}"
+    result.extend(f"{pair.key}={pair.value}" for pair in merged[len(positions) :])
+    if result == env:
+        return False
+    body["Env"] = result
+    return True
+
+
+def apply_to_sandbox_create(
+    body: JSONObject, before: lifecycle.PodHookRequest, after: lifecycle.PodHookRequest, cgroup_driver: str
+) -> bool:
+    """Write into a sandbox's create body what the hooks changed; True if the body changed.
+
+    Labels and annotations (as ``annotation.`` labels; cri-dockerd's own labels are never
+    overwritten), HostConfig resources (the pod's resources: the sandbox is the pod's container
+    in Docker), HostConfig.CgroupParent in dockerd's syntax.
+    """
+    changed = _write_labels(body, before.labels, after.labels, "", _SANDBOX_SHIM_LABELS)
+    changed |= _write_labels(body, before.annotations, after.annotations, ANNOTATION_PREFIX, _SANDBOX_SHIM_LABELS)
+    changed |= _write_resources(body, "HostConfig", before.resources, after.resources, _RESOURCE_KEYS)
+    if after.cgroup_parent != before.cgroup_parent:
+        host = _section(body, "HostConfig", "body")
+        changed |= _set(host, "CgroupParent", to_docker_cgroup_parent(after.cgroup_parent, cgroup_driver))
+    return changed
+
+
+def apply_to_container_create(
+    body: JSONObject,
+    before: lifecycle.ContainerHookRequest,
+    after: lifecycle.ContainerHookRequest,
+    cgroup_driver: str,
+) -> bool:
+    """Write into a container's create body what the hooks changed; True if the body changed.
+
+    Annotations (as ``annotation.`` labels), HostConfig resources, Env (order kept), and the pod's
+    cgroup parent: the container's cgroup is HostConfig.CgroupParent, which cri-dockerd filled
+    from kubelet's sandbox config, so the pod's parent as hooks left it wins even when no
+    container hook touched it (as ``lifecycle.apply_to_create_container`` does for containerd).
+    """
+    changed = _write_labels(
+        body, before.container_annotations, after.container_annotations, ANNOTATION_PREFIX, _SHIM_LABELS
+    )
+    changed |= _write_resources(
+        body, "HostConfig", before.container_resources, after.container_resources, _RESOURCE_KEYS
+    )
+    changed |= _write_env(body, before.container_envs, after.container_envs)
+    if after.pod_cgroup_parent:
+        wanted = to_docker_cgroup_parent(after.pod_cgroup_parent, cgroup_driver)
+        host = body.get("HostConfig")
+        if not isinstance(host, dict) or host.get("CgroupParent") != wanted:
+            changed |= _set(_section(body, "HostConfig", "body"), "CgroupParent", wanted)
+    return changed
+
+
+def apply_to_update(
+    body: JSONObject, before: lifecycle.ContainerHookRequest, after: lifecycle.ContainerHookRequest
+) -> bool:
+    """Write into ``POST /containers/{id}/update``'s body the resources the hooks changed.
+
+    Its resource fields are at the top level; it has no OomScoreAdj, labels or cgroup parent, so
+    hook changes to those cannot be applied by an update.
+    """
+    _require_object(body, "update body")
+    return _write_resources(body, None, before.container_resources, after.container_resources, _UPDATE_KEYS)

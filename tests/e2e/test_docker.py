@@ -1,0 +1,261 @@
+"""Docker mode against a real private dockerd: the docker CLI and cri-dockerd-style creates through koordrp."""
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import grpc
+import pytest
+
+from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
+from tests.e2e.conftest import hook_server, wait_registered
+from tests.fake.hook_server import FakeHookServer
+from tests.support.dockerd import Dockerd, DockerdError, require_binaries, unix_http
+from tests.support.hook_registration import register
+from tests.support.images import BUSYBOX_REF, ImageSet
+from tests.support.koordrp_process import KoordrpProcess
+
+API = "/v1.41"
+
+
+@pytest.fixture(scope="module")
+def dockerd(images: ImageSet) -> Iterator[Dockerd]:
+    try:
+        require_binaries()
+    except DockerdError as error:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI must run the dockerd tests: {error}", pytrace=False)
+        pytest.skip(str(error))
+    daemon = Dockerd(Path(tempfile.mkdtemp(prefix="krp-dk-", dir="/tmp")))
+    daemon.start()
+    try:
+        daemon.load_images(images)
+        yield daemon
+    finally:
+        daemon.stop()
+
+
+@pytest.fixture
+def proxy(dockerd: Dockerd, workdir: Path) -> Iterator[KoordrpProcess]:
+    process = KoordrpProcess(workdir, dockerd.host, ["--backend-runtime-mode=Docker"])
+    process.start()
+    yield process
+    process.stop()
+
+
+def docker(dockerd: Dockerd, *args: str, host: str | None = None, input: str | None = None) -> tuple[int, str]:
+    result = dockerd.docker(*args, host=host, input=input)
+    return result.returncode, result.stdout
+
+
+def test_cli_through_koordrp_matches_dockerd(dockerd: Dockerd, proxy: KoordrpProcess) -> None:
+    through = proxy.endpoint
+    same_answers = [
+        ("version", "--format", "{{.Server.Version}} {{.Server.APIVersion}}"),
+        ("info", "--format", "{{.CgroupDriver}} {{.Driver}} {{.Images}}"),
+        ("images", "--format", "{{.Repository}}:{{.Tag}} {{.ID}}"),
+        ("run", "--rm", "--network", "none", BUSYBOX_REF, "echo", "hi"),
+        ("run", "--rm", "--network", "none", BUSYBOX_REF, "sh", "-c", "exit 7"),
+    ]
+    for command in same_answers:
+        # Listings of things made in the same second come in no fixed order.
+        through_code, through_out = docker(dockerd, *command, host=through)
+        direct_code, direct_out = docker(dockerd, *command)
+        assert (through_code, sorted(through_out.splitlines())) == (direct_code, sorted(direct_out.splitlines())), command
+    assert docker(dockerd, "run", "--rm", "-i", "--network", "none", BUSYBOX_REF, "cat", host=through, input="echoed\n") == (
+        0,
+        "echoed\n",
+    )
+
+
+def test_long_running_container_through_koordrp(dockerd: Dockerd, proxy: KoordrpProcess) -> None:
+    through = proxy.endpoint
+    code, out = docker(
+        dockerd, "run", "-d", "--network", "none", BUSYBOX_REF, "sh", "-c", "sleep 1; echo late; sleep 3600", host=through
+    )
+    assert code == 0
+    container = out.strip()
+    try:
+        follow = dockerd.docker_popen("logs", "-f", container, host=through)
+        assert follow.stdout is not None
+        assert follow.stdout.readline() == "late\n"  # written after `logs -f` started
+        follow.terminate()
+        follow.wait(10)
+        assert docker(dockerd, "exec", "-i", container, "cat", host=through, input="stdin\n") == (0, "stdin\n")
+        assert docker(dockerd, "exec", container, "sh", "-c", "exit 5", host=through)[0] == 5
+        stats = ("stats", "--no-stream", "--format", "{{.Name}} {{.ID}}", container)
+        assert docker(dockerd, *stats, host=through) == docker(dockerd, *stats)
+        assert docker(dockerd, *stats, host=through)[1].split()[1] == container[:12]
+        inspect = ("inspect", "--format", "{{.State.Running}} {{.Config.Image}}", container)
+        assert docker(dockerd, *inspect, host=through) == docker(dockerd, *inspect) == (0, f"true {BUSYBOX_REF}\n")
+        assert docker(dockerd, "stop", "-t", "1", container, host=through) == (0, container + "\n")
+        assert docker(dockerd, "rm", container, host=through) == (0, container + "\n")
+    finally:
+        dockerd.docker("rm", "-f", container)
+
+
+def sandbox_body(pod: str, labels: dict[str, str] | None = None) -> dict[str, Any]:
+    return {
+        "Image": "localhost/koordrp/pause:1",
+        "Labels": {
+            "io.kubernetes.docker.type": "podsandbox",
+            "io.kubernetes.pod.name": pod,
+            "io.kubernetes.pod.namespace": "default",
+            "io.kubernetes.pod.uid": f"uid-{pod}",
+            "annotation.kubernetes.io/config.source": "api",
+            **(labels or {}),
+        },
+        "HostConfig": {"NetworkMode": "none", "CpuShares": 2},
+        "SomethingNewer": {"kept": True},
+    }
+
+
+def container_body(pod: str, sandbox_id: str) -> dict[str, Any]:
+    return {
+        "Image": BUSYBOX_REF,
+        "Cmd": ["sleep", "3600"],
+        "Env": ["FROM_KUBELET=a=b"],
+        "Labels": {
+            "io.kubernetes.docker.type": "container",
+            "io.kubernetes.sandbox.id": sandbox_id,
+            "io.kubernetes.container.name": "app",
+            "io.kubernetes.pod.name": pod,
+            "io.kubernetes.pod.namespace": "default",
+            "io.kubernetes.pod.uid": f"uid-{pod}",
+            "annotation.io.kubernetes.container.hash": "1234",
+        },
+        "HostConfig": {"NetworkMode": f"container:{sandbox_id}"},
+    }
+
+
+def create(socket: Path, name: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    status, _, data = unix_http(
+        socket, "POST", f"{API}/containers/create?name={name}", json.dumps(body).encode(),
+        {"Content-Type": "application/json"},
+    )
+    return status, json.loads(data or b"{}")
+
+
+def post(socket: Path, path: str) -> int:
+    return unix_http(socket, "POST", f"{API}{path}")[0]
+
+
+def kubernetes_pod(socket: Path, pod: str, labels: dict[str, str] | None = None) -> tuple[str, str]:
+    """A sandbox and one started container, made as cri-dockerd makes them."""
+    status, sandbox = create(socket, f"k8s_POD_{pod}_default_uid-{pod}_0", sandbox_body(pod, labels))
+    assert status == 201, sandbox
+    assert post(socket, f"/containers/{sandbox['Id']}/start") == 204
+    status, container = create(socket, f"k8s_app_{pod}_default_uid-{pod}_0", container_body(pod, sandbox["Id"]))
+    assert status == 201, container
+    assert post(socket, f"/containers/{container['Id']}/start") == 204
+    return sandbox["Id"], container["Id"]
+
+
+def test_kubernetes_creates_go_through_the_hooks(
+    dockerd: Dockerd, proxy: KoordrpProcess, servers: dict[str, FakeHookServer], workdir: Path
+) -> None:
+    server = hook_server(servers, workdir, "tuner")
+    server.behaviours["PreRunPodSandboxHook"] = lambda request: hook.PodSandboxHookResponse(cgroup_parent="/koordrp-docker-e2e")
+    server.behaviours["PreCreateContainerHook"] = lambda request: hook.ContainerResourceHookResponse(
+        container_envs={"KOORDRP_TEST": "1"},
+        container_resources=hook.LinuxContainerResources(cpu_shares=512, cpuset_cpus="0"),
+    )
+    register(workdir / "hookserver.d", "tuner", server.path,
+             ["PreRunPodSandbox", "PreCreateContainer", "PreStartContainer", "PostStopContainer"])
+    wait_registered(proxy, 1)
+    sandbox_id, container_id = kubernetes_pod(proxy.socket, "tuned")
+    try:
+        inspect = json.loads(dockerd.docker("inspect", container_id, check=True).stdout)[0]
+        assert inspect["HostConfig"]["CpuShares"] == 512
+        assert inspect["HostConfig"]["CpusetCpus"] == "0"
+        assert inspect["HostConfig"]["CgroupParent"] == "/koordrp-docker-e2e"
+        assert "KOORDRP_TEST=1" in inspect["Config"]["Env"]
+        assert inspect["Config"]["Env"].index("FROM_KUBELET=a=b") < inspect["Config"]["Env"].index("KOORDRP_TEST=1")
+        sandbox = json.loads(dockerd.docker("inspect", sandbox_id, check=True).stdout)[0]
+        assert sandbox["HostConfig"]["CgroupParent"] == "/koordrp-docker-e2e"
+        env = dockerd.docker("exec", container_id, "env", check=True).stdout.split()
+        assert "KOORDRP_TEST=1" in env
+        cpus = dockerd.docker("exec", container_id, "cat", "/sys/fs/cgroup/cpuset/cpuset.cpus", check=True).stdout
+        assert cpus.strip() == "0"
+        started = server.calls("PreStartContainerHook")[-1]
+        assert (started.pod_meta.name, started.container_meta.name) == ("tuned", "app")
+        assert started.container_resources.cpu_shares == 512
+        assert post(proxy.socket, f"/containers/{container_id}/stop?t=1") == 204
+        server.rpcs_once(4)
+        stopped = server.calls("PostStopContainerHook")[-1]
+        assert stopped.container_meta.id == container_id and stopped.pod_cgroup_parent == "/koordrp-docker-e2e"
+    finally:
+        dockerd.docker("rm", "-f", container_id, sandbox_id)
+
+
+def test_non_kubernetes_containers_and_skipped_pods_get_no_hooks(
+    dockerd: Dockerd, proxy: KoordrpProcess, servers: dict[str, FakeHookServer], workdir: Path
+) -> None:
+    server = hook_server(servers, workdir, "watcher")
+    register(workdir / "hookserver.d", "watcher", server.path,
+             ["PreRunPodSandbox", "PreCreateContainer", "PreStartContainer", "PostStopContainer"])
+    wait_registered(proxy, 1)
+    assert docker(dockerd, "run", "--rm", "--network", "none", BUSYBOX_REF, "true", host=proxy.endpoint)[0] == 0
+    ids = kubernetes_pod(proxy.socket, "skipped", {"runtimeproxy.koordinator.sh/skip-hookserver": "true"})
+    dockerd.docker("rm", "-f", *ids)
+    assert server.rpcs() == []
+
+
+@pytest.mark.parametrize("policy", ["Fail", "Ignore"])
+def test_failure_policies(
+    policy: str, dockerd: Dockerd, proxy: KoordrpProcess, servers: dict[str, FakeHookServer], workdir: Path
+) -> None:
+    broken = hook_server(servers, workdir, "broken")
+    broken.failures["PreCreateContainerHook"] = grpc.StatusCode.INTERNAL
+    register(workdir / "hookserver.d", "broken", broken.path, ["PreCreateContainer"], policy=policy)
+    wait_registered(proxy, 1)
+    status, sandbox = create(proxy.socket, "k8s_POD_p_default_uid-p_0", sandbox_body("p"))
+    try:
+        status, container = create(proxy.socket, "k8s_app_p_default_uid-p_0", container_body("p", sandbox["Id"]))
+        if policy == "Fail":
+            assert status == 500 and "broken.json" in container["message"]
+        else:
+            assert status == 201
+    finally:
+        dockerd.docker("rm", "-f", "k8s_app_p_default_uid-p_0", sandbox["Id"])
+
+
+def test_restarted_koordrp_knows_the_pods(
+    dockerd: Dockerd, servers: dict[str, FakeHookServer], workdir: Path
+) -> None:
+    server = hook_server(servers, workdir, "memory")
+    server.behaviours["PreCreateContainerHook"] = lambda request: hook.ContainerResourceHookResponse(
+        container_envs={"TUNED": "1"}
+    )
+    register(workdir / "hookserver.d", "memory", server.path, ["PreCreateContainer", "PreStartContainer", "PostStopContainer"])
+    first = KoordrpProcess(workdir, dockerd.host, ["--backend-runtime-mode=Docker"])
+    first.start()
+    try:
+        first.wait_for_servers(1)
+        sandbox_id, container_id = kubernetes_pod(first.socket, "remembered")
+        before = server.calls("PreStartContainerHook")[-1]
+        assert first.terminate() == 0
+        second = KoordrpProcess(workdir, dockerd.host, ["--backend-runtime-mode=Docker"])
+        second.start()
+        try:
+            deadline = time.monotonic() + 5
+            while "store rebuilt from dockerd" not in second.log():
+                assert time.monotonic() < deadline, second.log()
+                time.sleep(0.05)
+            assert post(second.socket, f"/containers/{container_id}/stop?t=1") == 204
+            server.rpcs_once(3)
+        finally:
+            second.stop()
+    finally:
+        first.stop()
+        dockerd.docker("rm", "-f", container_id, sandbox_id)
+    after = server.calls("PostStopContainerHook")[-1]
+    assert (after.pod_meta.name, after.pod_meta.uid, after.container_meta.name) == (
+        before.pod_meta.name, before.pod_meta.uid, before.container_meta.name
+    )
+    assert after.container_envs["TUNED"] == "1" and after.container_envs["FROM_KUBELET"] == "a=b"
+    # dockerd's inspect merges the image's own labels into the container's: read back, they show up too.
+    assert dict(after.pod_labels).items() >= dict(before.pod_labels).items()
