@@ -1,7 +1,10 @@
 """Docker mode against a real private dockerd: the docker CLI and cri-dockerd-style creates through koordrp."""
 
+import hashlib
+import io
 import json
 import os
+import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -13,10 +16,10 @@ import pytest
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
 from tests.e2e.conftest import hook_server, wait_registered
 from tests.fake.hook_server import FakeHookServer
-from tests.support.dockerd import Dockerd, DockerdError, require_binaries, unix_http
+from tests.support.dockerd import Dockerd, DockerdError, remove_cgroup, require_binaries, unix_http
 from tests.support.hook_registration import register
 from tests.support.images import BUSYBOX_REF, ImageSet
-from tests.support.koordrp_process import KoordrpProcess
+from tests.support.koordrp_process import KoordrpProcess, rss_bytes
 
 API = "/v1.41"
 
@@ -189,6 +192,7 @@ def test_kubernetes_creates_go_through_the_hooks(
         assert stopped.container_meta.id == container_id and stopped.pod_cgroup_parent == "/koordrp-docker-e2e"
     finally:
         dockerd.docker("rm", "-f", container_id, sandbox_id)
+        remove_cgroup("/koordrp-docker-e2e")
 
 
 def test_non_kubernetes_containers_and_skipped_pods_get_no_hooks(
@@ -259,3 +263,81 @@ def test_restarted_koordrp_knows_the_pods(
     assert after.container_envs["TUNED"] == "1" and after.container_envs["FROM_KUBELET"] == "a=b"
     # dockerd's inspect merges the image's own labels into the container's: read back, they show up too.
     assert dict(after.pod_labels).items() >= dict(before.pod_labels).items()
+
+
+def big_image_archive(directory: Path, megabytes: int) -> Path:
+    """A docker-archive whose one layer is ``megabytes`` of incompressible data."""
+    payload = os.urandom(megabytes << 20)
+    layer = io.BytesIO()
+    with tarfile.open(fileobj=layer, mode="w") as tar:
+        info = tarfile.TarInfo("blob")
+        info.size = len(payload)
+        tar.addfile(info, io.BytesIO(payload))
+    layer_bytes = layer.getvalue()
+    diff_id = "sha256:" + hashlib.sha256(layer_bytes).hexdigest()
+    config = json.dumps(
+        {"architecture": "amd64", "os": "linux", "config": {}, "rootfs": {"type": "layers", "diff_ids": [diff_id]}}
+    ).encode()
+    archive = directory / "big.tar"
+    with tarfile.open(archive, mode="w") as tar:
+        for name, data in (
+            ("layer.tar", layer_bytes),
+            ("config.json", config),
+            ("manifest.json", json.dumps([{"Config": "config.json", "RepoTags": ["localhost/koordrp/big:1"], "Layers": ["layer.tar"]}]).encode()),
+        ):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return archive
+
+
+def test_big_transfers_stream_through_without_growing_koordrp(
+    dockerd: Dockerd, proxy: KoordrpProcess, workdir: Path
+) -> None:
+    before = rss_bytes(proxy.pid)
+    archive = big_image_archive(workdir, 200)
+    loaded = dockerd.docker("load", "-i", str(archive), host=proxy.endpoint, timeout=300)
+    assert loaded.returncode == 0, loaded.stderr
+    archive.unlink()
+    after_load = rss_bytes(proxy.pid)
+    code, out = docker(
+        dockerd, "run", "-d", "--network", "none", BUSYBOX_REF, "sh", "-c",
+        "head -c 52428800 /dev/zero | tr '\\0' 'x' | fold -w 1023; sleep 3600",
+        host=proxy.endpoint,
+    )
+    container = out.strip()
+    try:
+        follow = dockerd.docker_popen("logs", "-f", container, host=proxy.endpoint)
+        assert follow.stdout is not None
+        received = 0
+        while received < 50 << 20:
+            line = follow.stdout.readline()
+            assert line, "the log stream ended early"
+            received += len(line)
+        follow.terminate()
+        follow.wait(10)
+        after_logs = rss_bytes(proxy.pid)
+    finally:
+        dockerd.docker("rm", "-f", container)
+        dockerd.docker("rmi", "localhost/koordrp/big:1")
+    assert after_load - before < 20 << 20, (before, after_load)
+    assert after_logs - before < 20 << 20, (before, after_logs)
+
+
+def test_dockerd_away_then_back(images: ImageSet, workdir: Path) -> None:
+    late = Dockerd(workdir / "late")
+    proxy = KoordrpProcess(workdir, late.host, ["--backend-runtime-mode=Docker"])
+    proxy.start()
+    try:
+        result = late.docker("version", "--format", "{{.Server.Version}}", host=proxy.endpoint)
+        assert result.returncode != 0
+        assert f"backend {late.host} is unavailable" in result.stderr
+        late.start()
+        assert late.docker("version", "--format", "{{.Server.Version}}", host=proxy.endpoint).returncode == 0
+        deadline = time.monotonic() + 5
+        while "store rebuilt from dockerd" not in proxy.log():
+            assert time.monotonic() < deadline, proxy.log()
+            time.sleep(0.05)
+    finally:
+        proxy.stop()
+        late.stop()

@@ -15,6 +15,7 @@ from tests.fake.hook_server import FakeHookServer
 from tests.support.containerd import Containerd
 from tests.support.cri_objects import container_config, linux_resources, pod_sandbox_config
 from tests.support.hook_registration import register
+from tests.support.dockerd import remove_cgroup
 from tests.support.images import BUSYBOX_REF
 from tests.support.koordrp_process import KoordrpProcess
 from tests.support.pods import TIMEOUT, remove_pod, running_container, start_container
@@ -46,14 +47,7 @@ def container_env(runtime: Any, container_id: str) -> list[str]:
 
 
 def remove_cgroup_parent() -> None:
-    for controller in Path("/sys/fs/cgroup").iterdir():
-        leftover = controller / CGROUP_PARENT.lstrip("/")
-        if leftover.is_dir():
-            for child in sorted(leftover.glob("**/"), key=lambda p: len(str(p)), reverse=True):
-                try:
-                    child.rmdir()
-                except OSError:
-                    pass
+    remove_cgroup(CGROUP_PARENT)
 
 
 def test_pre_hooks_change_what_the_container_gets(

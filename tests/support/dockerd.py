@@ -284,6 +284,11 @@ def cgroup_dirs(cgroup_path: str) -> list[Path]:
     return [d for d in (m / relative for m in cgroup_mounts()) if d.is_dir()]
 
 
+def remove_cgroup(cgroup_path: str) -> list[str]:
+    """Remove one cgroupfs-driver path (and its children) from every hierarchy; says what stayed."""
+    return [note for directory in cgroup_dirs(cgroup_path) for note in _rmdir_tree(directory)]
+
+
 def _rmdir_tree(top: Path) -> list[str]:
     """rmdir a cgroup directory and its children, deepest first."""
     notes: list[str] = []
