@@ -52,12 +52,17 @@ def outcome(call: Callable[[], Any]) -> Any:
         return (error.code(), error.details())
 
 
+def by_id(images: Any) -> Any:
+    """containerd lists images in no fixed order: compare them sorted."""
+    return api_pb2.ListImagesResponse(images=sorted(images.images, key=lambda image: image.id))
+
+
 def test_runtime_and_image_queries_match_direct(direct: Clients, proxied: Clients) -> None:
     queries: list[tuple[str, Callable[[Clients], Any]]] = [
         ("Version", lambda c: c.runtime.Version(api_pb2.VersionRequest(version="v1"), timeout=TIMEOUT)),
         ("Status", lambda c: c.runtime.Status(api_pb2.StatusRequest(verbose=True), timeout=TIMEOUT)),
         ("ImageFsInfo", lambda c: c.images.ImageFsInfo(api_pb2.ImageFsInfoRequest(), timeout=TIMEOUT)),
-        ("ListImages", lambda c: c.images.ListImages(api_pb2.ListImagesRequest(), timeout=TIMEOUT)),
+        ("ListImages", lambda c: by_id(c.images.ListImages(api_pb2.ListImagesRequest(), timeout=TIMEOUT))),
         (
             "ImageStatus",
             lambda c: c.images.ImageStatus(
