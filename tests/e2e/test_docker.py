@@ -341,3 +341,18 @@ def test_dockerd_away_then_back(images: ImageSet, workdir: Path) -> None:
     finally:
         proxy.stop()
         late.stop()
+
+
+def test_attach_through_koordrp_matches_dockerd(dockerd: Dockerd, proxy: KoordrpProcess) -> None:
+    outputs = []
+    for host in (proxy.endpoint, None):
+        code, out = docker(
+            dockerd, "run", "-d", "--network", "none", BUSYBOX_REF, "sh", "-c", "sleep 1; echo attached; exit 3"
+        )
+        container = out.strip()
+        try:
+            attached = dockerd.docker("attach", container, host=host)
+            outputs.append((attached.returncode, attached.stdout))
+        finally:
+            dockerd.docker("rm", "-f", container)
+    assert outputs[0] == outputs[1] == (3, "attached\n")
