@@ -3,7 +3,8 @@
 import grp
 from typing import Any
 
-from twisted.application import service
+from twisted.application import service, strports
+from twisted.internet.protocol import Factory
 from twisted.logger import Logger
 from twisted.python import usage
 
@@ -16,9 +17,12 @@ from koordrp.endpoints import EndpointError, parse_unix_endpoint
 from koordrp.hooks.client import HookClients
 from koordrp.hooks.dispatcher import Dispatcher
 from koordrp.hooks.registry import HookRegistry
+from koordrp.hooks.types import HookServers
+from koordrp.metrics import Metrics
 from koordrp.shutdown import OrderlyStopOnSIGTERM
 from koordrp.store import Store
 from koordrp.unixsocket import CannotListen
+from koordrp.web import metrics_service
 
 # Flag names and defaults are koord-runtime-proxy's, so that a node's unit files carry over.
 DEFAULT_PROXY_ENDPOINT = "/var/run/koord-runtimeproxy/runtimeproxy.sock"
@@ -55,6 +59,12 @@ class Options(usage.Options):
         ["runtime-hook-server-key", None, DEFAULT_SKIP_HOOK_KEY, "pod label key that skips all hooks"],
         ["runtime-hook-server-val", None, DEFAULT_SKIP_HOOK_VALUE, "pod label value that skips all hooks"],
         ["hook-config-dir", None, DEFAULT_HOOK_CONFIG_DIR, "directory of hook server registrations (*.json)"],
+        [
+            "metrics-endpoint",
+            None,
+            None,
+            "Twisted endpoint for /metrics and /healthz, e.g. tcp:9316:interface=127.0.0.1 [default: off]",
+        ],
         ["socket-group", None, None, "group (name or id) given access to the CRI socket [default: koordrp's group]"],
         ["hook-timeout", None, 2.0, "seconds a hook call may take, unless its file sets timeout-seconds", float],
         ["grace-period", None, 10.0, "seconds in-flight CRI calls get to finish on shutdown", float],
@@ -86,6 +96,13 @@ class Options(usage.Options):
             self["socket-group"] = int(value) if value.isdigit() else grp.getgrnam(value).gr_gid
         except KeyError:
             raise usage.UsageError(f"--socket-group: no group named {value!r}") from None
+
+    def opt_metrics_endpoint(self, value: str) -> None:
+        try:
+            strports.service(value, Factory())
+        except (ValueError, KeyError, TypeError) as error:
+            raise usage.UsageError(f"--metrics-endpoint: {value!r} is not a Twisted endpoint: {error}") from None
+        self["metrics-endpoint"] = value
 
     def opt_hook_config_dir(self, value: str) -> None:
         if not value.startswith("/"):
@@ -141,21 +158,27 @@ def makeService(config: Options, reactor: Any = None) -> service.MultiService:
         from twisted.internet import reactor as global_reactor
 
         reactor = global_reactor
+    metrics = Metrics() if config["metrics-endpoint"] else None
     clients = HookClients(reactor)
-    dispatcher = Dispatcher(clients, reactor)
+    dispatcher = Dispatcher(clients, reactor, metrics)
     skip = SkipLabel(config["runtime-hook-server-key"], config["runtime-hook-server-val"])
     registry = HookRegistry(
         config["hook-config-dir"],
         config["hook-timeout"],
         reactor,
-        on_change=lambda servers: clients.retain(servers.endpoints),
+        on_change=lambda servers: registered(servers),
     )
+
+    def registered(servers: HookServers) -> None:
+        clients.retain(servers.endpoints)
+        if metrics is not None:
+            metrics.hook_servers.set(len(servers.servers))
+
     lifecycle = Lifecycle(
         store=Store(),
         hooks=HookBridge(reactor, dispatcher, lambda: registry.current),
         skip=skip,
     )
-    proxy: service.Service
     if config["backend-runtime-mode"] == "Docker":
         settings = DockerProxySettings(
             listen_path=config["koord-runtimeproxy-endpoint"],
@@ -165,11 +188,17 @@ def makeService(config: Options, reactor: Any = None) -> service.MultiService:
         interceptor = DockerInterceptor(
             settings.backend_path, reactor, lifecycle.store, dispatcher, lambda: registry.current, skip.skips
         )
-        proxy = DockerProxyService(settings, reactor, interceptor)
+        proxy: DockerProxyService | CRIProxyService = DockerProxyService(settings, reactor, interceptor)
+        probe = interceptor.probe
     else:
-        proxy = CRIProxyService(cri_settings(config), reactor, lifecycle)
+        proxy = CRIProxyService(cri_settings(config), reactor, lifecycle, metrics)
+        probe = proxy.probe
     top = Koordrp()  # type: ignore[no-untyped-call]
+    children: list[service.Service] = [registry, proxy, OrderlyStopOnSIGTERM(reactor)]
+    if metrics is not None:
+        metrics.watch_store(lifecycle.store.sizes)
+        children.append(metrics_service(config["metrics-endpoint"], metrics, probe, reactor))
     # The registry starts first, so the first call already sees every registered server.
-    for child in (registry, proxy, OrderlyStopOnSIGTERM(reactor)):
+    for child in children:
         child.setServiceParent(top)  # type: ignore[no-untyped-call]
     return top

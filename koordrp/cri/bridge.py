@@ -27,6 +27,14 @@ class HookBridge:
         self.current_servers = current_servers
         self._post_stages: set[Deferred[StageOutcome]] = set()
 
+    def in_reactor(self, function: Callable[..., object], *args: object) -> None:
+        self._reactor.callFromThread(function, *args)
+
+    def skipped(self, hook: HookType, servers: HookServers) -> None:
+        subscribed = servers.subscribed(hook)
+        if subscribed:
+            self._reactor.callFromThread(self._dispatcher.skipped, hook, subscribed)
+
     def notify(self, hook: HookType, servers: HookServers, request: HookRequest) -> None:
         """Start a post hook stage and return at once.
 

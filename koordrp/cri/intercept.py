@@ -6,6 +6,7 @@ the runtime is called from this thread.
 """
 
 import copy
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
@@ -14,7 +15,8 @@ from cri_api.v1 import api_pb2 as cri
 from google.protobuf.message import DecodeError, Message
 from twisted.logger import Logger
 
-from koordrp import lifecycle
+from koordrp import calllog, lifecycle
+from koordrp.calllog import CallRecord
 from koordrp.cri.backend import BackendChannel
 from koordrp.cri.bridge import HookBridge, HookStageTimeout
 from koordrp.cri.passthrough import relay_failure, remaining_timeout
@@ -47,18 +49,32 @@ class LifecycleCall:
         self.method = method
         self.context = context
         self.servers: HookServers = interceptor.hooks.current_servers()
+        self.record = CallRecord(method.rsplit("/", 1)[-1])
+        self.skipping = False
+        """The pod carries the skip label: no hook is called for this call."""
 
     def hooks(self, hook: HookType, request: HookRequest) -> StageOutcome:
+        """Run a pre hook stage; the request comes back as the hooks changed it (untouched when skipping)."""
+        self.record.subject = request
+        if self.skipping:
+            self.interceptor.hooks.skipped(hook, self.servers)
+            return StageOutcome(request)
         try:
             outcome = self.interceptor.hooks.run(hook, self.servers, request, remaining_timeout(self.context))
         except HookStageTimeout as error:
             self.context.abort(grpc.StatusCode.UNAVAILABLE, f"koordrp: {error}")
+        self.record.ran(hook.value, outcome.called)
         if outcome.failure is not None:
             self.context.abort(grpc.StatusCode.UNKNOWN, outcome.failure.message)
         return outcome
 
     def notify(self, hook: HookType, request: HookRequest) -> None:
-        self.interceptor.hooks.notify(hook, self.servers, request)
+        self.record.subject = request
+        if self.skipping:
+            self.interceptor.hooks.skipped(hook, self.servers)
+        else:
+            self.interceptor.hooks.notify(hook, self.servers, request)
+            self.record.ran(hook.value, [server.name for server in self.servers.subscribed(hook)])
 
     def forward(self, request: bytes) -> bytes:
         upstream = self.interceptor.upstream(self.method)
@@ -135,9 +151,8 @@ class Interceptor:
             "RemoveContainer": (cri.RemoveContainerRequest, self.remove_container),
             "RemovePodSandbox": (cri.RemovePodSandboxRequest, self.remove_pod_sandbox),
         }
-        self.handlers: dict[str, grpc.RpcMethodHandler] = {  # type: ignore[type-arg]
-            RUNTIME_SERVICE + name: grpc.unary_unary_rpc_method_handler(self._handler(RUNTIME_SERVICE + name, kind, flow))
-            for name, (kind, flow) in flows.items()
+        self.handlers: dict[str, Callable[[bytes, grpc.ServicerContext], bytes]] = {
+            RUNTIME_SERVICE + name: self._handler(RUNTIME_SERVICE + name, kind, flow) for name, (kind, flow) in flows.items()
         }
 
     def upstream(self, method: str) -> grpc.UnaryUnaryMultiCallable:  # type: ignore[type-arg]
@@ -158,7 +173,18 @@ class Interceptor:
                 request = kind.FromString(raw)
             except DecodeError as error:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"koordrp: cannot parse the {short_name} request: {error}")
-            return flow(LifecycleCall(self, method, context), request, raw)
+            call = LifecycleCall(self, method, context)
+            started = time.monotonic()
+            outcome = "OK"
+            try:
+                return flow(call, request, raw)
+            except Exception:
+                code = context.code()  # type: ignore[attr-defined]
+                outcome = code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"
+                raise
+            finally:
+                # Written from the reactor, as every other log line is.
+                self.hooks.in_reactor(calllog.write, call.record, outcome, time.monotonic() - started)
 
         return handle
 
@@ -166,11 +192,11 @@ class Interceptor:
 
     def run_pod_sandbox(self, call: LifecycleCall, request: Any, raw: bytes) -> bytes:
         pod = lifecycle.pod_hook_request(request)
-        if not self.skip.skips(pod.labels):
-            before = copy.deepcopy(pod)
-            pod = _as_pod(call.hooks(HookType.PRE_RUN_POD_SANDBOX, pod).request)
-            if lifecycle.apply_to_run_pod_sandbox(request, before, pod):
-                raw = request.SerializeToString()
+        call.skipping = self.skip.skips(pod.labels)
+        before = copy.deepcopy(pod)
+        pod = _as_pod(call.hooks(HookType.PRE_RUN_POD_SANDBOX, pod).request)
+        if lifecycle.apply_to_run_pod_sandbox(request, before, pod):
+            raw = request.SerializeToString()
         response = call.forward(raw)
         self.store.put_pod(cri.RunPodSandboxResponse.FromString(response).pod_sandbox_id, pod)
         return response
@@ -180,10 +206,10 @@ class Interceptor:
         if pod is None:
             # The runtime does not know the sandbox: it will answer with its own error.
             return call.forward(raw)
+        call.skipping = self.skip.skips(pod.labels)
         container = lifecycle.container_hook_request(pod, request)
         before = copy.deepcopy(container)
-        if not self.skip.skips(pod.labels):
-            container = _as_container(call.hooks(HookType.PRE_CREATE_CONTAINER, container).request)
+        container = _as_container(call.hooks(HookType.PRE_CREATE_CONTAINER, container).request)
         if lifecycle.apply_to_create_container(request, before, container):
             raw = request.SerializeToString()
         response = call.forward(raw)
@@ -194,8 +220,9 @@ class Interceptor:
 
     def start_container(self, call: LifecycleCall, request: Any, raw: bytes) -> bytes:
         stored = call.container(request.container_id)
-        if stored is None or self.skip.skips(stored.info.pod_labels):
+        if stored is None:
             return call.forward(raw)
+        call.skipping = self.skip.skips(stored.info.pod_labels)
         container = _as_container(call.hooks(HookType.PRE_START_CONTAINER, stored.info).request)
         response = call.forward(raw)
         call.notify(HookType.POST_START_CONTAINER, container)
@@ -206,11 +233,11 @@ class Interceptor:
         if stored is None:
             return call.forward(raw)
         container = lifecycle.fold_update_request(stored.info, request)
-        if not self.skip.skips(container.pod_labels):
-            before = copy.deepcopy(container)
-            container = _as_container(call.hooks(HookType.PRE_UPDATE_CONTAINER_RESOURCES, container).request)
-            if lifecycle.apply_to_update_container_resources(request, before, container):
-                raw = request.SerializeToString()
+        call.skipping = self.skip.skips(container.pod_labels)
+        before = copy.deepcopy(container)
+        container = _as_container(call.hooks(HookType.PRE_UPDATE_CONTAINER_RESOURCES, container).request)
+        if lifecycle.apply_to_update_container_resources(request, before, container):
+            raw = request.SerializeToString()
         response = call.forward(raw)
         self.store.put_container(request.container_id, stored.sandbox_id, container)
         return response
@@ -218,14 +245,16 @@ class Interceptor:
     def stop_container(self, call: LifecycleCall, request: Any, raw: bytes) -> bytes:
         stored = call.container(request.container_id)
         response = call.forward(raw)
-        if stored is not None and not self.skip.skips(stored.info.pod_labels):
+        if stored is not None:
+            call.skipping = self.skip.skips(stored.info.pod_labels)
             call.notify(HookType.POST_STOP_CONTAINER, stored.info)
         return response
 
     def stop_pod_sandbox(self, call: LifecycleCall, request: Any, raw: bytes) -> bytes:
         pod = call.pod(request.pod_sandbox_id)
         response = call.forward(raw)
-        if pod is not None and not self.skip.skips(pod.labels):
+        if pod is not None:
+            call.skipping = self.skip.skips(pod.labels)
             call.notify(HookType.POST_STOP_POD_SANDBOX, pod)
         return response
 

@@ -8,12 +8,16 @@ and the backend's status, details and trailing metadata come back as they were.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Callable, Iterator, Sequence, Tuple, cast
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence, Tuple, TypeVar, cast
 
 import grpc
 
 from koordrp.cri.backend import BackendChannel
 from koordrp.cri.methods import BackendRole, Cardinality, route
+from koordrp.metrics import Metrics
+
+Request = TypeVar("Request")
+Answer = TypeVar("Answer")
 
 if TYPE_CHECKING:
     # grpc-stubs makes the handler generic; grpcio's class itself cannot be subscripted at run time.
@@ -176,11 +180,16 @@ class PassThroughHandler(_BytesHandler):
     def __init__(
         self,
         backends: dict[BackendRole, BackendChannel],
-        intercepted: dict[str, grpc.RpcMethodHandler[bytes, bytes]] | None = None,
+        intercepted: dict[str, Callable[[bytes, grpc.ServicerContext], bytes]] | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         self._backends = backends
+        self._metrics = metrics
         # Intercepted methods are answered by their own handlers; everything else is forwarded.
-        self._handlers: dict[str, grpc.RpcMethodHandler[bytes, bytes]] = dict(intercepted or {})
+        self._handlers: dict[str, grpc.RpcMethodHandler[bytes, bytes]] = {
+            method: grpc.unary_unary_rpc_method_handler(self._counted(method, behaviour))
+            for method, behaviour in (intercepted or {}).items()
+        }
         self.streams = StreamRegistry()
 
     def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler[bytes, bytes] | None:
@@ -192,12 +201,22 @@ class PassThroughHandler(_BytesHandler):
                 self._handlers[method] = handler
         return handler
 
+    def _counted(self, method: str, behaviour: Callable[[Request, grpc.ServicerContext], Answer]) -> Callable[[Request, grpc.ServicerContext], Answer]:
+        return behaviour if self._metrics is None else self._metrics.unary(method, behaviour)
+
+    def _counted_stream(
+        self, method: str, behaviour: Callable[[Request, grpc.ServicerContext], Iterator[bytes]]
+    ) -> Callable[[Request, grpc.ServicerContext], Iterator[bytes]]:
+        return behaviour if self._metrics is None else self._metrics.streaming(method, behaviour)
+
     def _build(self, method: str) -> grpc.RpcMethodHandler[bytes, bytes]:
         how = route(method)
         backend = self._backends[how.role]
         if how.cardinality is Cardinality.UNARY_UNARY:
             forwarder = cancellable_unary_unary_forwarder if how.cancellable else unary_unary_forwarder
-            return grpc.unary_unary_rpc_method_handler(forwarder(method, backend))
+            return grpc.unary_unary_rpc_method_handler(self._counted(method, forwarder(method, backend)))
         if how.cardinality is Cardinality.UNARY_STREAM:
-            return grpc.unary_stream_rpc_method_handler(unary_stream_forwarder(method, backend, self.streams))
-        return grpc.stream_stream_rpc_method_handler(stream_stream_forwarder(method, backend, self.streams))
+            relay = unary_stream_forwarder(method, backend, self.streams)
+            return grpc.unary_stream_rpc_method_handler(self._counted_stream(method, relay))
+        relay_stream = stream_stream_forwarder(method, backend, self.streams)
+        return grpc.stream_stream_rpc_method_handler(self._counted_stream(method, relay_stream))

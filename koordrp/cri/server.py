@@ -7,7 +7,7 @@ from typing import Any
 
 import grpc
 from twisted.application import service
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, fail
 from twisted.internet.interfaces import IDelayedCall
 from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
@@ -20,12 +20,14 @@ from koordrp.cri.methods import BackendRole
 from koordrp.cri.passthrough import PassThroughHandler
 from koordrp.cri.reachability import Reachability
 from koordrp.cri.runtime_lookup import LookupFailed, RuntimeLookup
+from koordrp.metrics import Metrics
 from koordrp.endpoints import grpc_target
 from koordrp.store import Store
 from koordrp.unixsocket import prepare_listening_path, remove_socket, umask
 
 SOCKET_MODE = 0o660
 _RECONCILE_TIMEOUT = 30.0
+_PROBE_TIMEOUT = 2.0
 _RECONCILE_RETRY_SECONDS = 1.0
 
 _REACHABILITY_MESSAGES = {
@@ -64,8 +66,11 @@ class CRIProxyService(service.Service):
 
     log = Logger()
 
-    def __init__(self, settings: CRIProxySettings, reactor: Any, lifecycle: Lifecycle) -> None:
+    def __init__(
+        self, settings: CRIProxySettings, reactor: Any, lifecycle: Lifecycle, metrics: Metrics | None = None
+    ) -> None:
         """``reactor`` provides IReactorThreads and IReactorTime."""
+        self._metrics = metrics
         self.settings = settings
         self.lifecycle = lifecycle
         self._reactor = reactor
@@ -86,7 +91,8 @@ class CRIProxyService(service.Service):
         lookup = RuntimeLookup(runtime.channel)
         parts = self.lifecycle
         interceptor = Interceptor(runtime, parts.store, parts.hooks, parts.skip, lookup)
-        self._handler = PassThroughHandler({BackendRole.RUNTIME: runtime, BackendRole.IMAGE: image}, interceptor.handlers)
+        backends = {BackendRole.RUNTIME: runtime, BackendRole.IMAGE: image}
+        self._handler = PassThroughHandler(backends, interceptor.handlers, self._metrics)
         server = grpc.server(
             ThreadPoolExecutor(max_workers=settings.max_workers, thread_name_prefix="koordrp-cri"),
             handlers=[self._handler],
@@ -169,7 +175,24 @@ class CRIProxyService(service.Service):
         remove_socket(self.settings.listen_path)
         self.log.info("stopped; removed unix://{listen}", listen=self.settings.listen_path)
 
+    def probe(self) -> "Deferred[object]":
+        """Whether the runtime answers Version now (for /healthz)."""
+        backends = self._backends
+        if not backends:
+            return fail(RuntimeError("koordrp is not serving"))
+        version = backends[0].channel.unary_unary("/runtime.v1.RuntimeService/Version", None, None)
+
+        def ask() -> object:
+            try:
+                return version(b"", timeout=_PROBE_TIMEOUT)
+            except grpc.RpcError as error:
+                raise RuntimeError(f"backend unix://{backends[0].path}: {error.code().name}: {error.details()}") from None
+
+        return deferToThreadPool(self._reactor, self._reactor.getThreadPool(), ask)
+
     def _report_reachability(self, change: Reachability, endpoint: str) -> None:
+        if self._metrics is not None:
+            self._metrics.backend_up.labels(endpoint).set(0 if change is Reachability.UNREACHABLE else 1)
         # Connectivity callbacks arrive on a grpc thread; logs are written from the reactor.
         level = self.log.warn if change is Reachability.UNREACHABLE else self.log.info
         self._reactor.callFromThread(level, _REACHABILITY_MESSAGES[change], endpoint=endpoint)

@@ -20,7 +20,7 @@ from koordrp.docker import translate
 from koordrp.docker.http import HTTPError, RequestHead, Response, json_response, parse_response
 from koordrp.docker.proxy import IDockerInterceptor, exchange
 from koordrp.hooks.dispatcher import Dispatcher, StageOutcome
-from koordrp.hooks.types import HookServers, HookType
+from koordrp.hooks.types import HookServerConfig, HookServers, HookType
 from koordrp.lifecycle import ContainerHookRequest, HookRequest, PodHookRequest
 from koordrp.store import Store, StoredContainer
 
@@ -98,6 +98,21 @@ class DockerInterceptor:
         response = parse_response(await exchange(self._reactor, self.backend_path, request))
         return response.json() if response.status == 200 else None
 
+    def probe(self) -> "Deferred[object]":
+        """Whether dockerd answers /_ping now (for /healthz)."""
+
+        async def ping() -> object:
+            request = b"GET /_ping HTTP/1.1\r\nHost: docker\r\nConnection: close\r\n\r\n"
+            try:
+                response = parse_response(await exchange(self._reactor, self.backend_path, request))
+            except Exception as error:
+                raise RuntimeError(f"backend unix://{self.backend_path}: {error}") from None
+            if response.status != 200:
+                raise RuntimeError(f"backend unix://{self.backend_path} answered /_ping with {response.status}")
+            return None
+
+        return ensureDeferred(ping())
+
     async def cgroup_driver(self) -> str:
         if self._cgroup_driver is None:
             info = await self._get_json("/info")
@@ -162,18 +177,25 @@ class DockerInterceptor:
 
     # Hook stages
 
-    async def _pre(self, hook: HookType, servers: HookServers, request: HookRequest) -> HookRequest:
+    def _skipped(self, hook: HookType, subscribed: tuple[HookServerConfig, ...], pod_labels: Any) -> bool:
+        """No subscriber, or a pod with the skip label (counted): the stage does not run."""
+        if subscribed and self._skips(pod_labels):
+            self._dispatcher.skipped(hook, subscribed)
+            return True
+        return not subscribed
+
+    async def _pre(self, hook: HookType, servers: HookServers, request: HookRequest, pod_labels: Any) -> HookRequest:
         subscribed = servers.subscribed(hook)
-        if not subscribed:
+        if self._skipped(hook, subscribed, pod_labels):
             return request
         outcome: StageOutcome = await self._dispatcher.dispatch(hook, subscribed, request, None)
         if outcome.failure is not None:
             raise DockerHookFailure(outcome.failure.message)
         return outcome.request
 
-    def _post(self, hook: HookType, servers: HookServers, request: HookRequest) -> None:
+    def _post(self, hook: HookType, servers: HookServers, request: HookRequest, pod_labels: Any) -> None:
         subscribed = servers.subscribed(hook)
-        if subscribed:
+        if not self._skipped(hook, subscribed, pod_labels):
             stage = self._dispatcher.dispatch(hook, subscribed, request, None)
             self._post_stages.add(stage)
             stage.addBoth(lambda result: self._post_stages.discard(stage))
@@ -195,11 +217,10 @@ class DockerInterceptor:
         driver = await self.cgroup_driver()
         if kind == "sandbox":
             pod = translate.sandbox_hook_request(name, document, driver)
-            if not self._skips(pod.labels):
-                before = copy.deepcopy(pod)
-                pod = _as_pod(await self._pre(HookType.PRE_RUN_POD_SANDBOX, servers, pod))
-                if translate.apply_to_sandbox_create(document, before, pod, driver):
-                    body = json.dumps(document).encode()
+            before = copy.deepcopy(pod)
+            pod = _as_pod(await self._pre(HookType.PRE_RUN_POD_SANDBOX, servers, pod, pod.labels))
+            if translate.apply_to_sandbox_create(document, before, pod, driver):
+                body = json.dumps(document).encode()
             raw, response = await self._forward(head, body)
             if response is not None and response.status == 201:
                 self.store.put_pod(str(_json_field(response, "Id")), pod)
@@ -210,8 +231,9 @@ class DockerInterceptor:
             return (await self._forward(head, body))[0]
         container = translate.container_hook_request(name, document, stored_pod, driver)
         as_sent = copy.deepcopy(container)
-        if not self._skips(stored_pod.labels):
-            container = _as_container(await self._pre(HookType.PRE_CREATE_CONTAINER, servers, container))
+        container = _as_container(
+            await self._pre(HookType.PRE_CREATE_CONTAINER, servers, container, stored_pod.labels)
+        )
         if translate.apply_to_container_create(document, as_sent, container, driver):
             body = json.dumps(document).encode()
         raw, response = await self._forward(head, body)
@@ -224,12 +246,13 @@ class DockerInterceptor:
 
     async def _start(self, head: RequestHead, body: bytes, container_id: str, servers: HookServers) -> bytes:
         found = await self.container(container_id)
-        if found is None or not isinstance(found[1], StoredContainer) or self._skips(found[1].info.pod_labels):
+        if found is None or not isinstance(found[1], StoredContainer):
             return (await self._forward(head, body))[0]
-        info = _as_container(await self._pre(HookType.PRE_START_CONTAINER, servers, found[1].info))
+        labels = found[1].info.pod_labels
+        info = _as_container(await self._pre(HookType.PRE_START_CONTAINER, servers, found[1].info, labels))
         raw, response = await self._forward(head, body)
         if response is not None and response.status in (204, 304):
-            self._post(HookType.POST_START_CONTAINER, servers, info)
+            self._post(HookType.POST_START_CONTAINER, servers, info, labels)
         return raw
 
     async def _stop(self, head: RequestHead, body: bytes, container_id: str, servers: HookServers) -> bytes:
@@ -239,10 +262,9 @@ class DockerInterceptor:
             return raw
         stored = found[1]
         if isinstance(stored, StoredContainer):
-            if not self._skips(stored.info.pod_labels):
-                self._post(HookType.POST_STOP_CONTAINER, servers, stored.info)
-        elif not self._skips(stored.labels):
-            self._post(HookType.POST_STOP_POD_SANDBOX, servers, stored)
+            self._post(HookType.POST_STOP_CONTAINER, servers, stored.info, stored.info.pod_labels)
+        else:
+            self._post(HookType.POST_STOP_POD_SANDBOX, servers, stored, stored.labels)
         return raw
 
     async def _update(self, head: RequestHead, body: bytes, container_id: str, servers: HookServers) -> bytes:
@@ -255,11 +277,11 @@ class DockerInterceptor:
             return (await self._forward(head, body))[0]
         identifier, stored = found[0], found[1]
         container = translate.fold_update(stored.info, document)
-        if not self._skips(container.pod_labels):
-            before = copy.deepcopy(container)
-            container = _as_container(await self._pre(HookType.PRE_UPDATE_CONTAINER_RESOURCES, servers, container))
-            if translate.apply_to_update(document, before, container):
-                body = json.dumps(document).encode()
+        before = copy.deepcopy(container)
+        hook = HookType.PRE_UPDATE_CONTAINER_RESOURCES
+        container = _as_container(await self._pre(hook, servers, container, container.pod_labels))
+        if translate.apply_to_update(document, before, container):
+            body = json.dumps(document).encode()
         raw, response = await self._forward(head, body)
         if response is not None and response.status == 200:
             self.store.put_container(identifier, stored.sandbox_id, container)

@@ -28,13 +28,19 @@ _CHANNEL_OPTIONS = [
 class HookCallError(Exception):
     """A hook call that did not produce an answer; the message says why, in one line."""
 
+    timed_out = False
+
+
+class HookTimedOut(HookCallError):
+    timed_out = True
+
 
 def _timed_out(timeout: float) -> str:
     return f"no answer within {timeout:g}s"
 
 
 def _raise_timed_out(result: object, timeout: float) -> object:
-    raise HookCallError(_timed_out(timeout))
+    raise HookTimedOut(_timed_out(timeout))
 
 
 def _socket_problem(endpoint: str) -> str | None:
@@ -83,7 +89,7 @@ class HookClient:
                 if call.code() is grpc.StatusCode.UNAVAILABLE:
                     self._lost = True
                 if call.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
-                    answered.errback(HookCallError(_timed_out(timeout)))
+                    answered.errback(HookTimedOut(_timed_out(timeout)))
                 else:
                     answered.errback(HookCallError(f"{call.code().name}: {shortened(call.details() or '')}"))
             else:

@@ -7,9 +7,10 @@ from typing import Any
 from twisted.internet.defer import Deferred, ensureDeferred
 from twisted.logger import Logger
 
-from koordrp.hooks.client import HookCallError, HookClients
+from koordrp.hooks.client import HookClients, HookTimedOut
 from koordrp.hooks.types import FailurePolicy, HookServerConfig, HookType
 from koordrp.lifecycle import HookRequest, changed_fields, merge_response
+from koordrp.metrics import Metrics
 
 
 @dataclass(frozen=True)
@@ -37,9 +38,20 @@ class StageOutcome:
 class Dispatcher:
     log = Logger()
 
-    def __init__(self, clients: HookClients, reactor: Any) -> None:
+    def __init__(self, clients: HookClients, reactor: Any, metrics: Metrics | None = None) -> None:
         self._clients = clients
         self._reactor = reactor
+        self._metrics = metrics
+
+    def skipped(self, hook: HookType, servers: tuple[HookServerConfig, ...]) -> None:
+        """Count the calls a pod's skip label spared."""
+        if self._metrics is not None:
+            for server in servers:
+                self._metrics.hook_call(server.name, hook.value, "skipped", None)
+
+    def _count(self, server: HookServerConfig, hook: HookType, result: str, started: float) -> None:
+        if self._metrics is not None:
+            self._metrics.hook_call(server.name, hook.value, result, self._reactor.seconds() - started)
 
     def dispatch(
         self, hook: HookType, servers: tuple[HookServerConfig, ...], request: HookRequest, budget: float | None
@@ -65,11 +77,13 @@ class Dispatcher:
             if deadline is not None:
                 timeout = min(timeout, deadline - self._reactor.seconds())
             before = copy.deepcopy(request) if track_changes else request
+            started = self._reactor.seconds()
             try:
                 if timeout <= 0:
-                    raise HookCallError("the CRI call's deadline had passed")
+                    raise HookTimedOut("the CRI call's deadline had passed")
                 response = await self._clients.get(server.endpoint).call(hook, request, timeout)
             except Exception as error:
+                self._count(server, hook, "timeout" if isinstance(error, HookTimedOut) else "error", started)
                 reason = str(error) or type(error).__name__
                 if hook.is_pre and server.failure_policy is FailurePolicy.FAIL:
                     outcome.failure = HookFailure(server, hook, reason)
@@ -87,6 +101,7 @@ class Dispatcher:
                     reason=reason,
                 )
                 continue
+            self._count(server, hook, "ok", started)
             outcome.called.append(server.name)
             if not hook.is_pre:
                 continue

@@ -1,0 +1,58 @@
+"""``--metrics-endpoint``: Prometheus metrics at /metrics and a health check at /healthz."""
+
+from typing import Any, Callable
+
+from prometheus_client.twisted import MetricsResource
+from twisted.application import service, strports
+from twisted.internet.defer import Deferred
+from twisted.python.failure import Failure
+from twisted.web.resource import Resource
+from twisted.web.server import NOT_DONE_YET, Request, Site
+
+from koordrp.metrics import Metrics
+
+# "The backend answered within the last few seconds": a success this recent is not asked again.
+FRESH_SECONDS = 5.0
+
+Probe = Callable[[], "Deferred[object]"]
+
+
+class HealthResource(Resource):
+    """200 while the backend answers, 503 with the reason when it does not."""
+
+    isLeaf = True
+
+    def __init__(self, probe: Probe, reactor: Any) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self._probe = probe
+        self._reactor = reactor
+        self._last_answer: float | None = None
+
+    def render_GET(self, request: Request) -> bytes | int:
+        now = self._reactor.seconds()
+        if self._last_answer is not None and now - self._last_answer < FRESH_SECONDS:
+            return b"ok: the backend answered %.1fs ago\n" % (now - self._last_answer)
+        asking = self._probe()
+
+        def answered(_: object) -> None:
+            self._last_answer = self._reactor.seconds()
+            request.write(b"ok: the backend answers\n")  # type: ignore[no-untyped-call]
+            request.finish()  # type: ignore[no-untyped-call]
+
+        def failed(failure: Failure) -> None:
+            request.setResponseCode(503)
+            request.write(f"unhealthy: {failure.getErrorMessage()}\n".encode())  # type: ignore[no-untyped-call]
+            request.finish()  # type: ignore[no-untyped-call]
+
+        asking.addCallbacks(answered, failed)
+        return NOT_DONE_YET
+
+
+def metrics_service(endpoint: str, metrics: Metrics, probe: Probe, reactor: Any) -> service.Service:
+    root = Resource()  # type: ignore[no-untyped-call]
+    root.putChild(b"metrics", MetricsResource(registry=metrics.registry))  # type: ignore[no-untyped-call]
+    root.putChild(b"healthz", HealthResource(probe, reactor))
+    site = Site(root)  # type: ignore[no-untyped-call]
+    site.noisy = False
+    served: service.Service = strports.service(endpoint, site, reactor=reactor)
+    return served

@@ -1,0 +1,126 @@
+"""What an operator sees: metrics, the health check, one log line per lifecycle call, JSON logs."""
+
+import json
+import re
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+from cri_api.v1 import api_pb2
+
+from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
+from tests.e2e.conftest import hook_server, wait_registered
+from tests.fake.hook_server import FakeHookServer
+from tests.support.containerd import Containerd
+from tests.support.hook_registration import register
+from tests.support.koordrp_process import KoordrpProcess, twistd_path
+from tests.support.pods import running_container
+from tests.support.relay import UnixRelay
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+def sample(metrics: str, name: str, **labels: str) -> float:
+    """The value of one sample in Prometheus' text format, found by name and exact labels."""
+    for line in metrics.splitlines():
+        found = re.fullmatch(r"(\w+)(?:\{(.*)\})? (\S+)", line)
+        if found and found.group(1) == name and dict(re.findall(r'(\w+)="([^"]*)"', found.group(2) or "")) == labels:
+            return float(found.group(3))
+    raise AssertionError(f"no {name} {labels} in:\n{metrics}")
+
+
+@pytest.fixture
+def observed(containerd: Containerd, workdir: Path) -> Iterator[tuple[KoordrpProcess, str, UnixRelay]]:
+    relay = UnixRelay(str(workdir / "runtime.sock"), containerd.address).start()
+    port = free_port()
+    proxy = KoordrpProcess(workdir, f"unix://{relay.listen_path}", [f"--metrics-endpoint=tcp:{port}:interface=127.0.0.1"])
+    proxy.start()
+    yield proxy, f"http://127.0.0.1:{port}", relay
+    proxy.stop()
+    relay.cut()
+
+
+def test_metrics_health_and_call_log(
+    observed: tuple[KoordrpProcess, str, UnixRelay], servers: dict[str, FakeHookServer], workdir: Path
+) -> None:
+    proxy, base, relay = observed
+    server = hook_server(servers, workdir, "tuner")
+    server.behaviours["PreCreateContainerHook"] = lambda request: hook.ContainerResourceHookResponse(
+        container_envs={"TUNED": "1"}
+    )
+    register(workdir / "hookserver.d", "tuner", server.path, ["PreCreateContainer", "PostStopContainer"])
+    wait_registered(proxy, 1)
+    with proxy.channel() as channel:
+        runtime = proxy.runtime(channel)
+        for _ in range(3):
+            runtime.Version(api_pb2.VersionRequest())
+        with running_container(runtime, "observed", workdir, labels={"runtimeproxy.koordinator.sh/skip-hookserver": "true"}):
+            pass
+        with running_container(runtime, "watched", workdir) as pod:
+            status, metrics = get(f"{base}/metrics")
+            assert status == 200
+            assert sample(metrics, "koordrp_cri_calls_total", method="Version", code="OK") == 3
+            assert sample(metrics, "koordrp_cri_calls_total", method="RunPodSandbox", code="OK") == 2
+            assert sample(metrics, "koordrp_cri_call_seconds_count", method="CreateContainer") == 2
+            assert sample(metrics, "koordrp_hook_calls_total", server="tuner.json", hook="PreCreateContainer", result="ok") == 1
+            assert sample(metrics, "koordrp_hook_calls_total", server="tuner.json", hook="PreCreateContainer", result="skipped") == 1
+            assert sample(metrics, "koordrp_hook_call_seconds_count", server="tuner.json", hook="PreCreateContainer") == 1
+            assert sample(metrics, "koordrp_hook_servers") == 1
+            assert sample(metrics, "koordrp_store_entries", kind="pods") == 1
+            assert sample(metrics, "koordrp_store_entries", kind="containers") == 1
+            assert sample(metrics, "koordrp_backend_reachable", endpoint=relay.listen_path) == 1
+            assert get(f"{base}/healthz")[0] == 200
+            runtime.StopContainer(api_pb2.StopContainerRequest(container_id=pod.container_id, timeout=0))
+    lines = [line for line in proxy.log().splitlines() if "[koordrp.calls#info]" in line]
+    assert not [line for line in lines if " Version " in line]  # pass-through calls log nothing
+    created = [line for line in lines if "CreateContainer pod default/watched" in line]
+    assert len(created) == 1 and "container watched: OK in" in created[0]
+    assert "hooks: PreCreateContainer@tuner.json" in created[0]
+    assert any("StopContainer pod default/watched" in line and "PostStopContainer@tuner.json" in line for line in lines)
+    relay.cut()
+    time.sleep(5.2)  # a success younger than 5 s is trusted without asking again
+    status, text = get(f"{base}/healthz")
+    assert status == 503 and relay.listen_path in text
+
+
+def test_json_lines_logging(containerd: Containerd, workdir: Path) -> None:
+    listen = workdir / "j" / "koordrp.sock"
+    output = (workdir / "koordrp.jsonl").open("w")
+    process = subprocess.Popen(
+        [
+            twistd_path(), "-n", "--pidfile=", "--logger=koordrp.jsonlogs.to_stdout", "koordrp",
+            f"--koord-runtimeproxy-endpoint={listen}", f"--remote-runtime-service-endpoint={containerd.endpoint}",
+            f"--hook-config-dir={workdir / 'hooks'}",
+        ],
+        stdout=output, stderr=subprocess.STDOUT, cwd=workdir,
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while not listen.exists():
+            assert time.monotonic() < deadline and process.poll() is None
+            time.sleep(0.05)
+    finally:
+        process.terminate()
+        process.wait(20)
+        output.close()
+    events: list[dict[str, Any]] = [json.loads(line) for line in (workdir / "koordrp.jsonl").read_text().splitlines() if line.strip()]
+    serving = [event for event in events if event.get("log_format", "").startswith("serving CRI on")]
+    assert serving and serving[0]["listen"] == str(listen)
+    assert serving[0]["log_level"]["name"] == "info"
