@@ -57,7 +57,7 @@ import stat
 import tempfile
 import threading
 from types import FrameType, TracebackType
-from typing import Any, Awaitable, Callable, Literal, Protocol, TypeVar, Union, overload
+from typing import Any, Awaitable, Callable, Literal, Mapping, Protocol, TypeVar, Union, overload
 
 import grpc
 import txaio.aio
@@ -75,6 +75,7 @@ __all__ = [
     "HookServer",
     "PodHandler",
     "RunningServer",
+    "hook_type",
 ]
 
 log = logging.getLogger(__name__)
@@ -167,17 +168,24 @@ class HookServer:
                     f"but handlers are named exactly after the hook: {meant.value}"
                 )
 
-    def __init__(self) -> None:
-        self._handlers: dict[HookType, Callable[[Any], object]] = {}
-        for hook in HookType:
-            if callable(getattr(type(self), hook.value, None)):
-                self._handlers[hook] = getattr(self, hook.value)
+    @property
+    def _handlers(self) -> dict[HookType, Callable[[Any], object]]:
+        # Kept in the instance's dict rather than set by __init__, so that a subclass defining its
+        # own __init__ works whether or not it calls super().__init__().
+        registered: dict[HookType, Callable[[Any], object]] = vars(self).setdefault("_registered_handlers", {})
+        return {
+            **{hook: getattr(self, hook.value) for hook in HookType if callable(getattr(type(self), hook.value, None))},
+            **registered,
+        }
+
+    # A hook named literally gets its handler checked against its own request and response types;
+    # one known only at run time falls through to the last overload. That the first two overlap
+    # with it is the point, hence the ignores.
+    @overload
+    def hook(self, hook: PodHookName) -> Callable[[_PodH], _PodH]: ...  # type: ignore[overload-overlap]
 
     @overload
-    def hook(self, hook: PodHookName) -> Callable[[_PodH], _PodH]: ...
-
-    @overload
-    def hook(self, hook: ContainerHookName) -> Callable[[_ContainerH], _ContainerH]: ...
+    def hook(self, hook: ContainerHookName) -> Callable[[_ContainerH], _ContainerH]: ...  # type: ignore[overload-overlap]
 
     @overload
     def hook(self, hook: HookType | str) -> Callable[[_AnyH], _AnyH]: ...
@@ -187,9 +195,10 @@ class HookServer:
         chosen = hook_type(hook)
 
         def register(handler: _AnyH) -> _AnyH:
-            if chosen in self._handlers:
-                raise ValueError(f"{chosen.value} already has a handler: {self._handlers[chosen]!r}")
-            self._handlers[chosen] = handler
+            existing = self._handlers.get(chosen)
+            if existing is not None:
+                raise ValueError(f"{chosen.value} already has a handler: {existing!r}")
+            vars(self).setdefault("_registered_handlers", {})[chosen] = handler
             return handler
 
         return register
@@ -246,12 +255,11 @@ class RunningServer:
         self.registration_path: str | None = None
         self._stopped = threading.Event()
         self._stop_lock = threading.Lock()
-        self._asyncio = _AsyncioThread()
-        calls = _Calls(handlers, self._asyncio)
         prepare_listening_path(socket_path)
+        self._asyncio = _AsyncioThread()
         self._server = grpc.server(
             concurrent.futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="koordrp-sdk"),
-            handlers=[calls.generic_handler()],
+            handlers=[_Calls(handlers, self._asyncio).generic_handler()],
         )
         try:
             with umask(SOCKET_UMASK):
@@ -363,8 +371,11 @@ class _Call:
 
     def _start(self, function: Callable[..., object], args: tuple[object, ...]) -> None:
         api = self._loop.api
-        self._future = api.as_future(function, *args)
-        api.add_callbacks(self._future, self._settle, self._fail)
+        try:
+            self._future = api.as_future(function, *args)
+            api.add_callbacks(self._future, self._settle, self._fail)
+        except Exception as error:  # txaio refusing the result: the grpc thread must not wait in vain
+            self.outcome.set_exception(error)
 
     def _settle(self, result: object) -> None:
         if not self.outcome.done():
@@ -380,7 +391,11 @@ class _Call:
         if self.outcome.done() or self._cancelled:
             return
         self._cancelled = True
-        self._loop.call_from_thread(lambda: self._loop.api.cancel(self._future))
+        self._loop.call_from_thread(self._cancel_on_loop)
+
+    def _cancel_on_loop(self) -> None:
+        if self._future is not None:
+            self._loop.api.cancel(self._future)
 
 
 class _Reactor:
@@ -580,7 +595,7 @@ def _registration_name(name: str | None, socket_path: str) -> str:
 
 def _registration_document(
     socket_path: str,
-    handlers: dict[HookType, object],
+    handlers: Mapping[HookType, object],
     failure_policy: FailurePolicy | str,
     timeout_seconds: float | None,
 ) -> dict[str, object]:

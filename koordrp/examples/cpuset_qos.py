@@ -1,0 +1,71 @@
+"""An example hook server: pin annotated pods' containers to CPUs and tell them their QoS class.
+
+    python -m koordrp.examples.cpuset_qos --socket /run/cpuset-qos/cpuset-qos.sock \\
+        --register-in /etc/runtime/hookserver.d
+
+PreCreateContainer:
+
+* a pod annotated ``demo.koordrp.io/cpuset: "0-1"`` gets each of its containers pinned to those
+  CPUs (``cpuset_cpus``); a malformed value fails the hook call rather than reaching the runtime;
+* every container gets ``POD_QOS_CLASS`` set from its pod's ``koordinator.sh/qosClass`` label, or
+  ``NONE`` when the pod has none.
+
+PreRunPodSandbox is answered with nothing: the pod is created as kubelet asked. Answers hold only
+what this server changes; koordrp keeps every field they leave empty.
+"""
+
+import argparse
+import logging
+import re
+
+from koordrp.api.runtime.v1alpha1 import api_pb2
+from koordrp.sdk import HookServer
+
+CPUSET_ANNOTATION = "demo.koordrp.io/cpuset"
+QOS_LABEL = "koordinator.sh/qosClass"
+QOS_ENV = "POD_QOS_CLASS"
+NO_QOS = "NONE"
+
+# The kernel's cpuset list syntax: "0", "0-3", "0,2,4-7".
+_CPU_LIST = re.compile(r"^\d+(-\d+)?(,\d+(-\d+)?)*$")
+
+
+class CpusetQoS(HookServer):
+    def PreRunPodSandbox(self, request: api_pb2.PodSandboxHookRequest) -> None:
+        # Subscribed only to show a hook that changes nothing: None is the empty answer.
+        return None
+
+    def PreCreateContainer(self, request: api_pb2.ContainerResourceHookRequest) -> api_pb2.ContainerResourceHookResponse:
+        response = api_pb2.ContainerResourceHookResponse()
+        cpuset = request.pod_annotations.get(CPUSET_ANNOTATION, "").replace(" ", "")
+        if cpuset:
+            if not _CPU_LIST.match(cpuset):
+                raise ValueError(f"annotation {CPUSET_ANNOTATION}={cpuset!r} is not a CPU list like 0-1 or 0,2")
+            response.container_resources.cpuset_cpus = cpuset
+        response.container_envs[QOS_ENV] = request.pod_labels.get(QOS_LABEL, NO_QOS)
+        return response
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m koordrp.examples.cpuset_qos", description=__doc__.split("\n")[0])
+    parser.add_argument("--socket", default="/run/koordrp-cpuset-qos/cpuset-qos.sock", help="unix socket to serve on")
+    parser.add_argument("--register-in", metavar="DIR", help="hookserver.d directory to register in (default: do not)")
+    parser.add_argument("--name", default="cpuset-qos", help="registration file name, without .json")
+    parser.add_argument("--failure-policy", choices=("Ignore", "Fail"), default="Ignore")
+    parser.add_argument("--timeout-seconds", type=float, help="how long koordrp waits for one call")
+    options = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    with CpusetQoS().serve(
+        options.socket,
+        register_in=options.register_in,
+        name=options.name,
+        failure_policy=options.failure_policy,
+        timeout_seconds=options.timeout_seconds,
+    ) as running:
+        logging.info("serving %s on %s", ", ".join(sorted(h.value for h in running.hooks)), running.socket_path)
+        running.wait()
+        logging.info("stopping")
+
+
+if __name__ == "__main__":
+    main()
