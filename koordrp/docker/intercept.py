@@ -9,13 +9,15 @@ Everything runs on the reactor.
 import copy
 import json
 import re
+from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
 from twisted.internet.defer import Deferred, ensureDeferred, gatherResults
 from twisted.logger import Logger
 from zope.interface import implementer
 
-from koordrp import lifecycle
+from koordrp import calllog, lifecycle
+from koordrp.calllog import CallRecord
 from koordrp.docker import translate
 from koordrp.docker.http import HTTPError, RequestHead, Response, json_response, parse_response
 from koordrp.docker.proxy import IDockerInterceptor, exchange
@@ -28,6 +30,14 @@ _VERSION = r"(?:/v[0-9.]+)?"
 _CREATE = re.compile(rf"^{_VERSION}/containers/create$")
 _ACTION = re.compile(rf"^{_VERSION}/containers/([^/]+)/(start|stop|update)$")
 _REMOVE = re.compile(rf"^{_VERSION}/containers/([^/]+)$")
+
+
+@dataclass
+class _Call:
+    """One intercepted Docker call: the hook servers in force when it arrived, and its log record."""
+
+    servers: HookServers
+    record: CallRecord
 
 
 class DockerHookFailure(Exception):
@@ -66,21 +76,29 @@ class DockerInterceptor:
         return ensureDeferred(self._handle(head, body))
 
     async def _handle(self, head: RequestHead, body: bytes) -> bytes:
-        servers = self._current_servers()
+        call = _Call(self._current_servers(), CallRecord(f"{head.method} {head.path}"))
+        started = self._reactor.seconds()
+        answer = await self._answer(head, body, call)
+        if call.record.subject is not None:  # a Kubernetes container: one line, as in CRI mode
+            status = answer[9:12].decode("latin-1", "replace")
+            calllog.write(call.record, status, self._reactor.seconds() - started)
+        return answer
+
+    async def _answer(self, head: RequestHead, body: bytes, call: _Call) -> bytes:
         try:
             if _CREATE.match(head.path):
-                return await self._create(head, body, servers)
+                return await self._create(head, body, call)
             removal = _REMOVE.match(head.path)
             if head.method == "DELETE" and removal:
                 return await self._remove(head, body, removal.group(1))
             action = _ACTION.match(head.path)
             assert action is not None
-            handlers: dict[str, Callable[[RequestHead, bytes, str, HookServers], Awaitable[bytes]]] = {
+            handlers: dict[str, Callable[[RequestHead, bytes, str, _Call], Awaitable[bytes]]] = {
                 "start": self._start,
                 "stop": self._stop,
                 "update": self._update,
             }
-            return await handlers[action.group(2)](head, body, action.group(1), servers)
+            return await handlers[action.group(2)](head, body, action.group(1), call)
         except DockerHookFailure as failure:
             return json_response(500, "Internal Server Error", str(failure))
 
@@ -184,18 +202,22 @@ class DockerInterceptor:
             return True
         return not subscribed
 
-    async def _pre(self, hook: HookType, servers: HookServers, request: HookRequest, pod_labels: Any) -> HookRequest:
-        subscribed = servers.subscribed(hook)
+    async def _pre(self, hook: HookType, call: _Call, request: HookRequest, pod_labels: Any) -> HookRequest:
+        call.record.subject = request
+        subscribed = call.servers.subscribed(hook)
         if self._skipped(hook, subscribed, pod_labels):
             return request
         outcome: StageOutcome = await self._dispatcher.dispatch(hook, subscribed, request, None)
+        call.record.ran(hook.value, outcome.called)
         if outcome.failure is not None:
             raise DockerHookFailure(outcome.failure.message)
         return outcome.request
 
-    def _post(self, hook: HookType, servers: HookServers, request: HookRequest, pod_labels: Any) -> None:
-        subscribed = servers.subscribed(hook)
+    def _post(self, hook: HookType, call: _Call, request: HookRequest, pod_labels: Any) -> None:
+        call.record.subject = request
+        subscribed = call.servers.subscribed(hook)
         if not self._skipped(hook, subscribed, pod_labels):
+            call.record.ran(hook.value, [server.name for server in subscribed])
             stage = self._dispatcher.dispatch(hook, subscribed, request, None)
             self._post_stages.add(stage)
             stage.addBoth(lambda result: self._post_stages.discard(stage))
@@ -205,7 +227,7 @@ class DockerInterceptor:
 
     # The calls
 
-    async def _create(self, head: RequestHead, body: bytes, servers: HookServers) -> bytes:
+    async def _create(self, head: RequestHead, body: bytes, call: _Call) -> bytes:
         try:
             document = json.loads(body or b"{}")
             kind = translate.kind_of(document) if isinstance(document, dict) else None
@@ -218,7 +240,7 @@ class DockerInterceptor:
         if kind == "sandbox":
             pod = translate.sandbox_hook_request(name, document, driver)
             before = copy.deepcopy(pod)
-            pod = _as_pod(await self._pre(HookType.PRE_RUN_POD_SANDBOX, servers, pod, pod.labels))
+            pod = _as_pod(await self._pre(HookType.PRE_RUN_POD_SANDBOX, call, pod, pod.labels))
             if translate.apply_to_sandbox_create(document, before, pod, driver):
                 body = json.dumps(document).encode()
             raw, response = await self._forward(head, body)
@@ -232,7 +254,7 @@ class DockerInterceptor:
         container = translate.container_hook_request(name, document, stored_pod, driver)
         as_sent = copy.deepcopy(container)
         container = _as_container(
-            await self._pre(HookType.PRE_CREATE_CONTAINER, servers, container, stored_pod.labels)
+            await self._pre(HookType.PRE_CREATE_CONTAINER, call, container, stored_pod.labels)
         )
         if translate.apply_to_container_create(document, as_sent, container, driver):
             body = json.dumps(document).encode()
@@ -244,30 +266,30 @@ class DockerInterceptor:
             self.store.put_container(container_id, sandbox_id, stored)
         return raw
 
-    async def _start(self, head: RequestHead, body: bytes, container_id: str, servers: HookServers) -> bytes:
+    async def _start(self, head: RequestHead, body: bytes, container_id: str, call: _Call) -> bytes:
         found = await self.container(container_id)
         if found is None or not isinstance(found[1], StoredContainer):
             return (await self._forward(head, body))[0]
         labels = found[1].info.pod_labels
-        info = _as_container(await self._pre(HookType.PRE_START_CONTAINER, servers, found[1].info, labels))
+        info = _as_container(await self._pre(HookType.PRE_START_CONTAINER, call, found[1].info, labels))
         raw, response = await self._forward(head, body)
         if response is not None and response.status in (204, 304):
-            self._post(HookType.POST_START_CONTAINER, servers, info, labels)
+            self._post(HookType.POST_START_CONTAINER, call, info, labels)
         return raw
 
-    async def _stop(self, head: RequestHead, body: bytes, container_id: str, servers: HookServers) -> bytes:
+    async def _stop(self, head: RequestHead, body: bytes, container_id: str, call: _Call) -> bytes:
         found = await self.container(container_id)
         raw, response = await self._forward(head, body)
         if found is None or response is None or response.status not in (204, 304):
             return raw
         stored = found[1]
         if isinstance(stored, StoredContainer):
-            self._post(HookType.POST_STOP_CONTAINER, servers, stored.info, stored.info.pod_labels)
+            self._post(HookType.POST_STOP_CONTAINER, call, stored.info, stored.info.pod_labels)
         else:
-            self._post(HookType.POST_STOP_POD_SANDBOX, servers, stored, stored.labels)
+            self._post(HookType.POST_STOP_POD_SANDBOX, call, stored, stored.labels)
         return raw
 
-    async def _update(self, head: RequestHead, body: bytes, container_id: str, servers: HookServers) -> bytes:
+    async def _update(self, head: RequestHead, body: bytes, container_id: str, call: _Call) -> bytes:
         found = await self.container(container_id)
         try:
             document = json.loads(body or b"{}")
@@ -279,7 +301,7 @@ class DockerInterceptor:
         container = translate.fold_update(stored.info, document)
         before = copy.deepcopy(container)
         hook = HookType.PRE_UPDATE_CONTAINER_RESOURCES
-        container = _as_container(await self._pre(hook, servers, container, container.pod_labels))
+        container = _as_container(await self._pre(hook, call, container, container.pod_labels))
         if translate.apply_to_update(document, before, container):
             body = json.dumps(document).encode()
         raw, response = await self._forward(head, body)

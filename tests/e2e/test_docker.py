@@ -190,6 +190,9 @@ def test_kubernetes_creates_go_through_the_hooks(
         server.rpcs_once(4)
         stopped = server.calls("PostStopContainerHook")[-1]
         assert stopped.container_meta.id == container_id and stopped.pod_cgroup_parent == "/koordrp-docker-e2e"
+        calls = [line for line in proxy.log().splitlines() if "[koordrp.calls#info]" in line]
+        assert any(f"POST {API}/containers/create pod default/tuned" in line and "container app: 201" in line
+                   and "PreCreateContainer@tuner.json" in line for line in calls), calls
     finally:
         dockerd.docker("rm", "-f", container_id, sandbox_id)
         remove_cgroup("/koordrp-docker-e2e")
