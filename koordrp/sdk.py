@@ -22,20 +22,23 @@ Where a handler runs, and how its answer is awaited
 ---------------------------------------------------
 grpcio serves each call on a worker thread, which waits for the handler's answer, at most until
 the call's deadline. The handler itself runs on an event loop, so that it may use that loop's APIs
-without thinking about threads:
+without thinking about threads. Which loop follows txaio's process-wide choice of framework:
 
-* an ``async def`` handler runs on an asyncio event loop the SDK owns (one thread per running
-  server); it may await anything asyncio can;
-* any other handler runs on the Twisted reactor's thread. If nothing runs the reactor, the SDK runs
-  it in a daemon thread the first time it is needed. It may return a message, ``None``, or a
-  Deferred firing with one of them; it may also return a coroutine, which is then run on the
-  asyncio loop.
+* by default (the program chose none), a plain handler runs on the Twisted reactor's thread and an
+  ``async def`` handler on an asyncio event loop the SDK owns (one thread per running server);
+* after ``txaio.use_twisted()``, every handler runs on the reactor, and ``async def`` handlers are
+  Twisted coroutines (they await Deferreds);
+* after ``txaio.use_asyncio()``, every handler runs on the SDK's asyncio loop.
 
-Both cases go through txaio's per-framework APIs (``txaio.tx`` and ``txaio.aio``, configured for the
-SDK's own loop): ``as_future`` turns whatever the handler returns or raises into a future of that
-framework, and ``add_callbacks`` hands its outcome to the waiting grpc thread. The SDK never
-changes txaio's process-wide choice, so a program remains free to call ``txaio.use_asyncio()`` or
-``txaio.use_twisted()`` for its own code.
+If nothing runs the reactor when a handler needs it, the SDK runs it in a daemon thread. A program
+that runs the reactor itself should call serve() once it is running.
+
+On the reactor, a handler may return a message, ``None``, a Deferred firing with one of them, or a
+coroutine (run by Twisted, as ``maybeDeferred`` does). On the asyncio loop it may return the same
+values, an asyncio future or a coroutine. The SDK uses txaio's per-framework APIs (``txaio.tx``, and
+``txaio.aio`` configured for its own loop): ``as_future`` turns whatever the handler returns or
+raises into a future of that framework, and ``add_callbacks`` hands the outcome to the waiting grpc
+thread. The SDK never makes txaio's choice itself.
 
 A handler that raises (or whose Deferred or coroutine fails) fails the call with ``INTERNAL`` and
 the exception's message; koordrp then applies the registration's failure policy. A hook with no
@@ -255,6 +258,7 @@ class RunningServer:
         self.registration_path: str | None = None
         self._stopped = threading.Event()
         self._stop_lock = threading.Lock()
+        self._socket_identity: tuple[int, int] | None = None
         prepare_listening_path(socket_path)
         self._asyncio = _AsyncioThread()
         self._server = grpc.server(
@@ -273,6 +277,7 @@ class RunningServer:
                 self.registration_path = registration.write()
         except BaseException:
             self._server.stop(None)
+            self._remove_socket()
             self._asyncio.stop()
             raise
 
@@ -289,11 +294,14 @@ class RunningServer:
                 if self.registration_path is not None:
                     _remove_registration(self.registration_path)
                 self._server.stop(grace).wait()
-                if _identity(self.socket_path) == self._socket_identity:
-                    os.unlink(self.socket_path)
+                self._remove_socket()
                 self._asyncio.stop()
             finally:
                 self._stopped.set()
+
+    def _remove_socket(self) -> None:
+        if self._socket_identity is not None and _identity(self.socket_path) == self._socket_identity:
+            os.unlink(self.socket_path)
 
     def wait(self) -> int | None:
         """Block until SIGTERM or SIGINT arrives (returning its number) or stop() is called (None).
@@ -477,10 +485,6 @@ class HandlerError(Exception):
     """A handler's answer that is not one koordrp can take."""
 
 
-async def _awaited(awaitable: Awaitable[object]) -> object:
-    return await awaitable
-
-
 class _Calls:
     """The grpc side: one method handler per hook, each waiting for its handler's answer."""
 
@@ -517,12 +521,7 @@ class _Calls:
 
     def _answer(self, hook: HookType, handler: Callable[[Any], object], request: Any, context: grpc.ServicerContext) -> object:
         try:
-            if inspect.iscoroutinefunction(handler):
-                result = self._run(self._asyncio, handler, request, context)
-            else:
-                result = self._run(self._twisted(), handler, request, context)
-                if inspect.isawaitable(result):  # a coroutine from a plain function: asyncio's
-                    result = self._run(self._asyncio, _awaited, result, context)
+            result = self._run(self._loop_for(handler), handler, request, context)
             return _checked(hook, result)
         except concurrent.futures.TimeoutError:
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"{hook.value} handler did not answer in time")
@@ -532,6 +531,15 @@ class _Calls:
             if not isinstance(error, HandlerError):
                 log.error("%s handler failed", hook.value, exc_info=error)
             context.abort(grpc.StatusCode.INTERNAL, f"{hook.value} handler failed: {_describe(error)}")
+
+    def _loop_for(self, handler: Callable[..., object]) -> _EventLoop:
+        # Read at each call rather than at serve(): txaio's choice may be made after serving starts.
+        # getattr: use_twisted()/use_asyncio() set these flags, which txaio does not declare.
+        if getattr(txaio, "using_asyncio", False):
+            return self._asyncio
+        if getattr(txaio, "using_twisted", False) or not inspect.iscoroutinefunction(handler):
+            return self._twisted()
+        return self._asyncio
 
     def _run(self, loop: _EventLoop, function: Callable[..., object], argument: object, context: grpc.ServicerContext) -> object:
         call = _Call(loop, function, argument)
@@ -560,7 +568,9 @@ def _checked(hook: HookType, result: object) -> object:
     if isinstance(result, expected):
         return result
     if isinstance(result, Deferred):
-        raise HandlerError("returned a Deferred from an async def handler; only plain handlers run on the reactor")
+        raise HandlerError("returned a Deferred on the asyncio loop; Deferreds need the reactor (see koordrp.sdk)")
+    if inspect.isawaitable(result):
+        raise HandlerError(f"returned {type(result).__name__}, which the reactor cannot await; use async def")
     raise HandlerError(f"returned {type(result).__name__}; {hook.value} answers {expected.__name__} or None")
 
 

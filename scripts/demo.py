@@ -1,23 +1,24 @@
-"""The demo: a private containerd, ``twistd -n koordrp`` in front of it, a hook server, and a pod.
+"""The demo: a private containerd, ``twistd -n koordrp`` in front of it, the example hook server, a pod.
 
-A small hook server registers itself in koordrp's hookserver.d for PreRunPodSandbox and
-PreCreateContainer: it pins the container to CPU 0 and injects an environment variable naming the
-pod's QoS class. Every CRI call the demo makes goes through koordrp's socket and is printed with its
-answer; then the container itself shows what the hook changed (its env, its cgroup's cpuset). Nothing
-is left behind: containerd, koordrp, the hook server, the pod and the temporary directory all go.
+The example hook server (koordrp.examples.cpuset_qos, built on koordrp.sdk) registers itself in
+koordrp's hookserver.d: it pins containers of pods annotated ``demo.koordrp.io/cpuset`` to those CPUs
+and injects ``POD_QOS_CLASS`` from the pod's QoS label. Every CRI call the demo makes goes through
+koordrp's socket and is printed with its answer; the container itself then shows what the hook
+changed (its env, its cgroup's cpuset), followed by koordrp's log and metrics. Nothing is left
+behind: containerd, koordrp, the hook server, the pod and the temporary directory all go.
 """
 
 import json
+import socket
+import subprocess
+import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 from cri_api.v1 import api_pb2, api_pb2_grpc
-
-from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
-from tests.fake.hook_server import FakeHookServer
-from tests.support.hook_registration import register
 
 from tests.support.cri_objects import container_config, pod_sandbox_config
 from tests.support.images import BUSYBOX_REF
@@ -36,48 +37,71 @@ def step(method: str, call: Callable[[], Answer], show: Callable[[Answer], Any] 
 def main() -> None:
     with tempfile.TemporaryDirectory(prefix="krp-demo-", dir="/tmp") as scratch:
         base = Path(scratch)
+        port = free_port()
+        metrics = f"http://127.0.0.1:{port}"
         print(f"building the pause and busybox images from /bin/busybox, in {base}")
-        tuner = start_hook_server(base)
-        try:
-            with containerd_and_koordrp(base) as (containerd, proxy):
-                print(f"private containerd on {containerd.endpoint}")
-                print(f"koordrp (twistd -n koordrp) on {proxy.endpoint}")
-                registration = register(
-                    base / "hookserver.d", "demo-tuner", tuner.path, ["PreRunPodSandbox", "PreCreateContainer"]
-                )
-                print(f"hook server on unix://{tuner.path}, registered by {registration}:")
-                print(f"  {registration.read_text()}")
+        with containerd_and_koordrp(base, [f"--metrics-endpoint=tcp:{port}:interface=127.0.0.1"]) as (containerd, proxy):
+            print(f"private containerd on {containerd.endpoint}")
+            print(f"koordrp (twistd -n koordrp) on {proxy.endpoint}, metrics on {metrics}")
+            hook_server = start_example_hook_server(base)
+            try:
                 proxy.wait_for_servers(1)
+                registration = next((base / "hookserver.d").glob("*.json"))
+                print(f"example hook server (python -m koordrp.examples.cpuset_qos) registered by {registration}:")
+                print(f"  {registration.read_text().strip()}")
                 with proxy.channel() as channel:
                     walk_a_pod(api_pb2_grpc.RuntimeServiceStub(channel), base)
-                print("\nwhat the hook server was asked:")
-                for rpc, request in zip(tuner.rpcs(), tuner.calls()):
-                    print(f"  {rpc}: pod {request.pod_meta.namespace}/{request.pod_meta.name}")
-                print("\nkoordrp's log:")
-                print("\n".join("  " + line for line in proxy.log().splitlines()))
-        finally:
-            tuner.stop()
-    print("\ncleaned up: koordrp stopped, containerd stopped, its state removed")
+                print("\nkoordrp's log, one line per lifecycle call:")
+                for line in proxy.log().splitlines():
+                    if "[koordrp.calls#info]" in line:
+                        print("  " + line.split("] ", 1)[1])
+                show_metrics(metrics)
+            finally:
+                hook_server.terminate()
+                hook_server.wait(10)
+    print("\ncleaned up: hook server, koordrp and containerd stopped, their state removed")
 
 
-def start_hook_server(base: Path) -> FakeHookServer:
-    """A hook server with the demo's policy: pin to CPU 0, and say the pod's QoS class in the env."""
-    tuner = FakeHookServer(str(base / "demo-tuner.sock")).start()
-    tuner.behaviours["PreRunPodSandboxHook"] = lambda request: hook.PodSandboxHookResponse(
-        annotations={"demo.koordrp/tuned": "true"}
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def start_example_hook_server(base: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [
+            sys.executable, "-m", "koordrp.examples.cpuset_qos",
+            "--socket", str(base / "cpuset-qos.sock"), "--register-in", str(base / "hookserver.d"),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
-    tuner.behaviours["PreCreateContainerHook"] = lambda request: hook.ContainerResourceHookResponse(
-        container_envs={"POD_QOS_CLASS": request.pod_labels.get("koordinator.sh/qosClass", "none")},
-        container_resources=hook.LinuxContainerResources(cpuset_cpus="0"),
-    )
-    return tuner
+
+
+def show_metrics(base_url: str) -> None:
+    with urllib.request.urlopen(f"{base_url}/healthz", timeout=10) as health:
+        print(f"\n{base_url}/healthz: {health.status} {health.read().decode().strip()}")
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=10) as response:
+        lines = response.read().decode().splitlines()
+    print(f"{base_url}/metrics (hook calls, lifecycle calls, registrations, store):")
+    line_filter = ("Container", "PodSandbox")
+    for line in lines:
+        hooks_and_store = line.startswith(("koordrp_hook_calls_total", "koordrp_hook_servers ", "koordrp_store_entries"))
+        lifecycle_call = line.startswith("koordrp_cri_calls_total") and any(word in line for word in line_filter)
+        if hooks_and_store or lifecycle_call:
+            print("  " + line)
 
 
 def walk_a_pod(runtime: api_pb2_grpc.RuntimeServiceStub, base: Path) -> None:
     print("\nCRI calls made through koordrp:")
     step("Version", lambda: runtime.Version(api_pb2.VersionRequest()), lambda v: f"{v.runtime_name} {v.runtime_version}")
     pod = pod_sandbox_config(
-        "demo", namespace="default", labels={"koordinator.sh/qosClass": "LS"}, log_directory=base / "pod-logs"
+        "demo",
+        namespace="default",
+        labels={"koordinator.sh/qosClass": "LS"},
+        annotations={"demo.koordrp.io/cpuset": "0"},
+        log_directory=base / "pod-logs",
     )
     sandbox = step(
         "RunPodSandbox",

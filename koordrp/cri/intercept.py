@@ -259,11 +259,14 @@ class Interceptor:
         return response
 
     def remove_container(self, call: LifecycleCall, request: Any, raw: bytes) -> bytes:
+        stored = self.store.container(request.container_id)
+        call.record.subject = stored.info if stored is not None else None
         response = call.forward(raw)
         self.store.forget_container(request.container_id)
         return response
 
     def remove_pod_sandbox(self, call: LifecycleCall, request: Any, raw: bytes) -> bytes:
+        call.record.subject = self.store.pod(request.pod_sandbox_id)
         response = call.forward(raw)
         self.store.forget_pod(request.pod_sandbox_id)
         return response

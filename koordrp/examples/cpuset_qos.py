@@ -47,7 +47,10 @@ class CpusetQoS(HookServer):
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m koordrp.examples.cpuset_qos", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m koordrp.examples.cpuset_qos",
+        description="Pin annotated pods' containers to CPUs and tell containers their pod's QoS class.",
+    )
     parser.add_argument("--socket", default="/run/koordrp-cpuset-qos/cpuset-qos.sock", help="unix socket to serve on")
     parser.add_argument("--register-in", metavar="DIR", help="hookserver.d directory to register in (default: do not)")
     parser.add_argument("--name", default="cpuset-qos", help="registration file name, without .json")

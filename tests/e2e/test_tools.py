@@ -31,7 +31,9 @@ def test_demo_walks_a_pod_through_koordrp_and_cleans_up() -> None:
     assert "GREETING=hello" in output
     assert "POD_QOS_CLASS=LS" in output
     assert "cpuset.cpus = 0" in output
-    assert "PreCreateContainerHook: pod default/demo" in output
+    assert "CreateContainer pod default/demo" in output and "PreCreateContainer@cpuset-qos.json" in output
+    assert 'koordrp_hook_calls_total{hook="PreCreateContainer",result="ok",server="cpuset-qos.json"} 1.0' in output
+    assert "/healthz: 200" in output
     assert "cleaned up" in output
 
 

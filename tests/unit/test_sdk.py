@@ -1,0 +1,619 @@
+"""koordrp.sdk and the example hook server on it, through real grpc calls on unix sockets.
+
+Handlers that are not ``async def`` run on the reactor, which in these tests is trial's own: the
+grpc client therefore always runs in a thread (deferToThread), so that the reactor stays free to run
+the handler while the test waits for the answer.
+"""
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+import grpc
+import txaio
+from twisted.internet import reactor, task
+from twisted.internet.defer import Deferred
+from twisted.internet.threads import deferToThread
+from twisted.python import threadable
+from twisted.trial.unittest import SynchronousTestCase, TestCase
+
+from koordrp import sdk
+from koordrp.api.runtime.v1alpha1 import api_pb2
+from koordrp.endpoints import grpc_target
+from koordrp.examples.cpuset_qos import CpusetQoS
+from koordrp.hooks.config import parse_hook_server_config, permission_problem
+from koordrp.hooks.types import FailurePolicy, HookType
+from koordrp.sdk import HookServer, RunningServer
+from koordrp.unixsocket import SocketInUse
+from tests.support.tempdirs import short_tempdir
+
+REPOSITORY = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def call(path: str, hook: HookType, request: Any, timeout: float = 5.0) -> Any:
+    """One blocking hook call, as koordrp makes it."""
+    response_type = api_pb2.PodSandboxHookResponse if hook.is_pod_hook else api_pb2.ContainerResourceHookResponse
+    with grpc.insecure_channel(grpc_target(path)) as channel:
+        method = channel.unary_unary(
+            f"/{sdk.SERVICE}/{hook.rpc_name}",
+            request_serializer=type(request).SerializeToString,
+            response_deserializer=response_type.FromString,
+        )
+        return method(request, timeout=timeout)
+
+
+def container_request(**fields: Any) -> api_pb2.ContainerResourceHookRequest:
+    return api_pb2.ContainerResourceHookRequest(
+        pod_meta=api_pb2.PodSandboxMetadata(name="web", namespace="default", uid="uid-1"),
+        container_meta=api_pb2.ContainerMetadata(name="app"),
+        **fields,
+    )
+
+
+def pod_request() -> api_pb2.PodSandboxHookRequest:
+    return api_pb2.PodSandboxHookRequest(pod_meta=api_pb2.PodSandboxMetadata(name="web", namespace="default"))
+
+
+def pinned(cpus: str) -> api_pb2.ContainerResourceHookResponse:
+    return api_pb2.ContainerResourceHookResponse(container_resources=api_pb2.LinuxContainerResources(cpuset_cpus=cpus))
+
+
+class ServingTestCase(TestCase):
+    def setUp(self) -> None:
+        self.dir = short_tempdir(self)
+        self.socket = os.path.join(self.dir, "hooks.sock")
+        # What the SDK logs (a failing handler's traceback) is kept here rather than printed.
+        self.logged: list[logging.LogRecord] = []
+        handler = ListHandler(self.logged)
+        logger = logging.getLogger(sdk.__name__)
+        logger.addHandler(handler)
+        self.patch(logger, "propagate", False)
+        self.addCleanup(logger.removeHandler, handler)
+
+    def serve(self, server: HookServer, **options: Any) -> RunningServer:
+        running = server.serve(self.socket, **options)
+        self.addCleanup(running.stop, 0)
+        return running
+
+    def call(self, hook: HookType, request: Any, timeout: float = 5.0) -> "Deferred[Any]":
+        return deferToThread(call, self.socket, hook, request, timeout)
+
+    async def failed_call(self, hook: HookType, request: Any, timeout: float = 5.0) -> grpc.RpcError:
+        try:
+            await self.call(hook, request, timeout)
+        except grpc.RpcError as error:
+            return error
+        raise AssertionError("the call succeeded")
+
+
+class AnswerTests(ServingTestCase):
+    """Each kind of value a handler may return reaches koordrp as the response."""
+
+    async def test_message(self) -> None:
+        server = HookServer()
+        server.hook(HookType.PRE_CREATE_CONTAINER)(lambda request: pinned("0-1"))
+        self.serve(server)
+        response = await self.call(HookType.PRE_CREATE_CONTAINER, container_request())
+        self.assertEqual(response, pinned("0-1"))
+
+    async def test_none_is_the_empty_answer(self) -> None:
+        server = HookServer()
+
+        @server.hook("PreRunPodSandbox")
+        def nothing(request: api_pb2.PodSandboxHookRequest) -> None:
+            return None
+
+        self.serve(server)
+        response = await self.call(HookType.PRE_RUN_POD_SANDBOX, pod_request())
+        self.assertEqual(response, api_pb2.PodSandboxHookResponse())
+        self.assertEqual(response.ByteSize(), 0)
+
+    async def test_deferred_is_resolved_on_the_reactor(self) -> None:
+        threads: list[bool] = []
+        server = HookServer()
+
+        @server.hook(HookType.PRE_START_CONTAINER)
+        def later(request: api_pb2.ContainerResourceHookRequest) -> "Deferred[api_pb2.ContainerResourceHookResponse]":
+            threads.append(threadable.isInIOThread())
+            # A reactor API: only safe because plain handlers are called on the reactor thread.
+            return task.deferLater(reactor, 0.05, lambda: pinned(request.container_meta.name))
+
+        self.serve(server)
+        response = await self.call(HookType.PRE_START_CONTAINER, container_request())
+        self.assertEqual(response, pinned("app"))
+        self.assertEqual(threads, [True])
+
+    async def test_coroutine_runs_on_the_sdk_asyncio_loop(self) -> None:
+        where: list[tuple[bool, bool]] = []
+        server = HookServer()
+
+        @server.hook(HookType.PRE_UPDATE_CONTAINER_RESOURCES)
+        async def slow(request: api_pb2.ContainerResourceHookRequest) -> api_pb2.ContainerResourceHookResponse:
+            await asyncio.sleep(0.05)
+            where.append((asyncio.get_running_loop().is_running(), threadable.isInIOThread()))
+            return pinned("3")
+
+        self.serve(server)
+        response = await self.call(HookType.PRE_UPDATE_CONTAINER_RESOURCES, container_request())
+        self.assertEqual(response, pinned("3"))
+        self.assertEqual(where, [(True, False)])
+
+    async def test_coroutine_returned_by_a_plain_handler_is_twisted(self) -> None:
+        async def answer() -> api_pb2.ContainerResourceHookResponse:
+            await task.deferLater(reactor, 0.01, lambda: None)
+            return pinned("1")
+
+        server = HookServer()
+        server.hook(HookType.PRE_CREATE_CONTAINER)(lambda request: answer())
+        self.serve(server)
+        self.assertEqual(await self.call(HookType.PRE_CREATE_CONTAINER, container_request()), pinned("1"))
+
+    async def test_with_txaio_twisted_coroutines_run_on_the_reactor(self) -> None:
+        self.patch(txaio, "using_twisted", True)
+        server = HookServer()
+
+        @server.hook(HookType.PRE_CREATE_CONTAINER)
+        async def twisted_coroutine(request: api_pb2.ContainerResourceHookRequest) -> api_pb2.ContainerResourceHookResponse:
+            self.assertTrue(threadable.isInIOThread())
+            await task.deferLater(reactor, 0.01, lambda: None)
+            return pinned("2")
+
+        self.serve(server)
+        self.assertEqual(await self.call(HookType.PRE_CREATE_CONTAINER, container_request()), pinned("2"))
+
+    async def test_with_txaio_asyncio_everything_runs_on_the_asyncio_loop(self) -> None:
+        self.patch(txaio, "using_asyncio", True)
+        server = HookServer()
+
+        @server.hook(HookType.PRE_CREATE_CONTAINER)
+        def asyncio_future(request: api_pb2.ContainerResourceHookRequest) -> "asyncio.Future[Any]":
+            loop = asyncio.get_running_loop()  # raises off the loop
+            future = loop.create_future()
+            loop.call_later(0.01, future.set_result, pinned("4"))
+            return future
+
+        self.serve(server)
+        self.assertEqual(await self.call(HookType.PRE_CREATE_CONTAINER, container_request()), pinned("4"))
+
+    async def test_subclass_methods_named_after_hooks(self) -> None:
+        class Both(HookServer):
+            def PreRunPodSandbox(self, request: api_pb2.PodSandboxHookRequest) -> api_pb2.PodSandboxHookResponse:
+                return api_pb2.PodSandboxHookResponse(cgroup_parent="/kubepods/" + request.pod_meta.name)
+
+            async def PostStopContainer(self, request: api_pb2.ContainerResourceHookRequest) -> None:
+                return None
+
+        server = Both()
+        self.assertEqual(server.hooks, {HookType.PRE_RUN_POD_SANDBOX, HookType.POST_STOP_CONTAINER})
+        self.serve(server)
+        response = await self.call(HookType.PRE_RUN_POD_SANDBOX, pod_request())
+        self.assertEqual(response.cgroup_parent, "/kubepods/web")
+        empty = await self.call(HookType.POST_STOP_CONTAINER, container_request())
+        self.assertEqual(empty, api_pb2.ContainerResourceHookResponse())
+
+    async def test_concurrent_calls(self) -> None:
+        server = HookServer()
+
+        @server.hook(HookType.PRE_CREATE_CONTAINER)
+        async def echo(request: api_pb2.ContainerResourceHookRequest) -> api_pb2.ContainerResourceHookResponse:
+            await asyncio.sleep(0.2)
+            return pinned(request.container_meta.name)
+
+        self.serve(server)
+        started = time.monotonic()
+        names = [str(n) for n in range(8)]
+        requests = [container_request() for _ in names]
+        for request, name in zip(requests, names):
+            request.container_meta.name = name
+        calls = [self.call(HookType.PRE_CREATE_CONTAINER, request) for request in requests]
+        responses = [await call for call in calls]
+        self.assertEqual([r.container_resources.cpuset_cpus for r in responses], names)
+        self.assertLess(time.monotonic() - started, 1.5)
+
+
+class FailureTests(ServingTestCase):
+    """What koordrp sees when a handler fails, and when a hook has no handler."""
+
+    async def test_raising_handler_is_internal_with_its_message(self) -> None:
+        server = HookServer()
+
+        @server.hook(HookType.PRE_CREATE_CONTAINER)
+        def broken(request: api_pb2.ContainerResourceHookRequest) -> None:
+            raise ValueError("no CPUs left")
+
+        self.serve(server)
+        error = await self.failed_call(HookType.PRE_CREATE_CONTAINER, container_request())
+        self.assertEqual(error.code(), grpc.StatusCode.INTERNAL)
+        self.assertIn("no CPUs left", error.details())
+        self.assertIn("PreCreateContainer", error.details())
+        [record] = self.logged
+        self.assertEqual(record.levelno, logging.ERROR)
+        assert record.exc_info is not None
+        self.assertIsInstance(record.exc_info[1], ValueError)
+
+    async def test_failing_deferred_and_coroutine(self) -> None:
+        server = HookServer()
+
+        @server.hook(HookType.PRE_START_CONTAINER)
+        def refuses(request: api_pb2.ContainerResourceHookRequest) -> "Deferred[None]":
+            return task.deferLater(reactor, 0.01, lambda: 1 / 0)
+
+        @server.hook(HookType.PRE_RUN_POD_SANDBOX)
+        async def also(request: api_pb2.PodSandboxHookRequest) -> None:
+            await asyncio.sleep(0)
+            raise RuntimeError("asyncio says no")
+
+        self.serve(server)
+        error = await self.failed_call(HookType.PRE_START_CONTAINER, container_request())
+        self.assertEqual(error.code(), grpc.StatusCode.INTERNAL)
+        self.assertIn("ZeroDivisionError", error.details())
+        error = await self.failed_call(HookType.PRE_RUN_POD_SANDBOX, pod_request())
+        self.assertEqual(error.code(), grpc.StatusCode.INTERNAL)
+        self.assertIn("asyncio says no", error.details())
+
+    async def test_wrong_answer_type_is_internal(self) -> None:
+        server = HookServer()
+        server.hook(HookType.PRE_RUN_POD_SANDBOX)(lambda request: api_pb2.ContainerResourceHookResponse())
+        self.serve(server)
+        error = await self.failed_call(HookType.PRE_RUN_POD_SANDBOX, pod_request())
+        self.assertEqual(error.code(), grpc.StatusCode.INTERNAL)
+        self.assertIn("PodSandboxHookResponse", error.details())
+
+    async def test_unregistered_hook_is_unimplemented(self) -> None:
+        server = HookServer()
+        server.hook(HookType.PRE_CREATE_CONTAINER)(lambda request: None)
+        self.serve(server)
+        for hook, request in [
+            (HookType.PRE_START_CONTAINER, container_request()),
+            (HookType.POST_STOP_POD_SANDBOX, pod_request()),
+        ]:
+            error = await self.failed_call(hook, request)
+            self.assertEqual(error.code(), grpc.StatusCode.UNIMPLEMENTED)
+            self.assertIn(hook.value, error.details())
+
+    async def test_deadline_cancels_the_deferred(self) -> None:
+        cancelled: Deferred[None] = Deferred()
+        server = HookServer()
+
+        @server.hook(HookType.PRE_CREATE_CONTAINER)
+        def never(request: api_pb2.ContainerResourceHookRequest) -> "Deferred[None]":
+            return Deferred(lambda d: cancelled.callback(None))
+
+        self.serve(server)
+        error = await self.failed_call(HookType.PRE_CREATE_CONTAINER, container_request(), timeout=0.3)
+        self.assertEqual(error.code(), grpc.StatusCode.DEADLINE_EXCEEDED)
+        await cancelled
+
+    async def test_deadline_cancels_the_coroutine(self) -> None:
+        unwound = threading.Event()
+        server = HookServer()
+
+        @server.hook(HookType.PRE_CREATE_CONTAINER)
+        async def never(request: api_pb2.ContainerResourceHookRequest) -> None:
+            try:
+                await asyncio.Event().wait()
+            finally:
+                unwound.set()
+
+        self.serve(server)
+        error = await self.failed_call(HookType.PRE_CREATE_CONTAINER, container_request(), timeout=0.3)
+        self.assertEqual(error.code(), grpc.StatusCode.DEADLINE_EXCEEDED)
+        self.assertTrue(await deferToThread(unwound.wait, 5))
+
+
+class ExampleServerTests(ServingTestCase):
+    """koordrp.examples.cpuset_qos answers with only what it changes."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.running = self.serve(CpusetQoS())
+
+    def test_subscribes_to_two_hooks(self) -> None:
+        self.assertEqual(self.running.hooks, {HookType.PRE_RUN_POD_SANDBOX, HookType.PRE_CREATE_CONTAINER})
+
+    async def test_pins_to_annotated_cpus_and_names_the_qos_class(self) -> None:
+        request = container_request(
+            pod_annotations={"demo.koordrp.io/cpuset": "0-1"},
+            pod_labels={"koordinator.sh/qosClass": "LSR"},
+            container_envs={"PATH": "/bin"},
+            container_resources={"cpu_shares": 512},
+        )
+        response = await self.call(HookType.PRE_CREATE_CONTAINER, request)
+        self.assertEqual(
+            response,
+            api_pb2.ContainerResourceHookResponse(
+                container_resources=api_pb2.LinuxContainerResources(cpuset_cpus="0-1"),
+                container_envs={"POD_QOS_CLASS": "LSR"},
+            ),
+        )
+
+    async def test_without_annotation_or_label(self) -> None:
+        response = await self.call(HookType.PRE_CREATE_CONTAINER, container_request())
+        self.assertEqual(response, api_pb2.ContainerResourceHookResponse(container_envs={"POD_QOS_CLASS": "NONE"}))
+        self.assertFalse(response.HasField("container_resources"))
+
+    async def test_malformed_cpuset_fails_the_call(self) -> None:
+        request = container_request(pod_annotations={"demo.koordrp.io/cpuset": "all of them"})
+        error = await self.failed_call(HookType.PRE_CREATE_CONTAINER, request)
+        self.assertEqual(error.code(), grpc.StatusCode.INTERNAL)
+        self.assertIn("demo.koordrp.io/cpuset", error.details())
+
+    async def test_pod_sandbox_changes_nothing(self) -> None:
+        response = await self.call(HookType.PRE_RUN_POD_SANDBOX, pod_request())
+        self.assertEqual(response.ByteSize(), 0)
+
+
+class NamingTests(SynchronousTestCase):
+    def test_hook_names_spelt_otherwise_are_refused(self) -> None:
+        for name in ("pre_create_container", "PreCreateContainerHook", "precreatecontainer"):
+            with self.assertRaises(TypeError) as raised:
+                type("Misnamed", (HookServer,), {name: lambda self, request: None})
+            self.assertIn("PreCreateContainer", str(raised.exception))
+
+    def test_unknown_hook(self) -> None:
+        with self.assertRaises(ValueError):
+            HookServer().hook("PreDeleteContainer")
+
+    def test_one_handler_per_hook(self) -> None:
+        class Server(HookServer):
+            def PreStartContainer(self, request: api_pb2.ContainerResourceHookRequest) -> None:
+                return None
+
+        server = Server()
+        with self.assertRaises(ValueError):
+            server.hook(HookType.PRE_START_CONTAINER)(lambda request: None)
+        server.hook("PostStartContainer")(lambda request: None)
+        with self.assertRaises(ValueError):
+            server.hook(HookType.POST_START_CONTAINER)(lambda request: None)
+
+    def test_decorator_returns_the_handler(self) -> None:
+        server = HookServer()
+
+        def handler(request: api_pb2.ContainerResourceHookRequest) -> None:
+            return None
+
+        self.assertIs(server.hook(HookType.PRE_CREATE_CONTAINER)(handler), handler)
+
+    def test_subclass_with_own_init(self) -> None:
+        class Configured(HookServer):
+            def __init__(self, cpus: str) -> None:  # no super().__init__(): still works
+                self.cpus = cpus
+
+            def PreCreateContainer(self, request: api_pb2.ContainerResourceHookRequest) -> None:
+                return None
+
+        server = Configured("0")
+        server.hook(HookType.PRE_START_CONTAINER)(lambda request: None)
+        self.assertEqual(server.hooks, {HookType.PRE_CREATE_CONTAINER, HookType.PRE_START_CONTAINER})
+
+
+class RegistrationTests(SynchronousTestCase):
+    """serve() registers the server in hookserver.d the way koordrp wants to read it."""
+
+    def setUp(self) -> None:
+        self.dir = short_tempdir(self)
+        self.socket = os.path.join(self.dir, "run", "pinning.sock")
+        self.hookserver_d = os.path.join(self.dir, "hookserver.d")
+        self.server = HookServer()
+        self.server.hook(HookType.PRE_RUN_POD_SANDBOX)(lambda request: None)
+        self.server.hook(HookType.PRE_CREATE_CONTAINER)(lambda request: None)
+
+    def serve(self, **options: Any) -> RunningServer:
+        running = self.server.serve(self.socket, register_in=self.hookserver_d, **options)
+        self.addCleanup(running.stop, 0)
+        return running
+
+    def registration(self, name: str = "pinning") -> dict[str, Any]:
+        with open(os.path.join(self.hookserver_d, f"{name}.json"), "rb") as stream:
+            document: dict[str, Any] = json.load(stream)
+        return document
+
+    def test_lists_exactly_the_hooks_with_handlers(self) -> None:
+        running = self.serve(failure_policy="Fail", timeout_seconds=3)
+        self.assertEqual(running.registration_path, os.path.join(self.hookserver_d, "pinning.json"))
+        self.assertEqual(
+            self.registration(),
+            {
+                "remote-endpoint": self.socket,
+                "failure-policy": "Fail",
+                "runtime-hooks": ["PreRunPodSandbox", "PreCreateContainer"],
+                "timeout-seconds": 3,
+            },
+        )
+        self.assertEqual(os.listdir(self.hookserver_d), ["pinning.json"])
+
+    def test_defaults(self) -> None:
+        self.serve(name="koord-pinning")
+        document = self.registration("koord-pinning")
+        self.assertEqual(document["failure-policy"], "Ignore")
+        self.assertNotIn("timeout-seconds", document)
+
+    def test_koordrp_accepts_it(self) -> None:
+        running = self.serve(failure_policy=FailurePolicy.FAIL, timeout_seconds=1.5)
+        assert running.registration_path is not None
+        with open(running.registration_path, "rb") as stream:
+            config = parse_hook_server_config("pinning.json", stream.read(), default_timeout=2.0)
+        self.assertEqual(config.endpoint, self.socket)
+        self.assertEqual(config.failure_policy, FailurePolicy.FAIL)
+        self.assertEqual(config.hooks, {HookType.PRE_RUN_POD_SANDBOX, HookType.PRE_CREATE_CONTAINER})
+        self.assertEqual(config.timeout, 1.5)
+        info = os.stat(running.registration_path)
+        self.assertEqual(stat.S_IMODE(info.st_mode), 0o644)
+        self.assertIsNone(permission_problem(info.st_mode, info.st_uid, os.geteuid()))
+        self.assertEqual(stat.S_IMODE(os.stat(self.hookserver_d).st_mode), 0o755)
+
+    def test_written_atomically(self) -> None:
+        """koordrp never sees a partial file: it is complete, 0644 and synced before its rename."""
+        seen: list[tuple[str, str, bool, int, object]] = []
+        real_replace = os.replace
+        synced: list[int] = []
+        real_fsync = os.fsync
+
+        def fsync(descriptor: int) -> None:
+            synced.append(descriptor)
+            real_fsync(descriptor)
+
+        def replace(source: str, target: str) -> None:
+            with open(source, "rb") as stream:
+                content = json.load(stream)
+            seen.append((source, target, os.path.exists(target), stat.S_IMODE(os.stat(source).st_mode), content))
+            self.assertTrue(synced, "renamed before fsync")
+            real_replace(source, target)
+
+        self.patch(sdk.os, "replace", replace)
+        self.patch(sdk.os, "fsync", fsync)
+        self.serve()
+        [(source, target, existed, mode, content)] = seen
+        self.assertEqual(os.path.dirname(source), self.hookserver_d)
+        self.assertFalse(source.endswith(".json"), "koordrp would read the temporary file")
+        self.assertEqual(target, os.path.join(self.hookserver_d, "pinning.json"))
+        self.assertFalse(existed)
+        self.assertEqual(mode, 0o644)
+        self.assertEqual(content["runtime-hooks"], ["PreRunPodSandbox", "PreCreateContainer"])
+
+    def test_registered_only_once_the_socket_answers(self) -> None:
+        answering: list[bool] = []
+        real_replace = os.replace
+
+        def replace(source: str, target: str) -> None:
+            probe = socket.socket(socket.AF_UNIX)
+            with probe:
+                answering.append(probe.connect_ex(self.socket) == 0)
+            real_replace(source, target)
+
+        self.patch(sdk.os, "replace", replace)
+        self.serve()
+        self.assertEqual(answering, [True])
+
+    def test_stop_unregisters_first_then_removes_the_socket(self) -> None:
+        running = self.serve()
+        socket_present: list[bool] = []
+        real_remove = sdk._remove_registration
+
+        def remove(path: str) -> None:
+            socket_present.append(os.path.exists(self.socket))
+            real_remove(path)
+
+        self.patch(sdk, "_remove_registration", remove)
+        running.stop(0)
+        self.assertEqual(socket_present, [True])
+        self.assertEqual(os.listdir(self.hookserver_d), [])
+        self.assertFalse(os.path.exists(self.socket))
+        running.stop(0)  # again: nothing to do
+
+    def test_context_manager(self) -> None:
+        with self.server.serve(self.socket, register_in=self.hookserver_d) as running:
+            self.assertTrue(stat.S_ISSOCK(os.stat(self.socket).st_mode))
+            self.assertIsNotNone(running.registration_path)
+        self.assertFalse(os.path.exists(self.socket))
+        self.assertEqual(os.listdir(self.hookserver_d), [])
+
+    def test_without_register_in_nothing_is_written(self) -> None:
+        running = self.server.serve(self.socket)
+        self.addCleanup(running.stop, 0)
+        self.assertIsNone(running.registration_path)
+        self.assertFalse(os.path.exists(self.hookserver_d))
+
+    def test_replaces_a_stale_socket_and_creates_the_directory(self) -> None:
+        os.makedirs(os.path.dirname(self.socket))
+        stale = socket.socket(socket.AF_UNIX)
+        stale.bind(self.socket)
+        stale.close()
+        self.serve()
+        self.assertTrue(stat.S_ISSOCK(os.stat(self.socket).st_mode))
+
+    def test_refuses_a_socket_another_server_serves(self) -> None:
+        self.serve()
+        with self.assertRaises(SocketInUse):
+            self.server.serve(self.socket, register_in=self.hookserver_d, name="second")
+        self.assertEqual(os.listdir(self.hookserver_d), ["pinning.json"])
+
+    def test_bad_arguments(self) -> None:
+        for options in (
+            {"failure_policy": "Sometimes"},
+            {"timeout_seconds": 0},
+            {"timeout_seconds": float("inf")},
+            {"name": ".hidden"},
+            {"name": "a/b"},
+        ):
+            with self.assertRaises(ValueError, msg=repr(options)):
+                self.server.serve(self.socket, register_in=self.hookserver_d, **options)
+        with self.assertRaises(ValueError):
+            self.server.serve("relative.sock")
+        with self.assertRaises(ValueError):
+            HookServer().serve(self.socket)
+        self.assertFalse(os.path.exists(self.hookserver_d))
+
+    def test_unix_url(self) -> None:
+        running = self.server.serve("unix://" + self.socket, register_in=self.hookserver_d)
+        self.addCleanup(running.stop, 0)
+        self.assertEqual(self.registration()["remote-endpoint"], self.socket)
+
+    def test_wait_returns_when_stopped_from_another_thread(self) -> None:
+        running = self.serve()
+        stopper = threading.Timer(0.2, running.stop, args=(0,))
+        stopper.start()
+        self.addCleanup(stopper.join)
+        self.assertIsNone(running.wait())
+        self.assertEqual(os.listdir(self.hookserver_d), [])
+
+
+class ExampleProcessTests(SynchronousTestCase):
+    """``python -m koordrp.examples.cpuset_qos`` as a node runs it: registers, answers, stops on SIGTERM."""
+
+    def test_runs_registers_and_stops_on_sigterm(self) -> None:
+        directory = short_tempdir(self)
+        socket_path = os.path.join(directory, "run", "cpuset-qos.sock")
+        hookserver_d = os.path.join(directory, "hookserver.d")
+        registration = os.path.join(hookserver_d, "cpuset-qos.json")
+        process = subprocess.Popen(
+            [sys.executable, "-m", "koordrp.examples.cpuset_qos", "--socket", socket_path, "--register-in", hookserver_d],
+            cwd=REPOSITORY,
+            env={**os.environ, "PYTHONPATH": REPOSITORY},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        self.addCleanup(lambda: process.poll() is None and process.kill())
+        self.addCleanup(lambda: process.stdout and process.stdout.close())
+        wait_for(lambda: os.path.exists(registration) or process.poll() is not None, 15)
+        self.assertIsNone(process.poll(), "the example exited")
+        with open(registration, "rb") as stream:
+            config = parse_hook_server_config("cpuset-qos.json", stream.read(), default_timeout=2.0)
+        self.assertEqual(config.hooks, {HookType.PRE_RUN_POD_SANDBOX, HookType.PRE_CREATE_CONTAINER})
+        request = container_request(
+            pod_annotations={"demo.koordrp.io/cpuset": "0"}, pod_labels={"koordinator.sh/qosClass": "BE"}
+        )
+        response = call(socket_path, HookType.PRE_CREATE_CONTAINER, request)
+        self.assertEqual(response.container_resources.cpuset_cpus, "0")
+        self.assertEqual(dict(response.container_envs), {"POD_QOS_CLASS": "BE"})
+        process.send_signal(signal.SIGTERM)
+        output, _ = process.communicate(timeout=15)
+        self.assertEqual(process.returncode, 0, output.decode(errors="replace"))
+        self.assertFalse(os.path.exists(registration))
+        self.assertFalse(os.path.exists(socket_path))
+
+
+class ListHandler(logging.Handler):
+    def __init__(self, records: list[logging.LogRecord]) -> None:
+        super().__init__()
+        self.records = records
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def wait_for(condition: Callable[[], bool], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out")
+        time.sleep(0.05)
