@@ -43,6 +43,17 @@ def as_cri_resources(resources: hook.LinuxContainerResources) -> cri.LinuxContai
     return cri.LinuxContainerResources.FromString(resources.SerializeToString())
 
 
+def as_pod_request(request: HookRequest) -> PodHookRequest:
+    """A pod hook stage gives back the pod request it was given, changed: say so to the type checker."""
+    assert isinstance(request, PodHookRequest)
+    return request
+
+
+def as_container_request(request: HookRequest) -> ContainerHookRequest:
+    assert isinstance(request, ContainerHookRequest)
+    return request
+
+
 # ---------------------------------------------------------------------------------------------
 # Building hook requests
 

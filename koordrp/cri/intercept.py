@@ -23,7 +23,7 @@ from koordrp.cri.passthrough import relay_failure, remaining_timeout
 from koordrp.cri.runtime_lookup import LookupFailed, RuntimeLookup
 from koordrp.hooks.dispatcher import StageOutcome
 from koordrp.hooks.types import HookServers, HookType
-from koordrp.lifecycle import ContainerHookRequest, HookRequest, PodHookRequest
+from koordrp.lifecycle import HookRequest, PodHookRequest
 from koordrp.logtext import shortened
 from koordrp.store import Store, StoredContainer
 
@@ -194,7 +194,7 @@ class Interceptor:
         pod = lifecycle.pod_hook_request(request)
         call.skipping = self.skip.skips(pod.labels)
         before = copy.deepcopy(pod)
-        pod = _as_pod(call.hooks(HookType.PRE_RUN_POD_SANDBOX, pod).request)
+        pod = lifecycle.as_pod_request(call.hooks(HookType.PRE_RUN_POD_SANDBOX, pod).request)
         if lifecycle.apply_to_run_pod_sandbox(request, before, pod):
             raw = request.SerializeToString()
         response = call.forward(raw)
@@ -209,7 +209,7 @@ class Interceptor:
         call.skipping = self.skip.skips(pod.labels)
         container = lifecycle.container_hook_request(pod, request)
         before = copy.deepcopy(container)
-        container = _as_container(call.hooks(HookType.PRE_CREATE_CONTAINER, container).request)
+        container = lifecycle.as_container_request(call.hooks(HookType.PRE_CREATE_CONTAINER, container).request)
         if lifecycle.apply_to_create_container(request, before, container):
             raw = request.SerializeToString()
         response = call.forward(raw)
@@ -223,7 +223,7 @@ class Interceptor:
         if stored is None:
             return call.forward(raw)
         call.skipping = self.skip.skips(stored.info.pod_labels)
-        container = _as_container(call.hooks(HookType.PRE_START_CONTAINER, stored.info).request)
+        container = lifecycle.as_container_request(call.hooks(HookType.PRE_START_CONTAINER, stored.info).request)
         response = call.forward(raw)
         call.notify(HookType.POST_START_CONTAINER, container)
         return response
@@ -235,7 +235,7 @@ class Interceptor:
         container = lifecycle.fold_update_request(stored.info, request)
         call.skipping = self.skip.skips(container.pod_labels)
         before = copy.deepcopy(container)
-        container = _as_container(call.hooks(HookType.PRE_UPDATE_CONTAINER_RESOURCES, container).request)
+        container = lifecycle.as_container_request(call.hooks(HookType.PRE_UPDATE_CONTAINER_RESOURCES, container).request)
         if lifecycle.apply_to_update_container_resources(request, before, container):
             raw = request.SerializeToString()
         response = call.forward(raw)
@@ -270,13 +270,3 @@ class Interceptor:
         response = call.forward(raw)
         self.store.forget_pod(request.pod_sandbox_id)
         return response
-
-
-def _as_pod(request: HookRequest) -> PodHookRequest:
-    assert isinstance(request, PodHookRequest)
-    return request
-
-
-def _as_container(request: HookRequest) -> ContainerHookRequest:
-    assert isinstance(request, ContainerHookRequest)
-    return request

@@ -23,7 +23,7 @@ from koordrp.docker.http import HTTPError, RequestHead, Response, json_response,
 from koordrp.docker.proxy import IDockerInterceptor, exchange
 from koordrp.hooks.dispatcher import Dispatcher, StageOutcome
 from koordrp.hooks.types import HookServerConfig, HookServers, HookType
-from koordrp.lifecycle import ContainerHookRequest, HookRequest, PodHookRequest
+from koordrp.lifecycle import HookRequest, PodHookRequest
 from koordrp.store import Store, StoredContainer
 
 _VERSION = r"(?:/v[0-9.]+)?"
@@ -240,7 +240,7 @@ class DockerInterceptor:
         if kind == "sandbox":
             pod = translate.sandbox_hook_request(name, document, driver)
             before = copy.deepcopy(pod)
-            pod = _as_pod(await self._pre(HookType.PRE_RUN_POD_SANDBOX, call, pod, pod.labels))
+            pod = lifecycle.as_pod_request(await self._pre(HookType.PRE_RUN_POD_SANDBOX, call, pod, pod.labels))
             if translate.apply_to_sandbox_create(document, before, pod, driver):
                 body = json.dumps(document).encode()
             raw, response = await self._forward(head, body)
@@ -253,7 +253,7 @@ class DockerInterceptor:
             return (await self._forward(head, body))[0]
         container = translate.container_hook_request(name, document, stored_pod, driver)
         as_sent = copy.deepcopy(container)
-        container = _as_container(
+        container = lifecycle.as_container_request(
             await self._pre(HookType.PRE_CREATE_CONTAINER, call, container, stored_pod.labels)
         )
         if translate.apply_to_container_create(document, as_sent, container, driver):
@@ -271,7 +271,7 @@ class DockerInterceptor:
         if found is None or not isinstance(found[1], StoredContainer):
             return (await self._forward(head, body))[0]
         labels = found[1].info.pod_labels
-        info = _as_container(await self._pre(HookType.PRE_START_CONTAINER, call, found[1].info, labels))
+        info = lifecycle.as_container_request(await self._pre(HookType.PRE_START_CONTAINER, call, found[1].info, labels))
         raw, response = await self._forward(head, body)
         if response is not None and response.status in (204, 304):
             self._post(HookType.POST_START_CONTAINER, call, info, labels)
@@ -301,7 +301,7 @@ class DockerInterceptor:
         container = translate.fold_update(stored.info, document)
         before = copy.deepcopy(container)
         hook = HookType.PRE_UPDATE_CONTAINER_RESOURCES
-        container = _as_container(await self._pre(hook, call, container, container.pod_labels))
+        container = lifecycle.as_container_request(await self._pre(hook, call, container, container.pod_labels))
         if translate.apply_to_update(document, before, container):
             body = json.dumps(document).encode()
         raw, response = await self._forward(head, body)
@@ -321,13 +321,3 @@ class DockerInterceptor:
 def _json_field(response: Response, name: str) -> object:
     document = response.json()
     return document.get(name, "") if isinstance(document, dict) else ""
-
-
-def _as_pod(request: HookRequest) -> PodHookRequest:
-    assert isinstance(request, PodHookRequest)
-    return request
-
-
-def _as_container(request: HookRequest) -> ContainerHookRequest:
-    assert isinstance(request, ContainerHookRequest)
-    return request
