@@ -14,21 +14,11 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
 
-from benchmarks.stats import quantile
+from benchmarks.stats import quantile, timed
 from tests.support.dockerd import Dockerd, unix_http
 from tests.support.images import BUSYBOX_REF, build_test_images
 from tests.support.koordrp_process import KoordrpProcess
-
-
-def timed(count: int, call: Callable[[], object]) -> list[float]:
-    samples = []
-    for _ in range(count):
-        started = time.perf_counter()
-        call()
-        samples.append(time.perf_counter() - started)
-    return samples
 
 
 def main() -> None:
@@ -57,7 +47,7 @@ def measure(args: argparse.Namespace, dockerd: Dockerd, proxy: KoordrpProcess) -
     rows: dict[str, dict[str, list[float]]] = {"GET /containers/json": {}, "POST /containers/{id}/start": {}}
     for label, socket in sockets.items():
         rows["GET /containers/json"][label] = timed(
-            args.calls, lambda: unix_http(socket, "GET", "/v1.41/containers/json?all=1")
+            args.calls, lambda _: unix_http(socket, "GET", "/v1.41/containers/json?all=1")
         )
     container = json.loads(dockerd.docker("inspect", "bench-0", check=True).stdout)[0]["Id"]
     for label, socket in sockets.items():

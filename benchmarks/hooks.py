@@ -23,7 +23,7 @@ from typing import Any
 import grpc
 from cri_api.v1 import api_pb2
 
-from benchmarks.stats import quantile
+from benchmarks.stats import quantile, timed
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
 from koordrp.api.runtime.v1alpha1 import api_pb2_grpc as hook_grpc
 from koordrp.hooks.types import HookType
@@ -54,15 +54,13 @@ def pod_start(runtime: Any, name: str, logs: Path) -> tuple[list[float], str]:
 
 
 def updates(runtime: Any, container_id: str, count: int) -> list[float]:
-    samples = []
-    for index in range(count):
+    def update(index: int) -> object:
         request = api_pb2.UpdateContainerResourcesRequest(
             container_id=container_id, linux=linux_resources(cpu_shares=1024 + index % 2)
         )
-        started = time.perf_counter()
-        runtime.UpdateContainerResources(request, timeout=TIMEOUT)
-        samples.append(time.perf_counter() - started)
-    return samples
+        return runtime.UpdateContainerResources(request, timeout=TIMEOUT)
+
+    return timed(count, update)
 
 
 def hook_round_trips(socket: str, count: int) -> list[float]:
@@ -70,12 +68,7 @@ def hook_round_trips(socket: str, count: int) -> list[float]:
     request = hook.ContainerResourceHookRequest(container_meta=hook.ContainerMetadata(name="bench"))
     with grpc.insecure_channel(f"unix:{socket}") as channel:
         stub = hook_grpc.RuntimeHookServiceStub(channel)
-        samples = []
-        for _ in range(count):
-            started = time.perf_counter()
-            stub.PreUpdateContainerResourcesHook(request, timeout=TIMEOUT)
-            samples.append(time.perf_counter() - started)
-    return samples
+        return timed(count, lambda _: stub.PreUpdateContainerResourcesHook(request, timeout=TIMEOUT))
 
 
 def main() -> None:

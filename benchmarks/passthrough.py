@@ -20,7 +20,7 @@ from typing import Any, Callable
 import grpc
 from cri_api.v1 import api_pb2, api_pb2_grpc
 
-from benchmarks.stats import quantile
+from benchmarks.stats import quantile, timed
 from tests.support.cri_objects import container_config, pod_sandbox_config
 from tests.support.images import BUSYBOX_REF
 from tests.support.koordrp_process import KoordrpProcess, cpu_seconds, rss_bytes
@@ -33,12 +33,7 @@ Call = Callable[[api_pb2_grpc.RuntimeServiceStub], Any]
 def sequential(stub: api_pb2_grpc.RuntimeServiceStub, call: Call, count: int) -> list[float]:
     for _ in range(min(100, count)):
         call(stub)
-    samples = []
-    for _ in range(count):
-        started = time.perf_counter()
-        call(stub)
-        samples.append(time.perf_counter() - started)
-    return samples
+    return timed(count, lambda _: call(stub))
 
 
 def throughput(channel: grpc.Channel, call: Call, concurrency: int, total: int) -> float:

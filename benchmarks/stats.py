@@ -1,7 +1,20 @@
-"""The figures benchmarks print."""
+"""The figures benchmarks print, and how their samples are taken."""
+
+import time
+from typing import Callable
 
 
 def quantile(samples: list[float], fraction: float) -> float:
     """The sample below which ``fraction`` of them lie (nearest rank): p99 is quantile(samples, 0.99)."""
     ordered = sorted(samples)
     return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
+
+
+def timed(count: int, call: Callable[[int], object]) -> list[float]:
+    """Seconds each of ``count`` calls took; ``call`` gets the call's index."""
+    samples = []
+    for index in range(count):
+        started = time.perf_counter()
+        call(index)
+        samples.append(time.perf_counter() - started)
+    return samples
