@@ -162,17 +162,13 @@ def makeService(config: Options, reactor: Any = None) -> service.MultiService:
     clients = HookClients(reactor)
     dispatcher = Dispatcher(clients, reactor, metrics)
     skip = SkipLabel(config["runtime-hook-server-key"], config["runtime-hook-server-val"])
-    registry = HookRegistry(
-        config["hook-config-dir"],
-        config["hook-timeout"],
-        reactor,
-        on_change=lambda servers: registered(servers),
-    )
 
     def registered(servers: HookServers) -> None:
         clients.retain(servers.endpoints)
         if metrics is not None:
             metrics.hook_servers.set(len(servers.servers))
+
+    registry = HookRegistry(config["hook-config-dir"], config["hook-timeout"], reactor, on_change=registered)
 
     lifecycle = Lifecycle(
         store=Store(),
