@@ -3,30 +3,42 @@
 import os
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import pytest
 
 from tests.fake.hook_server import FakeHookServer
 from tests.support.containerd import Containerd, ContainerdError, require_binaries
+from tests.support.daemons import DaemonError
 from tests.support.images import ImageSet, build_test_images
 from tests.support.koordrp_process import KoordrpProcess
 from tests.support.stack import start_containerd
 
 
-def require_runtime() -> None:
-    """Skip on a developer's machine without containerd; in CI a missing runtime is a failure."""
+def require(check: Callable[[], None], tests: str) -> None:
+    """Skip when `check` finds the runtime missing on a developer's machine; in CI that is a failure.
+
+    `check` raises a DaemonError (MissingBinariesError, or a harness's own error) to say what is
+    missing; `tests` names what CI would otherwise silently skip ("containerd"), for the failure message.
+    """
     try:
-        require_binaries()
-    except ContainerdError as error:
+        check()
+    except DaemonError as error:
+        # CI must run every test: there a missing runtime must not pass as a skip.
         if os.environ.get("CI") == "true":
-            pytest.fail(f"CI must run the containerd tests: {error}", pytrace=False)
+            pytest.fail(f"CI must run the {tests} tests: {error}", pytrace=False)
         pytest.skip(str(error))
+
+
+def require_root() -> None:
     if os.geteuid() != 0:
-        message = "containerd tests need root"
-        if os.environ.get("CI") == "true":
-            pytest.fail(message, pytrace=False)
-        pytest.skip(message)
+        raise ContainerdError("containerd tests need root")
+
+
+def require_runtime() -> None:
+    """Skip on a developer's machine without containerd or root; in CI either is a failure."""
+    require(require_binaries, "containerd")
+    require(require_root, "containerd")
 
 
 @pytest.fixture(scope="session")

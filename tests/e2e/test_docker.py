@@ -14,9 +14,9 @@ import grpc
 import pytest
 
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
-from tests.e2e.conftest import hook_server, wait_registered
+from tests.e2e.conftest import hook_server, require, wait_registered
 from tests.fake.hook_server import FakeHookServer
-from tests.support.dockerd import Dockerd, DockerdError, remove_cgroup, require_binaries, unix_http
+from tests.support.dockerd import Dockerd, remove_cgroup, require_binaries, unix_http
 from tests.support.hook_registration import register
 from tests.support.images import BUSYBOX_REF, ImageSet
 from tests.support.koordrp_process import KoordrpProcess, rss_bytes
@@ -26,12 +26,7 @@ API = "/v1.41"
 
 @pytest.fixture(scope="module")
 def dockerd(images: ImageSet) -> Iterator[Dockerd]:
-    try:
-        require_binaries()
-    except DockerdError as error:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI must run the dockerd tests: {error}", pytrace=False)
-        pytest.skip(str(error))
+    require(require_binaries, "dockerd")
     daemon = Dockerd(Path(tempfile.mkdtemp(prefix="krp-dk-", dir="/tmp")))
     daemon.start()
     try:

@@ -19,7 +19,7 @@ escapes the tree, and cannot be configured away in docker.io 20.10:
 
 from __future__ import annotations
 
-import errno
+import functools
 import http.client
 import json
 import os
@@ -27,33 +27,42 @@ import secrets
 import shutil
 import socket
 import subprocess
-import tempfile
-import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 from urllib.parse import quote
 
-# Process, mount and log helpers shared with the containerd harness.
-from .containerd import (
-    MAX_SOCKET_PATH,
-    SHIM_SOCKET_DIR,
-    _daemon_env,
-    _flag_value,
-    _kill_and_wait,
-    _pid_alive,
-    _pids_matching,
-    _tail,
-    _umount_detach,
-    _wait_gone,
-    mounts_under,
+# CleanupError and remove_cgroup are re-exported: they used to be defined
+# here, and tests import remove_cgroup from here.
+from .daemons import (
+    CleanupError as CleanupError,
+    Daemon,
+    DaemonError,
+    DaemonPaths,
+    cgroup_dirs,
+    check_binaries,
+    daemon_env,
+    find_containerd,
+    flag_value,
+    pid_alive,
+    pids_matching,
+    remove_cgroup as remove_cgroup,
+    socket_dir_for,
+    wait_gone,
 )
 from .images import BuiltImage
 
 # dockerd 20.10 runs containers through the io.containerd.runc.v2 shim.
 REQUIRED_BINARIES: tuple[str, ...] = ("dockerd", "docker", "containerd", "containerd-shim-runc-v2", "runc")
+
+# Raises MissingBinariesError naming every tool the harness needs but lacks.
+require_binaries = functools.partial(
+    check_binaries,
+    REQUIRED_BINARIES,
+    tests="Docker-mode integration tests",
+    packages="docker.io containerd runc",
+)
 
 # The longest socket dockerd's containerd creates below the exec root; the
 # libnetwork key socket (libnetwork/<12 hex>.sock) and docker.sock are shorter.
@@ -73,30 +82,8 @@ API_TIMEOUT = 60.0
 CLI_TIMEOUT = 60.0
 
 
-class DockerdError(RuntimeError):
-    """The private dockerd could not be started, used or cleaned up."""
-
-
-class MissingBinariesError(DockerdError):
-    pass
-
-
-class CleanupError(DockerdError):
-    """stop() could not remove everything; the message lists what is left."""
-
-
-def require_binaries() -> None:
-    """Raise MissingBinariesError naming every tool the harness needs but lacks."""
-    # dockerd finds containerd, the shim and runc through PATH, so check the
-    # same PATH it will get.
-    path = _daemon_env()["PATH"]
-    missing = [name for name in REQUIRED_BINARIES if shutil.which(name, path=path) is None]
-    if missing:
-        raise MissingBinariesError(
-            "Docker-mode integration tests need these binaries, which were not found: "
-            + ", ".join(missing)
-            + " (Debian: apt-get install docker.io containerd runc)"
-        )
+class DockerdError(DaemonError):
+    """The private dockerd could not be started or used."""
 
 
 # -- HTTP over a unix socket -----------------------------------------------------
@@ -152,50 +139,44 @@ def unix_http(
 
 
 @dataclass(frozen=True)
-class DockerdPaths:
-    base: Path
+class DockerdPaths(DaemonPaths):
     daemon_json: Path
     trust_key: Path
-    log: Path
     pidfile: Path
     data_root: Path
     cli_config: Path  # DOCKER_CONFIG for the CLI, so ~/.docker is never read or written
-    run_dir: Path  # == base unless base is too deep for unix socket paths
     exec_root: Path
-    socket: Path
     containerd_dir: Path
     containerd_config: Path
     containerd_socket: Path
     containerd_pidfile: Path
     containerd_state: Path
-    runc_root: Path
 
     @classmethod
     def under(cls, base: Path) -> DockerdPaths:
-        run_dir = base
-        if len(str(base / LONGEST_SOCKET_SUFFIX)) > MAX_SOCKET_PATH:
-            run_dir = Path(tempfile.mkdtemp(prefix="kdd-", dir="/tmp"))
-        exec_root = run_dir / "exec"
+        # The socket dir holds the exec root, where most of dockerd's sockets are.
+        socket_dir = socket_dir_for(base, LONGEST_SOCKET_SUFFIX, prefix="kdd-")
+        exec_root = socket_dir / "exec"
         containerd_dir = exec_root / "containerd"
         return cls(
             base=base,
+            log=base / "dockerd.log",
+            socket=socket_dir / "docker.sock",
+            socket_dir=socket_dir,
+            # dockerd sets the runc v2 shim's Root option to <exec-root>/runtime-runc.
+            runc_root=exec_root / "runtime-runc",
             daemon_json=base / "daemon.json",
             trust_key=base / "key.json",
-            log=base / "dockerd.log",
             pidfile=base / "dockerd.pid",
             data_root=base / "data",
             cli_config=base / "cli",
-            run_dir=run_dir,
             exec_root=exec_root,
-            socket=run_dir / "docker.sock",
             # Fixed by dockerd 20.10's containerd supervisor (libcontainerd/supervisor).
             containerd_dir=containerd_dir,
             containerd_config=containerd_dir / "containerd.toml",
             containerd_socket=containerd_dir / "containerd.sock",
             containerd_pidfile=containerd_dir / "containerd.pid",
             containerd_state=containerd_dir / "daemon",
-            # dockerd sets the runc v2 shim's Root option to <exec-root>/runtime-runc.
-            runc_root=exec_root / "runtime-runc",
         )
 
 
@@ -253,7 +234,7 @@ def dockerd_argv(
 
 
 def _cli_env(host: str, cli_config: Path, extra: Mapping[str, str] | None) -> dict[str, str]:
-    env = {k: v for k, v in _daemon_env().items() if not k.startswith("DOCKER_")}
+    env = {k: v for k, v in daemon_env().items() if not k.startswith("DOCKER_")}
     # A stray DOCKER_CONTEXT, DOCKER_TLS_VERIFY or DOCKER_API_VERSION from the
     # developer's shell would change what the CLI sends; only ours remain.
     env["DOCKER_HOST"] = host
@@ -262,57 +243,22 @@ def _cli_env(host: str, cli_config: Path, extra: Mapping[str, str] | None) -> di
     return env
 
 
-# -- cgroups ------------------------------------------------------------------------
-
-
-def cgroup_mounts() -> list[Path]:
-    """Mount points of every cgroup hierarchy (v1 controllers, named, and v2)."""
-    points = []
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        fields = line.split()
-        fstype = fields[fields.index("-") + 1]
-        if fstype in ("cgroup", "cgroup2"):
-            points.append(Path(fields[4]))
-    return points
-
-
-def cgroup_dirs(cgroup_path: str) -> list[Path]:
-    """The existing directories of one cgroupfs-driver path in every hierarchy."""
-    relative = cgroup_path.strip("/")
-    if not relative:
-        return []  # never the root cgroup
-    return [d for d in (m / relative for m in cgroup_mounts()) if d.is_dir()]
-
-
-def remove_cgroup(cgroup_path: str) -> list[str]:
-    """Remove one cgroupfs-driver path (and its children) from every hierarchy; says what stayed."""
-    return [note for directory in cgroup_dirs(cgroup_path) for note in _rmdir_tree(directory)]
-
-
-def _rmdir_tree(top: Path) -> list[str]:
-    """rmdir a cgroup directory and its children, deepest first."""
-    notes: list[str] = []
-    # A cgroup directory cannot be rmtree'd (its control files cannot be
-    # unlinked); rmdir of each directory, children first, is the only way.
-    dirs = [Path(root) for root, _, _ in os.walk(top)]
-    for directory in sorted(dirs, key=lambda p: len(p.parts), reverse=True):
-        try:
-            directory.rmdir()
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            notes.append(f"rmdir {directory}: {exc.strerror}")
-    return notes
-
-
 # -- the daemon ---------------------------------------------------------------------
 
 
-class Dockerd:
+class Dockerd(Daemon[DockerdPaths]):
     """One private dockerd (and its containerd), owning `base_dir` entirely.
 
-    ``stop()`` deletes everything, including the base dir.
+    ``stop()`` deletes everything, including the base dir. kill() is a crash:
+    its containerd dies with it (PDEATHSIG), shims and containers survive, and
+    a later start() without live_restore stops those containers. terminate()
+    makes dockerd stop its containerd and, unless live_restore, its containers.
     """
+
+    name = "dockerd"
+    error = DockerdError
+    probe_name = "/_ping"
+    terminate_timeout = TERMINATE_TIMEOUT
 
     def __init__(
         self,
@@ -333,17 +279,24 @@ class Dockerd:
         `live_restore`: containers survive a dockerd stop, kill or restart.
         """
         base_dir.mkdir(parents=True, exist_ok=True)
-        self.paths = DockerdPaths.under(base_dir.resolve())
-        self.docker_cli = docker_cli or shutil.which("docker", path=_daemon_env()["PATH"]) or "docker"
+        paths = DockerdPaths.under(base_dir.resolve())
+        super().__init__(
+            paths,
+            start_timeout,
+            containerd_socket=paths.containerd_socket,
+            containerd_state=paths.containerd_state,
+            cwd=paths.base,
+        )
+        self.docker_cli = docker_cli or shutil.which("docker", path=daemon_env()["PATH"]) or "docker"
         # Unique per instance, stable across its restarts. A parent passed in
         # may be shared, so stop() then only removes it if it is empty.
         self._owns_cgroup_parent = cgroup_parent is None
         self.cgroup_parent = cgroup_parent or f"/koordrp-dockerd-{secrets.token_hex(4)}"
         self.live_restore = live_restore
         self.log_level = log_level
-        self.start_timeout = start_timeout
         self.extra_args = tuple(extra_args)
-        self._process: subprocess.Popen[bytes] | None = None
+        # One Engine API call straight to dockerd (not through any proxy).
+        self.request = functools.partial(unix_http, self.paths.socket)
 
     # -- addresses and clients ----------------------------------------------------
 
@@ -356,25 +309,6 @@ class Dockerd:
     def host(self) -> str:
         """The socket as a DOCKER_HOST value."""
         return f"unix://{self.paths.socket}"
-
-    @property
-    def pid(self) -> int | None:
-        return self._process.pid if self.is_running() and self._process else None
-
-    def log_tail(self, lines: int = 40) -> str:
-        return _tail(self.paths.log, lines)
-
-    def request(
-        self,
-        method: str,
-        path: str,
-        body: bytes | None = None,
-        headers: Mapping[str, str] | None = None,
-        *,
-        timeout: float = API_TIMEOUT,
-    ) -> tuple[int, http.client.HTTPMessage, bytes]:
-        """One Engine API call straight to dockerd (not through any proxy)."""
-        return unix_http(self.paths.socket, method, path, body, headers, timeout=timeout)
 
     def get_json(self, path: str, *, timeout: float = API_TIMEOUT) -> Any:
         status, _, body = self.request("GET", path, timeout=timeout)
@@ -471,31 +405,10 @@ class Dockerd:
         self.paths.daemon_json.write_text(render_daemon_json(self.paths))
         return self.paths.daemon_json
 
-    def is_running(self) -> bool:
-        return self._process is not None and self._process.poll() is None
-
-    def start(self, timeout: float | None = None) -> None:
-        """Spawn dockerd (reusing data and exec roots if present); wait for /_ping."""
-        if self.is_running():
-            raise DockerdError(f"dockerd already running as pid {self.pid}")
+    def prepare(self) -> None:
         require_binaries()
         self.write_config()
         self._drop_stale_pidfiles()
-        with self.paths.log.open("ab") as log:
-            log.write(f"=== koordrp test harness: starting dockerd at {time.ctime()} ===\n".encode())
-            log.flush()
-            # A new session keeps a Ctrl-C in the test terminal from killing
-            # dockerd before the test's own cleanup runs.
-            self._process = subprocess.Popen(
-                self.argv(),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=_daemon_env(),
-                cwd=self.paths.base,
-                start_new_session=True,
-            )
-        self._wait_for_ping(self.start_timeout if timeout is None else timeout)
 
     def _drop_stale_pidfiles(self) -> None:
         # After a kill(), dockerd's containerd (PDEATHSIG) can linger as a
@@ -512,71 +425,20 @@ class Dockerd:
                 pid = int(pidfile.read_text().strip() or "0")
             except (OSError, ValueError):
                 continue
-            if not (_pid_alive(pid) and pid in ours()):
+            if not (pid_alive(pid) and pid in ours()):
                 pidfile.unlink(missing_ok=True)
 
-    def _wait_for_ping(self, timeout: float) -> None:
-        assert self._process is not None
-        deadline = time.monotonic() + timeout
-        last_error = "socket not created yet"
-        while True:
-            code = self._process.poll()
-            if code is not None:
-                raise DockerdError(
-                    f"dockerd exited with status {code} during startup; log tail:\n{self.log_tail()}"
-                )
-            if self.paths.socket.exists():
-                try:
-                    status, _, body = self.request("GET", "/_ping", timeout=2.0)
-                    if status == 200:
-                        return
-                    last_error = f"/_ping -> {status} {body[:200]!r}"
-                except OSError as exc:
-                    last_error = f"/_ping: {exc}"
-            if time.monotonic() >= deadline:
-                self.kill()
-                raise DockerdError(
-                    f"dockerd did not answer /_ping within {timeout:.0f}s "
-                    f"(last error: {last_error}); log tail:\n{self.log_tail()}"
-                )
-            time.sleep(0.05)
+    def probe(self) -> str | None:
+        try:
+            status, _, body = self.request("GET", "/_ping", timeout=2.0)
+        except OSError as exc:
+            return f"/_ping: {exc}"
+        return None if status == 200 else f"/_ping -> {status} {body[:200]!r}"
 
-    def kill(self) -> None:
-        """SIGKILL dockerd, as a crash would.
-
-        Its containerd dies with it (PDEATHSIG); shims and containers survive.
-        A later start() without live_restore stops those containers.
-        """
-        if self._process is None:
-            return
-        if self._process.poll() is None:
-            self._process.kill()
-        self._process.wait()
-        _wait_gone(self.containerd_pids(), 5.0)
-
-    def terminate(self, timeout: float = TERMINATE_TIMEOUT) -> None:
-        """Stop dockerd gracefully (SIGTERM, then SIGKILL).
-
-        dockerd stops its containerd and, unless live_restore, its containers.
-        """
-        if self._process is None:
-            return
-        if self._process.poll() is None:
-            self._process.terminate()
-            try:
-                self._process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self._process.kill()
-                self._process.wait()
-        _wait_gone(self.containerd_pids(), 5.0)
-
-    def restart(self, *, crash: bool = False, timeout: float | None = None) -> None:
-        """Stop dockerd (SIGKILL if `crash`) and start it on the same roots."""
-        if crash:
-            self.kill()
-        else:
-            self.terminate()
-        self.start(timeout)
+    def exited(self) -> None:
+        # Its containerd dies with it (PDEATHSIG), but not instantly; a start()
+        # right after would find it still there.
+        wait_gone(self.containerd_pids(), 5.0)
 
     # -- images -----------------------------------------------------------------
 
@@ -634,51 +496,27 @@ class Dockerd:
     def daemon_pids(self) -> list[int]:
         """Every dockerd process using our exec root (ours or orphaned)."""
         exec_root = str(self.paths.exec_root)
-        return _pids_matching(
-            lambda argv: os.path.basename(argv[0]) == "dockerd" and _flag_value(argv, "exec-root") == exec_root
+        return pids_matching(
+            lambda argv: os.path.basename(argv[0]) == "dockerd" and flag_value(argv, "exec-root") == exec_root
         )
 
     def containerd_pids(self) -> list[int]:
         """The containerd that dockerd started for us (or its orphan)."""
-        config = str(self.paths.containerd_config)
-        return _pids_matching(
-            lambda argv: os.path.basename(argv[0]) == "containerd" and _flag_value(argv, "config") == config
-        )
+        return find_containerd(self.paths.containerd_config)
 
-    def shim_pids(self) -> list[int]:
-        """containerd-shim-runc-v2 processes that report to our containerd."""
-        address = str(self.paths.containerd_socket)
-        return _pids_matching(
-            lambda argv: os.path.basename(argv[0]).startswith("containerd-shim")
-            and _flag_value(argv, "address") == address
-        )
-
-    def mounts(self) -> list[str]:
-        return mounts_under({self.paths.base, self.paths.run_dir})
+    def daemons(self) -> list[tuple[str, list[int]]]:
+        # dockerd first, or it would restart the containerd we kill next.
+        return [("dockerd", self.daemon_pids()), ("containerd", self.containerd_pids())]
 
     def stop(self) -> None:
-        """Tear everything down and delete the base dir; raise CleanupError on leaks.
-
-        Every step is best effort so that one failure does not leave the rest
-        behind; what could not be removed is reported at the end.
-        """
-        notes: list[str] = []
         # Read before removal: rm deletes the very files that say where they were.
         cgroups = self.container_cgroups()
-        if self.is_running():
-            notes += self.remove_all_containers()
-            # Shims exit by themselves once their task is deleted, but not
-            # instantly; waiting while containerd is up lets it reap them.
-            _wait_gone(self.shim_pids(), 5.0)
-        self.terminate()
-        self._process = None
-        notes += self._kill_leftovers()
-        shim_sockets = self._shim_socket_paths()
-        notes += self._unmount_all()
-        for sock in shim_sockets:
-            sock.unlink(missing_ok=True)
+        notes = self.stop_daemon(self.remove_all_containers, shim_grace=5.0)
+        # Among the mounts: dockerd leaves its data root bind-mounted on itself
+        # even after a clean exit; containers add overlay rootfs and netns mounts.
+        notes += self.clean_up_leftovers()
         notes += self._remove_cgroups(cgroups)
-        leftovers = self.daemon_pids() + self.containerd_pids() + self.shim_pids()
+        leftovers = self.leftover_pids()
         mounts = self.mounts()
         owned = [*cgroups.values(), *([self.cgroup_parent] if self._owns_cgroup_parent else [])]
         cgroup_leftovers = [str(d) for path in owned for d in cgroup_dirs(path)]
@@ -688,82 +526,17 @@ class Dockerd:
                 f"dockerd cleanup incomplete: processes {leftovers}, mounts {mounts}, "
                 f"cgroups {cgroup_leftovers}; notes: {notes}; log tail:\n{self.log_tail(15)}"
             )
-        shutil.rmtree(self.paths.base, ignore_errors=True)
-        if self.paths.run_dir != self.paths.base:
-            shutil.rmtree(self.paths.run_dir, ignore_errors=True)
-        if self.paths.base.exists() or self.paths.run_dir.exists():
-            raise CleanupError(f"could not delete {self.paths.base} / {self.paths.run_dir}")
-
-    def _kill_leftovers(self) -> list[str]:
-        notes: list[str] = []
-        # dockerd first, or it would restart the containerd we kill next.
-        for what, pids in (("dockerd", self.daemon_pids()), ("containerd", self.containerd_pids())):
-            alive = _kill_and_wait(pids)
-            if alive:
-                notes.append(f"{what} pids survived SIGKILL: {alive}")
-        notes += self._delete_runc_containers()
-        alive = _kill_and_wait(self.shim_pids())
-        if alive:
-            notes.append(f"shim pids survived SIGKILL: {alive}")
-        return notes
-
-    def _delete_runc_containers(self) -> list[str]:
-        # Killing a shim does not kill its container (the init is reparented),
-        # so containers still known to runc are force-deleted through runc,
-        # which also removes their cgroups.
-        notes: list[str] = []
-        if not self.paths.runc_root.is_dir():
-            return notes
-        for ns_root in sorted(p for p in self.paths.runc_root.iterdir() if p.is_dir()):
-            for container in sorted(p.name for p in ns_root.iterdir() if p.is_dir()):
-                cmd = ["runc", "--root", str(ns_root), "delete", "--force", container]
-                result = subprocess.run(cmd, capture_output=True, text=True, timeout=30, env=_daemon_env())
-                if result.returncode != 0:
-                    notes.append(f"{' '.join(cmd)}: {result.stderr.strip()}")
-        return notes
-
-    def _shim_socket_paths(self) -> list[Path]:
-        # Each task bundle records its shim's socket address; a SIGKILLed shim
-        # never removes that socket from the shared /run/containerd/s.
-        sockets = []
-        for address_file in self.paths.containerd_state.glob("io.containerd.runtime.v2.task/*/*/address"):
-            try:
-                address = address_file.read_text().strip()
-            except OSError:
-                continue
-            path = Path(address.removeprefix("unix://"))
-            if path.parent == SHIM_SOCKET_DIR:
-                sockets.append(path)
-        return sockets
-
-    def _unmount_all(self) -> list[str]:
-        # dockerd leaves its data root bind-mounted on itself even after a
-        # clean exit; containers add overlay rootfs and netns bind mounts.
-        notes: list[str] = []
-        # Deepest first, and several passes, since unmounting a parent can
-        # reveal mounts that were stacked below it.
-        for _ in range(5):
-            points = self.mounts()
-            if not points:
-                break
-            for point in sorted(set(points), key=len, reverse=True):
-                try:
-                    _umount_detach(point)
-                except OSError as exc:
-                    if exc.errno not in (errno.EINVAL, errno.ENOENT):  # already gone
-                        notes.append(f"umount {point}: {exc}")
-        return notes
+        if self.remove_dirs():
+            raise CleanupError(f"could not delete {self.paths.base} / {self.paths.socket_dir}")
 
     def _remove_cgroups(self, cgroups: Mapping[str, str]) -> list[str]:
         notes: list[str] = []
         # Leftover container cgroups (dockerd and runc delete normally remove them).
         for path in cgroups.values():
-            for directory in cgroup_dirs(path):
-                notes += _rmdir_tree(directory)
+            notes += remove_cgroup(path)
         # Our private default parent goes entirely.
         if self._owns_cgroup_parent:
-            for directory in cgroup_dirs(self.cgroup_parent):
-                notes += _rmdir_tree(directory)
+            notes += remove_cgroup(self.cgroup_parent)
         # Other parents (chosen by tests, or passed in), with their ancestors:
         # only if now empty, and quietly, since another instance may be using
         # the same parent (rmdir then fails with EBUSY).
@@ -778,15 +551,3 @@ class Dockerd:
                 except OSError:
                     pass
         return notes
-
-    def __enter__(self) -> Dockerd:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
