@@ -18,11 +18,9 @@ from koordrp.hooks.client import HookClients
 from koordrp.hooks.dispatcher import Dispatcher
 from koordrp.hooks.registry import HookRegistry
 from koordrp.hooks.types import HookServers
-from koordrp.metrics import Metrics
 from koordrp.shutdown import OrderlyStopOnSIGTERM
 from koordrp.store import Store
 from koordrp.unixsocket import CannotListen
-from koordrp.web import metrics_service
 
 # Flag names and defaults are koord-runtime-proxy's, so that a node's unit files carry over.
 DEFAULT_PROXY_ENDPOINT = "/var/run/koord-runtimeproxy/runtimeproxy.sock"
@@ -158,7 +156,12 @@ def makeService(config: Options, reactor: Any = None) -> service.MultiService:
         from twisted.internet import reactor as global_reactor
 
         reactor = global_reactor
-    metrics = Metrics() if config["metrics-endpoint"] else None
+    metrics = None
+    if config["metrics-endpoint"]:
+        # Imported only when asked for: prometheus_client and twisted.web cost ~6 MB of RSS.
+        from koordrp.metrics import Metrics
+
+        metrics = Metrics()
     clients = HookClients(reactor)
     dispatcher = Dispatcher(clients, reactor, metrics)
     skip = SkipLabel(config["runtime-hook-server-key"], config["runtime-hook-server-val"])
@@ -192,6 +195,8 @@ def makeService(config: Options, reactor: Any = None) -> service.MultiService:
     top = Koordrp()  # type: ignore[no-untyped-call]
     children: list[service.Service] = [registry, proxy, OrderlyStopOnSIGTERM(reactor)]
     if metrics is not None:
+        from koordrp.web import metrics_service
+
         metrics.watch_store(lifecycle.store.sizes)
         children.append(metrics_service(config["metrics-endpoint"], metrics, probe, reactor))
     # The registry starts first, so the first call already sees every registered server.
