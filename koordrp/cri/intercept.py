@@ -68,6 +68,19 @@ class LifecycleCall:
             self.context.abort(grpc.StatusCode.UNKNOWN, outcome.failure.message)
         return outcome
 
+    def adjust(
+        self,
+        hook: HookType,
+        request: Any,
+        raw: bytes,
+        hook_request: HookRequest,
+        apply: Callable[[Any, Any, Any], bool],
+    ) -> tuple[HookRequest, bytes]:
+        """Run a pre hook stage and write its changes into the CRI request; unchanged, the bytes stay kubelet's."""
+        before = copy.deepcopy(hook_request)
+        after = self.hooks(hook, hook_request).request
+        return after, request.SerializeToString() if apply(request, before, after) else raw
+
     def notify(self, hook: HookType, request: HookRequest) -> None:
         self.record.subject = request
         if self.skipping:
@@ -193,12 +206,9 @@ class Interceptor:
     def run_pod_sandbox(self, call: LifecycleCall, request: Any, raw: bytes) -> bytes:
         pod = lifecycle.pod_hook_request(request)
         call.skipping = self.skip.skips(pod.labels)
-        before = copy.deepcopy(pod)
-        pod = lifecycle.as_pod_request(call.hooks(HookType.PRE_RUN_POD_SANDBOX, pod).request)
-        if lifecycle.apply_to_run_pod_sandbox(request, before, pod):
-            raw = request.SerializeToString()
+        adjusted, raw = call.adjust(HookType.PRE_RUN_POD_SANDBOX, request, raw, pod, lifecycle.apply_to_run_pod_sandbox)
         response = call.forward(raw)
-        self.store.put_pod(cri.RunPodSandboxResponse.FromString(response).pod_sandbox_id, pod)
+        self.store.put_pod(cri.RunPodSandboxResponse.FromString(response).pod_sandbox_id, lifecycle.as_pod_request(adjusted))
         return response
 
     def create_container(self, call: LifecycleCall, request: Any, raw: bytes) -> bytes:
@@ -208,13 +218,10 @@ class Interceptor:
             return call.forward(raw)
         call.skipping = self.skip.skips(pod.labels)
         container = lifecycle.container_hook_request(pod, request)
-        before = copy.deepcopy(container)
-        container = lifecycle.as_container_request(call.hooks(HookType.PRE_CREATE_CONTAINER, container).request)
-        if lifecycle.apply_to_create_container(request, before, container):
-            raw = request.SerializeToString()
+        adjusted, raw = call.adjust(HookType.PRE_CREATE_CONTAINER, request, raw, container, lifecycle.apply_to_create_container)
         response = call.forward(raw)
         container_id = cri.CreateContainerResponse.FromString(response).container_id
-        stored = lifecycle.created_container_info(request, container, container_id)
+        stored = lifecycle.created_container_info(request, lifecycle.as_container_request(adjusted), container_id)
         self.store.put_container(container_id, request.pod_sandbox_id, stored)
         return response
 
@@ -234,12 +241,10 @@ class Interceptor:
             return call.forward(raw)
         container = lifecycle.fold_update_request(stored.info, request)
         call.skipping = self.skip.skips(container.pod_labels)
-        before = copy.deepcopy(container)
-        container = lifecycle.as_container_request(call.hooks(HookType.PRE_UPDATE_CONTAINER_RESOURCES, container).request)
-        if lifecycle.apply_to_update_container_resources(request, before, container):
-            raw = request.SerializeToString()
+        hook = HookType.PRE_UPDATE_CONTAINER_RESOURCES
+        adjusted, raw = call.adjust(hook, request, raw, container, lifecycle.apply_to_update_container_resources)
         response = call.forward(raw)
-        self.store.put_container(request.container_id, stored.sandbox_id, container)
+        self.store.put_container(request.container_id, stored.sandbox_id, lifecycle.as_container_request(adjusted))
         return response
 
     def stop_container(self, call: LifecycleCall, request: Any, raw: bytes) -> bytes:
