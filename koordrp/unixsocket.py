@@ -25,6 +25,8 @@ class UnsafeDirectory(CannotListen):
 
 
 SOCKET_DIRECTORY_MODE = 0o755
+# kubelet (root) and whoever is in the socket's group may talk to koordrp; nobody else.
+SOCKET_MODE = 0o660
 
 
 def prepare_listening_path(path: str) -> None:
@@ -81,6 +83,13 @@ def umask(mask: int) -> Iterator[None]:
         yield
     finally:
         os.umask(previous)
+
+
+def restrict_socket(path: str, gid: int | None) -> None:
+    """Give the listening socket its mode and, when asked, the group that may use it."""
+    os.chmod(path, SOCKET_MODE)
+    if gid is not None:
+        os.chown(path, -1, gid)
 
 
 def remove_socket(path: str) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -24,13 +23,12 @@ from koordrp.cri.reachability import Reachability
 from koordrp.cri.runtime_lookup import LookupFailed, RuntimeLookup
 from koordrp.endpoints import grpc_target
 from koordrp.store import Store
-from koordrp.unixsocket import prepare_listening_path, remove_socket, umask
+from koordrp.unixsocket import SOCKET_MODE, prepare_listening_path, remove_socket, restrict_socket, umask
 
 if TYPE_CHECKING:
     # Only --metrics-endpoint loads prometheus_client: it costs a node daemon ~6 MB of RSS.
     from koordrp.metrics import Metrics
 
-SOCKET_MODE = 0o660
 _RECONCILE_TIMEOUT = 30.0
 _PROBE_TIMEOUT = 2.0
 _RECONCILE_RETRY_SECONDS = 1.0
@@ -106,9 +104,7 @@ class CRIProxyService(service.Service):
         with umask(0o777 & ~SOCKET_MODE):
             server.add_insecure_port(grpc_target(settings.listen_path))
             server.start()
-        os.chmod(settings.listen_path, SOCKET_MODE)
-        if settings.socket_gid is not None:
-            os.chown(settings.listen_path, -1, settings.socket_gid)
+        restrict_socket(settings.listen_path, settings.socket_gid)
         self._server = server
         super().startService()  # type: ignore[no-untyped-call]
         self.log.info(

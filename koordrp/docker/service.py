@@ -1,6 +1,5 @@
 """Docker mode as a Twisted service: the Docker API proxy on koordrp's socket, on the reactor."""
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,9 +12,8 @@ from twisted.python.failure import Failure
 from koordrp.docker.http import json_response
 from koordrp.docker.intercept import DockerInterceptor
 from koordrp.docker.proxy import DockerProxyFactory
-from koordrp.unixsocket import prepare_listening_path, remove_socket
+from koordrp.unixsocket import SOCKET_MODE, prepare_listening_path, remove_socket, restrict_socket
 
-SOCKET_MODE = 0o660
 _REBUILD_RETRY_SECONDS = 1.0
 
 
@@ -45,8 +43,7 @@ class DockerProxyService(service.Service):
         prepare_listening_path(settings.listen_path)
         factory = DockerProxyFactory(settings.backend_path, self._reactor, self._interceptor, self.unavailable)
         self._port = self._reactor.listenUNIX(settings.listen_path, factory, mode=SOCKET_MODE, wantPID=False)
-        if settings.socket_gid is not None:
-            os.chown(settings.listen_path, -1, settings.socket_gid)
+        restrict_socket(settings.listen_path, settings.socket_gid)
         super().startService()  # type: ignore[no-untyped-call]
         self.log.info(
             "serving the Docker API on unix://{listen}, backend unix://{backend}",
