@@ -8,7 +8,7 @@ included, reaches the runtime untouched.
 Nothing here knows about threads, grpc or the reactor.
 """
 
-from typing import Iterable, MutableMapping, Protocol, TypeVar
+from typing import Iterable, MutableMapping, TypeVar
 
 from cri_api.v1 import api_pb2 as cri
 from google.protobuf.message import Message
@@ -28,10 +28,6 @@ _NON_ZERO_FIELDS = ("cpu_quota", "oom_score_adj")
 _NON_EMPTY_FIELDS = ("cpuset_cpus", "cpuset_mems")
 
 Resources = TypeVar("Resources", hook.LinuxContainerResources, cri.LinuxContainerResources)
-
-
-class _HasResources(Protocol):
-    def HasField(self, field_name: str) -> bool: ...
 
 
 def as_hook_resources(resources: cri.LinuxContainerResources) -> hook.LinuxContainerResources:
@@ -280,10 +276,6 @@ def apply_to_update_container_resources(
 
 # ---------------------------------------------------------------------------------------------
 # What to remember after the runtime said yes
-
-
-def pod_is_skipped(labels: MutableMapping[str, str], key: str, value: str) -> bool:
-    return labels.get(key) == value
 
 
 def created_container_info(

@@ -8,7 +8,7 @@ and the backend's status, details and trailing metadata come back as they were.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Callable, Iterator, Sequence, Tuple, TypeVar, cast
+from typing import TYPE_CHECKING, Callable, Iterator, TypeVar, cast
 
 import grpc
 
@@ -26,8 +26,6 @@ if TYPE_CHECKING:
     _BytesHandler = grpc.GenericRpcHandler[bytes, bytes]
 else:
     _BytesHandler = grpc.GenericRpcHandler
-
-Metadata = Sequence[Tuple[str, str | bytes]]
 
 # grpcio reports "no deadline" as a remaining time of about 292 years; upstream that means none.
 _NO_DEADLINE_THRESHOLD = 10 * 365 * 24 * 3600.0
