@@ -24,6 +24,7 @@ from koordrp.docker.proxy import IDockerInterceptor, exchange
 from koordrp.hooks.dispatcher import Dispatcher, StageOutcome
 from koordrp.hooks.types import HookServerConfig, HookServers, HookType
 from koordrp.lifecycle import HookRequest, PodHookRequest
+from koordrp.logtext import shortened
 from koordrp.store import Store, StoredContainer
 
 _VERSION = r"(?:/v[0-9.]+)?"
@@ -140,17 +141,9 @@ class DockerInterceptor:
     # What the store lacks is read back from dockerd
 
     async def pod(self, sandbox_id: str) -> PodHookRequest | None:
-        pod = self.store.pod(sandbox_id)
-        if pod is None and sandbox_id:
-            inspect = await self._get_json(f"/containers/{sandbox_id}/json")
-            try:
-                if inspect is not None and translate.kind_of_inspect(inspect) == "sandbox":
-                    pod = translate.stored_sandbox_from_inspect(inspect, await self.cgroup_driver())
-                    self.store.learn([(str(inspect["Id"]), pod)], [])
-            except translate.DockerShapeError as error:
-                self.log.warn("cannot read sandbox {id} back from dockerd: {error}", id=sandbox_id[:80], error=str(error))
-                pod = None
-        return pod
+        """The stored sandbox, or read back from dockerd (and remembered) if the store lacks it."""
+        found = await self.container(sandbox_id) if sandbox_id else None
+        return found[1] if found is not None and isinstance(found[1], PodHookRequest) else None
 
     async def container(self, container_id: str) -> tuple[str, StoredContainer | PodHookRequest] | None:
         """The stored container or sandbox behind ``container_id`` (an id, or a name dockerd resolves)."""
@@ -178,7 +171,7 @@ class DockerInterceptor:
                 self.store.learn([], [(identifier, stored)])
                 return identifier, stored
         except translate.DockerShapeError as error:
-            self.log.warn("cannot read container {id} back from dockerd: {error}", id=container_id[:80], error=str(error))
+            self.log.warn("cannot read container {id} back from dockerd: {error}", id=shortened(container_id, 80), error=str(error))
         return None
 
     async def rebuild(self) -> int:
