@@ -3,11 +3,11 @@
 import concurrent.futures
 from typing import Any, Callable
 
-from twisted.internet.defer import Deferred, gatherResults, maybeDeferred
+from twisted.internet.defer import Deferred, maybeDeferred
 from twisted.python.failure import Failure
 
 from koordrp.hooks.dispatcher import Dispatcher, StageOutcome
-from koordrp.hooks.types import HookServerConfig, HookServers, HookType
+from koordrp.hooks.types import HookServers, HookType
 from koordrp.lifecycle import HookRequest
 
 # Beyond the hook timeouts themselves: the reactor may be busy for a moment.
@@ -25,7 +25,6 @@ class HookBridge:
         self._reactor = reactor
         self._dispatcher = dispatcher
         self.current_servers = current_servers
-        self._post_stages: set[Deferred[StageOutcome]] = set()
 
     def in_reactor(self, function: Callable[..., object], *args: object) -> None:
         self._reactor.callFromThread(function, *args)
@@ -36,27 +35,13 @@ class HookBridge:
             self._reactor.callFromThread(self._dispatcher.skipped, hook, subscribed)
 
     def notify(self, hook: HookType, servers: HookServers, request: HookRequest) -> None:
-        """Start a post hook stage and return at once.
-
-        The runtime has answered and nothing a post hook says can change that answer, so the CRI
-        caller does not wait for it. Stages start in the order the calls finished, and stopping
-        waits for the ones still running (drain), so none is lost.
-        """
+        """Start a post hook stage in the reactor and return at once (Dispatcher.announce)."""
         subscribed = servers.subscribed(hook)
         if subscribed:
-            self._reactor.callFromThread(self._start_post_stage, hook, subscribed, request)
-
-    def _start_post_stage(self, hook: HookType, servers: tuple[HookServerConfig, ...], request: HookRequest) -> None:
-        stage = self._dispatcher.dispatch(hook, servers, request, None)
-        self._post_stages.add(stage)
-        stage.addBoth(self._post_stage_ended, stage)
-
-    def _post_stage_ended(self, result: object, stage: "Deferred[StageOutcome]") -> None:
-        self._post_stages.discard(stage)
+            self._reactor.callFromThread(self._dispatcher.announce, hook, subscribed, request)
 
     def drain(self) -> "Deferred[list[StageOutcome]]":
-        """Fires when every post hook stage started so far has ended (each is bounded by its timeouts)."""
-        return gatherResults(list(self._post_stages), consumeErrors=True)
+        return self._dispatcher.drain()
 
     def run(self, hook: HookType, servers: HookServers, request: HookRequest, budget: float | None) -> StageOutcome:
         subscribed = servers.subscribed(hook)

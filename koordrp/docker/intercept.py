@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
-from twisted.internet.defer import Deferred, ensureDeferred, gatherResults
+from twisted.internet.defer import Deferred, ensureDeferred
 from twisted.logger import Logger
 from zope.interface import implementer
 
@@ -65,7 +65,6 @@ class DockerInterceptor:
         self._current_servers = current_servers
         self._skips = skip
         self._cgroup_driver: str | None = None
-        self._post_stages: set[Deferred[StageOutcome]] = set()
 
     def wants(self, head: RequestHead) -> bool:
         path = head.path
@@ -211,12 +210,10 @@ class DockerInterceptor:
         subscribed = call.servers.subscribed(hook)
         if not self._skipped(hook, subscribed, pod_labels):
             call.record.ran(hook.value, [server.name for server in subscribed])
-            stage = self._dispatcher.dispatch(hook, subscribed, request, None)
-            self._post_stages.add(stage)
-            stage.addBoth(lambda result: self._post_stages.discard(stage))
+            self._dispatcher.announce(hook, subscribed, request)
 
     def drain(self) -> "Deferred[list[StageOutcome]]":
-        return gatherResults(list(self._post_stages), consumeErrors=True)
+        return self._dispatcher.drain()
 
     # The calls
 

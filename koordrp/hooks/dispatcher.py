@@ -6,7 +6,7 @@ import copy
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from twisted.internet.defer import Deferred, ensureDeferred
+from twisted.internet.defer import Deferred, ensureDeferred, gatherResults
 from twisted.logger import Logger
 
 from koordrp.hooks.client import HookClients, HookTimedOut
@@ -47,6 +47,22 @@ class Dispatcher:
         self._clients = clients
         self._reactor = reactor
         self._metrics = metrics
+        self._post_stages: set[Deferred[StageOutcome]] = set()
+
+    def announce(self, hook: HookType, servers: tuple[HookServerConfig, ...], request: HookRequest) -> None:
+        """Start a post hook stage without waiting for it.
+
+        The runtime has answered and nothing a post hook says can change that answer, so the caller
+        does not wait. Stages start in the order the calls finished, and stopping waits for the ones
+        still running (drain), so none is lost.
+        """
+        stage = self.dispatch(hook, servers, request, None)
+        self._post_stages.add(stage)
+        stage.addBoth(lambda _: self._post_stages.discard(stage))
+
+    def drain(self) -> "Deferred[list[StageOutcome]]":
+        """Fires when every post hook stage started so far has ended (each is bounded by its timeouts)."""
+        return gatherResults(list(self._post_stages), consumeErrors=True)
 
     def skipped(self, hook: HookType, servers: tuple[HookServerConfig, ...]) -> None:
         """Count the calls a pod's skip label spared."""
