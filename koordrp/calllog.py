@@ -4,7 +4,7 @@ from dataclasses import dataclass, field
 
 from twisted.logger import Logger
 
-from koordrp.lifecycle import ContainerHookRequest, HookRequest
+from koordrp.hooks.messages import ContainerHookRequest, HookRequest
 
 log = Logger(namespace="koordrp.calls")
 

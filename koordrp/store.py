@@ -8,7 +8,7 @@ import threading
 from dataclasses import dataclass
 from typing import Iterable
 
-from koordrp.lifecycle import ContainerHookRequest, PodHookRequest
+from koordrp.hooks.messages import ContainerHookRequest, PodHookRequest
 
 
 def _copy_pod(pod: PodHookRequest) -> PodHookRequest:
@@ -44,6 +44,14 @@ class Store:
         with self._lock:
             stored = self._containers.get(container_id)
         return None if stored is None else StoredContainer(stored.sandbox_id, _copy_container(stored.info))
+
+    def has_pod(self, sandbox_id: str) -> bool:
+        with self._lock:
+            return sandbox_id in self._pods
+
+    def has_container(self, container_id: str) -> bool:
+        with self._lock:
+            return container_id in self._containers
 
     def put_pod(self, sandbox_id: str, pod: PodHookRequest) -> None:
         copied = _copy_pod(pod)

@@ -1,26 +1,30 @@
 """``twistd koordrp``: command-line options and the service tree they build."""
 
+from __future__ import annotations
+
 import grp
-from typing import Any
+from typing import TYPE_CHECKING
 
 from twisted.application import service, strports
+from twisted.internet.interfaces import IReactorCore, IReactorThreads, IReactorTime, IReactorUNIX
 from twisted.internet.protocol import Factory
 from twisted.logger import Logger
 from twisted.python import usage
 
-from koordrp.cri.bridge import HookBridge
-from koordrp.cri.intercept import SkipLabel
-from koordrp.cri.server import CRIProxyService, CRIProxySettings, Lifecycle
-from koordrp.docker.intercept import DockerInterceptor
+from koordrp.cri.server import CRIProxyService, CRIProxySettings
 from koordrp.docker.service import DockerProxyService, DockerProxySettings
-from koordrp.endpoints import EndpointError, parse_unix_endpoint
+from koordrp.flows import Parts, SkipLabel
+from koordrp.frontend import IFrontEnd
 from koordrp.hooks.client import HookClients
 from koordrp.hooks.dispatcher import Dispatcher
 from koordrp.hooks.registry import HookRegistry
 from koordrp.hooks.types import HookServers
 from koordrp.shutdown import OrderlyStopOnSIGTERM
 from koordrp.store import Store
-from koordrp.unixsocket import CannotListen
+from koordrp.unix import CannotListen, EndpointError, parse_unix_endpoint
+
+if TYPE_CHECKING:
+    from koordrp.metrics import Metrics
 
 # Flag names and defaults are koord-runtime-proxy's, so that a node's unit files carry over.
 DEFAULT_PROXY_ENDPOINT = "/var/run/koord-runtimeproxy/runtimeproxy.sock"
@@ -127,8 +131,16 @@ class Options(usage.Options):
             raise usage.UsageError("--runtime-hook-server-key: must not be empty")
 
 
-def cri_settings(config: Options) -> CRIProxySettings:
-    return CRIProxySettings(
+def front_end(config: Options, reactor: IReactorCore, parts: Parts, metrics: Metrics | None) -> IFrontEnd:
+    """The service serving koordrp's socket in the chosen mode, on the parts both modes share."""
+    if config["backend-runtime-mode"] == "Docker":
+        docker = DockerProxySettings(
+            listen_path=config["koord-runtimeproxy-endpoint"],
+            backend_path=config["remote-runtime-service-endpoint"],
+            socket_gid=config["socket-group"],
+        )
+        return DockerProxyService(docker, IReactorUNIX(reactor), parts)
+    settings = CRIProxySettings(
         listen_path=config["koord-runtimeproxy-endpoint"],
         runtime_path=config["remote-runtime-service-endpoint"],
         image_path=config["remote-image-service-endpoint"],
@@ -136,6 +148,7 @@ def cri_settings(config: Options) -> CRIProxySettings:
         max_workers=config["max-workers"],
         socket_gid=config["socket-group"],
     )
+    return CRIProxyService(settings, IReactorThreads(reactor), parts, metrics)
 
 
 class Koordrp(service.MultiService):
@@ -151,54 +164,41 @@ class Koordrp(service.MultiService):
             raise SystemExit(f"koordrp cannot start: {error}") from None
 
 
-def makeService(config: Options, reactor: Any = None) -> service.MultiService:
+def makeService(config: Options, reactor: IReactorCore | None = None) -> service.MultiService:
+    """The daemon's service tree. ``reactor`` (default: the global one) provides every reactor interface."""
     if reactor is None:
         from twisted.internet import reactor as global_reactor
 
-        reactor = global_reactor
+        reactor = IReactorCore(global_reactor)
+    clock = IReactorTime(reactor)
     metrics = None
     if config["metrics-endpoint"]:
         # Imported only when asked for: prometheus_client and twisted.web cost ~6 MB of RSS.
         from koordrp.metrics import Metrics
 
         metrics = Metrics()
-    clients = HookClients(reactor)
-    dispatcher = Dispatcher(clients, reactor, metrics)
-    skip = SkipLabel(config["runtime-hook-server-key"], config["runtime-hook-server-val"])
+    clients = HookClients(clock)
 
     def registered(servers: HookServers) -> None:
         clients.retain(servers.endpoints)
         if metrics is not None:
             metrics.hook_servers.set(len(servers.servers))
 
-    registry = HookRegistry(config["hook-config-dir"], config["hook-timeout"], reactor, on_change=registered)
-
-    lifecycle = Lifecycle(
+    registry = HookRegistry(config["hook-config-dir"], config["hook-timeout"], clock, on_change=registered)
+    parts = Parts(
         store=Store(),
-        hooks=HookBridge(reactor, dispatcher, lambda: registry.current),
-        skip=skip,
+        dispatcher=Dispatcher(clients, clock, metrics),
+        registrations=lambda: registry.current,
+        skip=SkipLabel(config["runtime-hook-server-key"], config["runtime-hook-server-val"]),
     )
-    if config["backend-runtime-mode"] == "Docker":
-        settings = DockerProxySettings(
-            listen_path=config["koord-runtimeproxy-endpoint"],
-            backend_path=config["remote-runtime-service-endpoint"],
-            socket_gid=config["socket-group"],
-        )
-        interceptor = DockerInterceptor(
-            settings.backend_path, reactor, lifecycle.store, dispatcher, lambda: registry.current, skip.skips
-        )
-        proxy: DockerProxyService | CRIProxyService = DockerProxyService(settings, reactor, interceptor)
-        probe = interceptor.probe
-    else:
-        proxy = CRIProxyService(cri_settings(config), reactor, lifecycle, metrics)
-        probe = proxy.probe
+    proxy = front_end(config, reactor, parts, metrics)
     top = Koordrp()  # type: ignore[no-untyped-call]
-    children: list[service.Service] = [registry, proxy, OrderlyStopOnSIGTERM(reactor)]
+    children: list[service.IService] = [registry, proxy, OrderlyStopOnSIGTERM(reactor)]
     if metrics is not None:
         from koordrp.web import metrics_service
 
-        metrics.watch_store(lifecycle.store.sizes)
-        children.append(metrics_service(config["metrics-endpoint"], metrics, probe, reactor))
+        metrics.watch_store(parts.store.sizes)
+        children.append(metrics_service(config["metrics-endpoint"], metrics, proxy.probe, clock))
     # The registry starts first, so the first call already sees every registered server.
     for child in children:
         child.setServiceParent(top)  # type: ignore[no-untyped-call]

@@ -1,10 +1,11 @@
 """``--metrics-endpoint``: Prometheus metrics at /metrics and a health check at /healthz."""
 
-from typing import Any, Callable
+from typing import Callable
 
 from prometheus_client.twisted import MetricsResource
 from twisted.application import service, strports
 from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IReactorCore, IReactorTime
 from twisted.python.failure import Failure
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
@@ -22,7 +23,7 @@ class HealthResource(Resource):
 
     isLeaf = True
 
-    def __init__(self, probe: Probe, reactor: Any) -> None:
+    def __init__(self, probe: Probe, reactor: IReactorTime) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self._probe = probe
         self._reactor = reactor
@@ -48,11 +49,11 @@ class HealthResource(Resource):
         return NOT_DONE_YET
 
 
-def metrics_service(endpoint: str, metrics: Metrics, probe: Probe, reactor: Any) -> service.Service:
+def metrics_service(endpoint: str, metrics: Metrics, probe: Probe, reactor: IReactorTime) -> service.Service:
     root = Resource()  # type: ignore[no-untyped-call]
     root.putChild(b"metrics", MetricsResource(registry=metrics.registry))  # type: ignore[no-untyped-call]
     root.putChild(b"healthz", HealthResource(probe, reactor))
     site = Site(root)  # type: ignore[no-untyped-call]
     site.noisy = False
-    served: service.Service = strports.service(endpoint, site, reactor=reactor)
+    served: service.Service = strports.service(endpoint, site, reactor=IReactorCore(reactor))
     return served

@@ -5,7 +5,7 @@ from typing import Callable
 import grpc
 
 from koordrp.cri.reachability import Reachability, ReachabilityTracker
-from koordrp.endpoints import grpc_target
+from koordrp.unix import grpc_target
 
 # A backend that comes back must be used again within about a second, so grpc's reconnect backoff
 # (120 s at most by default) is capped; message sizes are left to the backend and to kubelet, so

@@ -4,49 +4,40 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import grpc
 from twisted.application import service
 from twisted.internet.defer import Deferred, fail
-from twisted.internet.interfaces import IDelayedCall
+from twisted.internet.interfaces import IReactorThreads, IReactorTime
 from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
-from twisted.python.failure import Failure
+from zope.interface import implementer
 
+from koordrp import flows
 from koordrp.cri.backend import CHANNEL_OPTIONS, BackendChannel
 from koordrp.cri.bridge import HookBridge
-from koordrp.cri.intercept import Interceptor, SkipLabel
+from koordrp.cri.intercept import Interceptor
 from koordrp.cri.methods import BackendRole
 from koordrp.cri.passthrough import PassThroughHandler
 from koordrp.cri.reachability import Reachability
-from koordrp.cri.runtime_lookup import LookupFailed, RuntimeLookup
-from koordrp.endpoints import grpc_target
-from koordrp.store import Store
-from koordrp.unixsocket import SOCKET_MODE, prepare_listening_path, remove_socket, restrict_socket, umask
+from koordrp.cri.runtime_lookup import RuntimeLookup
+from koordrp.frontend import IFrontEnd
+from koordrp.resync import StoreSync
+from koordrp.unix import SOCKET_MODE, grpc_target, prepare_listening_path, remove_socket, restrict_socket, umask
 
 if TYPE_CHECKING:
     # Only --metrics-endpoint loads prometheus_client: it costs a node daemon ~6 MB of RSS.
     from koordrp.metrics import Metrics
 
-_RECONCILE_TIMEOUT = 30.0
+_REBUILD_TIMEOUT = 30.0
 _PROBE_TIMEOUT = 2.0
-_RECONCILE_RETRY_SECONDS = 1.0
 
 _REACHABILITY_MESSAGES = {
     Reachability.FIRST_CONNECTED: "backend unix://{endpoint} is reachable",
     Reachability.UNREACHABLE: "backend unix://{endpoint} is unreachable; CRI calls answer UNAVAILABLE until it is back",
     Reachability.RECOVERED: "backend unix://{endpoint} is reachable again",
 }
-
-
-@dataclass(frozen=True)
-class Lifecycle:
-    """What the intercepted lifecycle calls need besides the backend."""
-
-    store: Store
-    hooks: HookBridge
-    skip: SkipLabel
 
 
 @dataclass(frozen=True)
@@ -60,6 +51,7 @@ class CRIProxySettings:
     """The group that may use the socket (mode 0660); None: koordrp's own group."""
 
 
+@implementer(IFrontEnd)
 class CRIProxyService(service.Service):
     """Serves CRI v1 (and anything else) on a unix socket, forwarding to containerd.
 
@@ -70,18 +62,18 @@ class CRIProxyService(service.Service):
     log = Logger()
 
     def __init__(
-        self, settings: CRIProxySettings, reactor: Any, lifecycle: Lifecycle, metrics: Metrics | None = None
+        self, settings: CRIProxySettings, reactor: IReactorThreads, parts: flows.Parts, metrics: Metrics | None = None
     ) -> None:
-        """``reactor`` provides IReactorThreads and IReactorTime."""
+        """``reactor`` also provides IReactorTime."""
         self._metrics = metrics
         self.settings = settings
-        self.lifecycle = lifecycle
+        self._parts = parts
         self._reactor = reactor
-        self._reconcile: IDelayedCall | None = None
-        self._lookup: RuntimeLookup | None = None
+        self._bridge = HookBridge(reactor, parts.dispatcher)
         self._server: grpc.Server | None = None
         self._handler: PassThroughHandler | None = None
         self._backends: list[BackendChannel] = []
+        self._sync: StoreSync | None = None
 
     def startService(self) -> None:
         settings = self.settings
@@ -92,8 +84,7 @@ class CRIProxyService(service.Service):
             image = BackendChannel(settings.image_path, self._report_reachability)
         self._backends = list({id(b): b for b in (runtime, image)}.values())
         lookup = RuntimeLookup(runtime.channel)
-        parts = self.lifecycle
-        interceptor = Interceptor(runtime, parts.store, parts.hooks, parts.skip, lookup)
+        interceptor = Interceptor(runtime, self._parts, self._bridge, lookup)
         backends = {BackendRole.RUNTIME: runtime, BackendRole.IMAGE: image}
         self._handler = PassThroughHandler(backends, interceptor.handlers, self._metrics)
         server = grpc.server(
@@ -113,51 +104,21 @@ class CRIProxyService(service.Service):
             runtime=settings.runtime_path,
             image=settings.image_path,
         )
-        self._lookup = lookup
-        self._reconcile_store()
-
-    def _reconcile_store(self) -> None:
-        """Make the store agree with the runtime, retrying until the runtime answers.
-
-        At start-up this learns what already runs; after an outage it also forgets what was removed
-        meanwhile. CRI calls are served throughout: a call about something not learnt yet reads it
-        from the runtime itself.
-        """
-        if self._reconcile is not None and self._reconcile.active():
-            self._reconcile.cancel()
-        self._reconcile = None
-        lookup = self._lookup
-        if lookup is None or not self.running:
-            return
-        store = self.lifecycle.store
-        known_before = store.ids()
+        # CRI calls are served throughout: a call about something not learnt yet reads it back itself.
+        everything = lookup.within(_REBUILD_TIMEOUT)
         pool = self._reactor.getThreadPool()
-        reading: Deferred[tuple[Any, Any]] = deferToThreadPool(self._reactor, pool, lookup.everything, _RECONCILE_TIMEOUT)
-
-        def agree(found: tuple[Any, Any]) -> None:
-            pods, containers = found
-            forgotten, learnt = store.reconcile(pods, containers, known_before)
-            self.log.info(
-                "store agrees with the runtime: {pods} pods, {containers} containers "
-                "({learnt} learnt, {forgotten} forgotten)",
-                pods=len(pods),
-                containers=len(containers),
-                learnt=learnt,
-                forgotten=forgotten,
-            )
-
-        def retry(failure: Failure) -> None:
-            if not isinstance(failure.value, LookupFailed):
-                self.log.failure("reading the runtime's pods and containers failed", failure)
-            if self.running:
-                self._reconcile = self._reactor.callLater(_RECONCILE_RETRY_SECONDS, self._reconcile_store)
-
-        reading.addCallbacks(agree, retry)
+        self._sync = StoreSync(
+            self._parts.store,
+            lambda: deferToThreadPool(self._reactor, pool, flows.run_blocking, flows.read_everything(everything)),
+            IReactorTime(self._reactor),
+            "the runtime",
+        )
+        self._sync.start()
 
     def stopService(self) -> "Deferred[None]":
         super().stopService()  # type: ignore[no-untyped-call]
-        if self._reconcile is not None and self._reconcile.active():
-            self._reconcile.cancel()
+        if self._sync is not None:
+            self._sync.stop()
         server, handler = self._server, self._handler
         assert server is not None and handler is not None
         self._server = None
@@ -166,7 +127,7 @@ class CRIProxyService(service.Service):
         stopped = server.stop(self.settings.grace_period)
         drained: Deferred[bool] = deferToThreadPool(self._reactor, self._reactor.getThreadPool(), stopped.wait)
         # Post hooks of calls that finished are still owed to their servers.
-        drained.addCallback(lambda _: self.lifecycle.hooks.drain())
+        drained.addCallback(lambda _: self._parts.dispatcher.drain())
         return drained.addCallback(lambda _: self._release())
 
     def _release(self) -> None:
@@ -197,6 +158,6 @@ class CRIProxyService(service.Service):
         # Connectivity callbacks arrive on a grpc thread; logs are written from the reactor.
         level = self.log.warn if change is Reachability.UNREACHABLE else self.log.info
         self._reactor.callFromThread(level, _REACHABILITY_MESSAGES[change], endpoint=endpoint)
-        if change is Reachability.RECOVERED and endpoint == self.settings.runtime_path:
+        if change is Reachability.RECOVERED and endpoint == self.settings.runtime_path and self._sync is not None:
             # Pods may have been removed (or created) behind koordrp's back while it could not see.
-            self._reactor.callFromThread(self._reconcile_store)
+            self._reactor.callFromThread(self._sync.sync)

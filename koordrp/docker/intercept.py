@@ -1,313 +1,205 @@
 """The Docker calls with hooks: create, start, stop, update and remove of Kubernetes containers.
 
 cri-dockerd makes a pod's sandbox and its containers with ``POST /containers/create``, telling them
-apart by labels; the hook requests, the merge rules and the store are the CRI mode's own
-(koordrp.lifecycle, koordrp.store), only the JSON mapping is Docker's (koordrp.docker.translate).
-Everything runs on the reactor.
+apart by labels; each such call runs through the lifecycle flow of the CRI method it stands for
+(``koordrp.flows``), with the JSON body as its request (``koordrp.docker.translate``). Everything
+runs on the reactor; a client that goes away cancels its call, and the exchange with dockerd with it.
 """
 
-import copy
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any, Coroutine
 
-from twisted.internet.defer import Deferred, ensureDeferred
-from twisted.logger import Logger
+from twisted.internet.defer import CancelledError, Deferred, ensureDeferred
+from twisted.internet.interfaces import IReactorTime
 from zope.interface import implementer
 
-from koordrp import calllog, lifecycle
-from koordrp.calllog import CallRecord
+from koordrp import calllog, flows
 from koordrp.docker import translate
+from koordrp.docker.dockerd import Dockerd
 from koordrp.docker.http import HTTPError, RequestHead, Response, json_response, parse_response
-from koordrp.docker.proxy import IDockerInterceptor, exchange
-from koordrp.hooks.dispatcher import Dispatcher, StageOutcome
-from koordrp.hooks.types import HookServerConfig, HookServers, HookType
-from koordrp.lifecycle import HookRequest, PodHookRequest
-from koordrp.logtext import shortened
-from koordrp.store import Store, StoredContainer
+from koordrp.docker.proxy import IDockerInterceptor
+from koordrp.hooks.messages import PodHookRequest
+from koordrp.store import StoredContainer
 
 _VERSION = r"(?:/v[0-9.]+)?"
 _CREATE = re.compile(rf"^{_VERSION}/containers/create$")
 _ACTION = re.compile(rf"^{_VERSION}/containers/([^/]+)/(start|stop|update)$")
 _REMOVE = re.compile(rf"^{_VERSION}/containers/([^/]+)$")
 
-
-@dataclass
-class _Call:
-    """One intercepted Docker call: the hook servers in force when it arrived, and its log record."""
-
-    servers: HookServers
-    record: CallRecord
+# What dockerd answers when it did what it was asked (304: the container was started or stopped already).
+_DONE = {"create": (201,), "start": (204, 304), "stop": (204, 304), "update": (200,), "remove": (204,)}
 
 
-class DockerHookFailure(Exception):
-    """A Fail-policy hook server could not be heard: the Docker call fails with this message."""
+@dataclass(frozen=True)
+class DockerReply:
+    raw: bytes
+    response: Response | None
+    done: tuple[int, ...]
+
+    @property
+    def ok(self) -> bool:
+        return self.response is not None and self.response.status in self.done
+
+    @property
+    def created_id(self) -> str:
+        document = self.response.json() if self.response is not None else None
+        return str(document.get("Id", "")) if isinstance(document, dict) else ""
+
+    @property
+    def status(self) -> str:
+        return self.raw[9:12].decode("latin-1", "replace")
+
+
+class DockerBackend:
+    """``flows.Backend`` for one Docker call: its request forwarded to dockerd, read-backs from dockerd."""
+
+    def __init__(self, dockerd: Dockerd, head: RequestHead, body: bytes, action: str) -> None:
+        self._dockerd = dockerd
+        self._head = head
+        self._body = body
+        self._done = _DONE[action]
+        self._inspected: dict[str, dict[str, Any]] = {}
+
+    async def forward(self, rewritten: bytes | None) -> DockerReply:
+        body = self._body if rewritten is None else rewritten
+        raw = await self._dockerd.exchange(self._head.serialize(len(body)) + body)
+        try:
+            response: Response | None = parse_response(raw)
+        except HTTPError:
+            response = None
+        return DockerReply(raw, response, self._done)
+
+    async def inspect(self, identifier: str) -> dict[str, Any] | None:
+        """The container behind ``identifier`` (an id, a short id or a name), remembered for read-backs."""
+        found = await self._dockerd.inspect(identifier)
+        if found is not None:
+            self._inspected[str(found.get("Id", identifier))] = found
+        return found
+
+    async def _inspect_once(self, identifier: str) -> dict[str, Any] | None:
+        found = self._inspected.pop(identifier, None)
+        return found if found is not None else await self._dockerd.inspect(identifier)
+
+    async def read_pod(self, sandbox_id: str) -> PodHookRequest | None:
+        return await self._dockerd.pod_from(await self._inspect_once(sandbox_id))
+
+    async def read_container(self, container_id: str, pods: flows.PodSource) -> StoredContainer | None:
+        return await self._dockerd.container_from(await self._inspect_once(container_id), pods)
 
 
 @implementer(IDockerInterceptor)
 class DockerInterceptor:
-    log = Logger()
-
-    def __init__(
-        self,
-        backend_path: str,
-        reactor: Any,
-        store: Store,
-        dispatcher: Dispatcher,
-        current_servers: Callable[[], HookServers],
-        skip: Callable[[Any], bool],
-    ) -> None:
-        self.backend_path = backend_path
-        self._reactor = reactor
-        self.store = store
-        self._dispatcher = dispatcher
-        self._current_servers = current_servers
-        self._skips = skip
-        self._cgroup_driver: str | None = None
+    def __init__(self, dockerd: Dockerd, clock: IReactorTime, parts: flows.Parts) -> None:
+        self._dockerd = dockerd
+        self._clock = clock
+        self._parts = parts
 
     def wants(self, head: RequestHead) -> bool:
-        path = head.path
-        if head.method == "POST":
-            return bool(_CREATE.match(path) or _ACTION.match(path))
-        return head.method == "DELETE" and bool(_REMOVE.match(path))
+        return _action(head) is not None
 
     def handle(self, head: RequestHead, body: bytes) -> "Deferred[bytes]":
         return ensureDeferred(self._handle(head, body))
 
     async def _handle(self, head: RequestHead, body: bytes) -> bytes:
-        call = _Call(self._current_servers(), CallRecord(f"{head.method} {head.path}"))
-        started = self._reactor.seconds()
-        answer = await self._answer(head, body, call)
-        if call.record.subject is not None:  # a Kubernetes container: one line, as in CRI mode
-            status = answer[9:12].decode("latin-1", "replace")
-            calllog.write(call.record, status, self._reactor.seconds() - started)
-        return answer
-
-    async def _answer(self, head: RequestHead, body: bytes, call: _Call) -> bytes:
+        action = _action(head)
+        assert action is not None
+        backend = DockerBackend(self._dockerd, head, body, action)
+        call = flows.Call(self._parts, f"{head.method} {head.path}", self._parts.dispatcher, backend)
+        started = self._clock.seconds()
+        outcome = "error"
         try:
-            if _CREATE.match(head.path):
-                return await self._create(head, body, call)
-            removal = _REMOVE.match(head.path)
-            if head.method == "DELETE" and removal:
-                return await self._remove(head, body, removal.group(1))
-            action = _ACTION.match(head.path)
-            assert action is not None
-            handlers: dict[str, Callable[[RequestHead, bytes, str, _Call], Awaitable[bytes]]] = {
-                "start": self._start,
-                "stop": self._stop,
-                "update": self._update,
-            }
-            return await handlers[action.group(2)](head, body, action.group(1), call)
-        except DockerHookFailure as failure:
+            reply = await self._answer(action, head, body, call, backend)
+            outcome = reply.status
+            return reply.raw
+        except flows.HookFailed as failure:
+            outcome = "500"
             return json_response(500, "Internal Server Error", str(failure))
+        except CancelledError:
+            outcome = "client gone"
+            raise
+        finally:
+            if call.record.subject is not None:  # a Kubernetes container: one line, as in CRI mode
+                calllog.write(call.record, outcome, self._clock.seconds() - started)
 
-    # Talking to dockerd
+    async def _answer(
+        self, action: str, head: RequestHead, body: bytes, call: "flows.Call[DockerReply]", backend: DockerBackend
+    ) -> DockerReply:
+        flow = await self._flow(action, head, body, call, backend)
+        return await (flow if flow is not None else backend.forward(None))
 
-    async def _forward(self, head: RequestHead, body: bytes) -> tuple[bytes, Response | None]:
-        raw: bytes = await exchange(self._reactor, self.backend_path, head.serialize(len(body)) + body)
-        try:
-            return raw, parse_response(raw)
-        except HTTPError:
-            return raw, None
-
-    async def _get_json(self, path: str) -> Any:
-        request = f"GET {path} HTTP/1.1\r\nHost: docker\r\nConnection: close\r\n\r\n".encode()
-        response = parse_response(await exchange(self._reactor, self.backend_path, request))
-        return response.json() if response.status == 200 else None
-
-    def probe(self) -> "Deferred[object]":
-        """Whether dockerd answers /_ping now (for /healthz)."""
-
-        async def ping() -> object:
-            request = b"GET /_ping HTTP/1.1\r\nHost: docker\r\nConnection: close\r\n\r\n"
-            try:
-                response = parse_response(await exchange(self._reactor, self.backend_path, request))
-            except Exception as error:
-                raise RuntimeError(f"backend unix://{self.backend_path}: {error}") from None
-            if response.status != 200:
-                raise RuntimeError(f"backend unix://{self.backend_path} answered /_ping with {response.status}")
-            return None
-
-        return ensureDeferred(ping())
-
-    async def cgroup_driver(self) -> str:
-        if self._cgroup_driver is None:
-            info = await self._get_json("/info")
-            self._cgroup_driver = str((info or {}).get("CgroupDriver") or "cgroupfs")
-        return self._cgroup_driver
-
-    # What the store lacks is read back from dockerd
-
-    async def pod(self, sandbox_id: str) -> PodHookRequest | None:
-        """The stored sandbox, or read back from dockerd (and remembered) if the store lacks it."""
-        found = await self.container(sandbox_id) if sandbox_id else None
-        return found[1] if found is not None and isinstance(found[1], PodHookRequest) else None
-
-    async def container(self, container_id: str) -> tuple[str, StoredContainer | PodHookRequest] | None:
-        """The stored container or sandbox behind ``container_id`` (an id, or a name dockerd resolves)."""
-        stored = self.store.container(container_id)
-        if stored is not None:
-            return container_id, stored
-        pod = self.store.pod(container_id)
-        if pod is not None:
-            return container_id, pod
-        inspect = await self._get_json(f"/containers/{container_id}/json")
-        if inspect is None:
-            return None
-        identifier = str(inspect.get("Id", container_id))
-        try:
-            kind = translate.kind_of_inspect(inspect)
-            driver = await self.cgroup_driver()
+    async def _flow(
+        self, action: str, head: RequestHead, body: bytes, call: "flows.Call[DockerReply]", backend: DockerBackend
+    ) -> Coroutine[Any, Any, DockerReply] | None:
+        """The flow this call takes; None: it is not about a Kubernetes pod, and goes to dockerd as it is."""
+        if action == "create":
+            document = _json_object(body)
+            kind = translate.kind_of(document)
+            if document is None or kind is None:
+                return None
+            name = head.query("name") or ""
+            driver = await self._dockerd.cgroup_driver()
             if kind == "sandbox":
-                pod = translate.stored_sandbox_from_inspect(inspect, driver)
-                self.store.learn([(identifier, pod)], [])
-                return identifier, pod
-            if kind == "container":
-                sandbox_id = translate.sandbox_id_of_inspect(inspect)
-                info = translate.stored_container_from_inspect(inspect, await self.pod(sandbox_id), driver)
-                stored = StoredContainer(sandbox_id, info)
-                self.store.learn([], [(identifier, stored)])
-                return identifier, stored
-        except translate.DockerShapeError as error:
-            self.log.warn("cannot read container {id} back from dockerd: {error}", id=shortened(container_id, 80), error=str(error))
-        return None
-
-    async def rebuild(self) -> int:
-        """Learn every Kubernetes container dockerd has, sandboxes first; returns how many."""
-        listed = await self._get_json('/containers/json?all=1&filters={"label":["io.kubernetes.docker.type"]}')
-        if not isinstance(listed, list):
-            raise ConnectionError("dockerd did not list its containers")
-        ordered = sorted(listed, key=lambda entry: (entry.get("Labels") or {}).get(translate.TYPE_LABEL) != "podsandbox")
-        learnt = 0
-        for entry in ordered:
-            if await self.container(str(entry.get("Id", ""))) is not None:
-                learnt += 1
-        return learnt
-
-    # Hook stages
-
-    def _skipped(self, hook: HookType, subscribed: tuple[HookServerConfig, ...], pod_labels: Any) -> bool:
-        """No subscriber, or a pod with the skip label (counted): the stage does not run."""
-        if subscribed and self._skips(pod_labels):
-            self._dispatcher.skipped(hook, subscribed)
-            return True
-        return not subscribed
-
-    async def _pre(self, hook: HookType, call: _Call, request: HookRequest, pod_labels: Any) -> HookRequest:
-        call.record.subject = request
-        subscribed = call.servers.subscribed(hook)
-        if self._skipped(hook, subscribed, pod_labels):
-            return request
-        outcome: StageOutcome = await self._dispatcher.dispatch(hook, subscribed, request, None)
-        call.record.ran(hook.value, outcome.called)
-        if outcome.failure is not None:
-            raise DockerHookFailure(outcome.failure.message)
-        return outcome.request
-
-    def _post(self, hook: HookType, call: _Call, request: HookRequest, pod_labels: Any) -> None:
-        call.record.subject = request
-        subscribed = call.servers.subscribed(hook)
-        if not self._skipped(hook, subscribed, pod_labels):
-            call.record.ran(hook.value, [server.name for server in subscribed])
-            self._dispatcher.announce(hook, subscribed, request)
-
-    def drain(self) -> "Deferred[list[StageOutcome]]":
-        return self._dispatcher.drain()
-
-    # The calls
-
-    async def _create(self, head: RequestHead, body: bytes, call: _Call) -> bytes:
-        try:
-            document = json.loads(body or b"{}")
-            kind = translate.kind_of(document) if isinstance(document, dict) else None
-        except ValueError:
-            kind = None
-        if kind is None:
-            return (await self._forward(head, body))[0]
-        name = head.query("name") or ""
-        driver = await self.cgroup_driver()
+                return flows.run_pod_sandbox(call, translate.SandboxCreate(name, document, driver))
+            return flows.create_container(call, translate.ContainerCreate(name, document, driver))
+        found = await self._resolve(_target(head), backend)
+        if found is None:
+            return None
+        kind, identifier = found
         if kind == "sandbox":
-            pod = translate.sandbox_hook_request(name, document, driver)
-            before = copy.deepcopy(pod)
-            pod = lifecycle.as_pod_request(await self._pre(HookType.PRE_RUN_POD_SANDBOX, call, pod, pod.labels))
-            if translate.apply_to_sandbox_create(document, before, pod, driver):
-                body = json.dumps(document).encode()
-            raw, response = await self._forward(head, body)
-            if response is not None and response.status == 201:
-                self.store.put_pod(str(_json_field(response, "Id")), pod)
-            return raw
-        sandbox_id = translate.sandbox_id_of(document)
-        stored_pod = await self.pod(sandbox_id)
-        if stored_pod is None:
-            return (await self._forward(head, body))[0]
-        container = translate.container_hook_request(name, document, stored_pod, driver)
-        as_sent = copy.deepcopy(container)
-        container = lifecycle.as_container_request(
-            await self._pre(HookType.PRE_CREATE_CONTAINER, call, container, stored_pod.labels)
-        )
-        if translate.apply_to_container_create(document, as_sent, container, driver):
-            body = json.dumps(document).encode()
-        raw, response = await self._forward(head, body)
-        if response is not None and response.status == 201:
-            container_id = str(_json_field(response, "Id"))
-            stored = copy.deepcopy(container)
-            stored.container_meta.id = container_id
-            self.store.put_container(container_id, sandbox_id, stored)
-        return raw
+            if action == "stop":
+                return flows.stop_pod_sandbox(call, identifier)
+            if action == "remove":
+                return flows.remove_pod_sandbox(call, identifier)
+            return None
+        if action == "start":
+            return flows.start_container(call, identifier)
+        if action == "stop":
+            return flows.stop_container(call, identifier)
+        if action == "remove":
+            return flows.remove_container(call, identifier)
+        document = _json_object(body)
+        return None if document is None else flows.update_container_resources(call, translate.ContainerUpdate(identifier, document))
 
-    async def _start(self, head: RequestHead, body: bytes, container_id: str, call: _Call) -> bytes:
-        found = await self.container(container_id)
-        if found is None or not isinstance(found[1], StoredContainer):
-            return (await self._forward(head, body))[0]
-        labels = found[1].info.pod_labels
-        info = lifecycle.as_container_request(await self._pre(HookType.PRE_START_CONTAINER, call, found[1].info, labels))
-        raw, response = await self._forward(head, body)
-        if response is not None and response.status in (204, 304):
-            self._post(HookType.POST_START_CONTAINER, call, info, labels)
-        return raw
-
-    async def _stop(self, head: RequestHead, body: bytes, container_id: str, call: _Call) -> bytes:
-        found = await self.container(container_id)
-        raw, response = await self._forward(head, body)
-        if found is None or response is None or response.status not in (204, 304):
-            return raw
-        stored = found[1]
-        if isinstance(stored, StoredContainer):
-            self._post(HookType.POST_STOP_CONTAINER, call, stored.info, stored.info.pod_labels)
-        else:
-            self._post(HookType.POST_STOP_POD_SANDBOX, call, stored, stored.labels)
-        return raw
-
-    async def _update(self, head: RequestHead, body: bytes, container_id: str, call: _Call) -> bytes:
-        found = await self.container(container_id)
+    async def _resolve(self, identifier: str, backend: DockerBackend) -> tuple[translate.Kind, str] | None:
+        """Whether ``identifier`` (an id, a short id or a name) is a Kubernetes sandbox or container, and its id."""
+        store = self._parts.store
+        if store.has_container(identifier):
+            return "container", identifier
+        if store.has_pod(identifier):
+            return "sandbox", identifier
         try:
-            document = json.loads(body or b"{}")
-        except ValueError:
-            document = None
-        if found is None or not isinstance(found[1], StoredContainer) or not isinstance(document, dict):
-            return (await self._forward(head, body))[0]
-        identifier, stored = found[0], found[1]
-        container = translate.fold_update(stored.info, document)
-        before = copy.deepcopy(container)
-        hook = HookType.PRE_UPDATE_CONTAINER_RESOURCES
-        container = lifecycle.as_container_request(await self._pre(hook, call, container, container.pod_labels))
-        if translate.apply_to_update(document, before, container):
-            body = json.dumps(document).encode()
-        raw, response = await self._forward(head, body)
-        if response is not None and response.status == 200:
-            self.store.put_container(identifier, stored.sandbox_id, container)
-        return raw
-
-    async def _remove(self, head: RequestHead, body: bytes, container_id: str) -> bytes:
-        found = await self.container(container_id)
-        raw, response = await self._forward(head, body)
-        if found is not None and response is not None and response.status == 204:
-            self.store.forget_container(found[0])
-            self.store.forget_pod(found[0])
-        return raw
+            inspect = await backend.inspect(identifier)
+        except flows.LookupFailed:
+            return None  # dockerd gives its own answer to the call itself
+        kind = translate.kind_of_inspect(inspect)
+        if inspect is None or kind is None:
+            return None
+        return kind, str(inspect.get("Id", identifier))
 
 
-def _json_field(response: Response, name: str) -> object:
-    document = response.json()
-    return document.get(name, "") if isinstance(document, dict) else ""
+def _action(head: RequestHead) -> str | None:
+    path = head.path
+    if head.method == "POST":
+        if _CREATE.match(path):
+            return "create"
+        action = _ACTION.match(path)
+        return action.group(2) if action else None
+    if head.method == "DELETE" and _REMOVE.match(path):
+        return "remove"
+    return None
+
+
+def _target(head: RequestHead) -> str:
+    match = _ACTION.match(head.path) or _REMOVE.match(head.path)
+    assert match is not None
+    return match.group(1)
+
+
+def _json_object(body: bytes) -> translate.JSONObject | None:
+    try:
+        document = json.loads(body or b"{}")
+    except ValueError:
+        return None
+    return document if isinstance(document, dict) else None

@@ -7,11 +7,11 @@ does and the next request on a client's keep-alive connection never slips past t
 the client reconnects for it, as HTTP/1.1 clients do when told ``Connection: close``.
 """
 
-from typing import Any, Callable
+from typing import Callable
 
 from twisted.internet import protocol
-from twisted.internet.defer import Deferred
-from twisted.internet.interfaces import IHalfCloseableProtocol, ITransport
+from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.interfaces import IAddress, IConnector, IHalfCloseableProtocol, IReactorUNIX, ITransport
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import Interface, implementer
@@ -58,10 +58,10 @@ class _UpstreamFactory(protocol.ClientFactory):
     def __init__(self, client: "DockerClientConnection") -> None:
         self.client = client
 
-    def buildProtocol(self, addr: Any) -> _Upstream:
+    def buildProtocol(self, addr: IAddress | None) -> _Upstream:
         return _Upstream(self.client)
 
-    def clientConnectionFailed(self, connector: Any, reason: Failure) -> None:
+    def clientConnectionFailed(self, connector: IConnector, reason: Failure) -> None:
         self.client.upstream_failed(reason)
 
 
@@ -76,6 +76,8 @@ class DockerClientConnection(protocol.Protocol):
         self._upstream: _Upstream | None = None
         self._client_done_writing = False
         self._intercepting = False
+        self._handling: Deferred[bytes] | None = None
+        self._gone = False
 
     def dataReceived(self, data: bytes) -> None:
         if self._upstream is not None:
@@ -130,16 +132,22 @@ class DockerClientConnection(protocol.Protocol):
         interceptor = self.proxy.interceptor
         assert interceptor is not None
         handled: Deferred[bytes] = interceptor.handle(head, body)
+        self._handling = handled
         handled.addErrback(self._interceptor_failed)
         handled.addCallback(self._answer)
 
-    def _interceptor_failed(self, failure: Failure) -> bytes:
+    def _interceptor_failed(self, failure: Failure) -> bytes | None:
+        if isinstance(failure.value, CancelledError):
+            return None  # the client went away: nobody to answer
         head = self._head
         assert head is not None
         self.log.failure("intercepting {method} {path} failed", failure, method=head.method, path=head.path)
         return json_response(500, "Internal Server Error", f"koordrp: {failure.getErrorMessage()}")
 
-    def _answer(self, response: bytes) -> None:
+    def _answer(self, response: bytes | None) -> None:
+        self._handling = None
+        if response is None or self._gone:
+            return
         transport: ITransport = self.transport  # type: ignore[assignment]
         transport.write(response)
         transport.loseConnection()
@@ -168,15 +176,23 @@ class DockerClientConnection(protocol.Protocol):
             self.transport.loseConnection()
 
     def readConnectionLost(self) -> None:
-        # The client finished writing (an exec whose stdin ended): dockerd must see it too.
         self._client_done_writing = True
         if self._upstream is not None:
+            # The client finished writing (an exec whose stdin ended): dockerd must see it too.
             self._upstream.transport.loseWriteConnection()  # type: ignore[union-attr]
+        elif self._handling is not None or self._head is None or self._intercepting:
+            # A request the client stopped sending, or an intercepted call it stopped waiting for:
+            # nobody is left to answer (dockerd's own Go HTTP server cancels such a request too).
+            self.transport.loseConnection()  # type: ignore[union-attr]
 
     def writeConnectionLost(self) -> None:
         pass
 
     def connectionLost(self, reason: Failure = protocol.connectionDone) -> None:
+        self._gone = True
+        if self._handling is not None:
+            # Whatever the call still waits for (dockerd, a hook) is dropped with it.
+            self._handling.cancel()
         if self._upstream is not None:
             self._upstream.transport.unregisterProducer()  # type: ignore[union-attr]
             self._upstream.transport.loseConnection()  # type: ignore[union-attr]
@@ -189,7 +205,7 @@ class DockerProxyFactory(protocol.Factory):
     def __init__(
         self,
         backend_path: str,
-        reactor: Any,
+        reactor: IReactorUNIX,
         interceptor: IDockerInterceptor | None,
         unavailable: Callable[[str], bytes],
     ) -> None:
@@ -198,45 +214,8 @@ class DockerProxyFactory(protocol.Factory):
         self.interceptor = interceptor
         self.unavailable = unavailable
 
-    def buildProtocol(self, addr: Any) -> DockerClientConnection:
+    def buildProtocol(self, addr: IAddress | None) -> DockerClientConnection:
         return DockerClientConnection(self)
 
     def connect_upstream(self, factory: protocol.ClientFactory) -> None:
         self.reactor.connectUNIX(self.backend_path, factory, timeout=10)
-
-
-class _Collect(protocol.Protocol):
-    def __init__(self, request: bytes, done: "Deferred[bytes]") -> None:
-        self.request = request
-        self.done = done
-        self.received: list[bytes] = []
-
-    def connectionMade(self) -> None:
-        self.transport.write(self.request)  # type: ignore[union-attr]
-
-    def dataReceived(self, data: bytes) -> None:
-        self.received.append(data)
-
-    def connectionLost(self, reason: Failure = protocol.connectionDone) -> None:
-        self.done.callback(b"".join(self.received))
-
-
-class _CollectFactory(protocol.ClientFactory):
-    noisy = False
-
-    def __init__(self, request: bytes, done: "Deferred[bytes]") -> None:
-        self.request = request
-        self.done = done
-
-    def buildProtocol(self, addr: Any) -> _Collect:
-        return _Collect(self.request, self.done)
-
-    def clientConnectionFailed(self, connector: Any, reason: Failure) -> None:
-        self.done.errback(reason)
-
-
-def exchange(reactor: Any, backend_path: str, request: bytes) -> "Deferred[bytes]":
-    """Send one whole request (with ``Connection: close``) to dockerd; fires with the raw response."""
-    done: Deferred[bytes] = Deferred()
-    reactor.connectUNIX(backend_path, _CollectFactory(request, done), timeout=10)
-    return done

@@ -1,20 +1,21 @@
 """Docker mode as a Twisted service: the Docker API proxy on koordrp's socket, on the reactor."""
 
 from dataclasses import dataclass
-from typing import Any
 
 from twisted.application import service
 from twisted.internet.defer import Deferred, ensureDeferred
-from twisted.internet.interfaces import IDelayedCall, IListeningPort
+from twisted.internet.interfaces import IListeningPort, IReactorTime, IReactorUNIX
 from twisted.logger import Logger
-from twisted.python.failure import Failure
+from zope.interface import implementer
 
+from koordrp import flows
+from koordrp.docker.dockerd import Dockerd
 from koordrp.docker.http import json_response
 from koordrp.docker.intercept import DockerInterceptor
 from koordrp.docker.proxy import DockerProxyFactory
-from koordrp.unixsocket import SOCKET_MODE, prepare_listening_path, remove_socket, restrict_socket
-
-_REBUILD_RETRY_SECONDS = 1.0
+from koordrp.frontend import IFrontEnd
+from koordrp.resync import StoreSync
+from koordrp.unix import SOCKET_MODE, prepare_listening_path, remove_socket, restrict_socket
 
 
 @dataclass(frozen=True)
@@ -24,19 +25,31 @@ class DockerProxySettings:
     socket_gid: int | None = None
 
 
+@implementer(IFrontEnd)
 class DockerProxyService(service.Service):
     log = Logger()
 
-    def __init__(self, settings: DockerProxySettings, reactor: Any, interceptor: DockerInterceptor) -> None:
+    def __init__(
+        self, settings: DockerProxySettings, reactor: IReactorUNIX, parts: flows.Parts, dockerd: Dockerd | None = None
+    ) -> None:
+        """``reactor`` also provides IReactorTime; ``dockerd`` is how koordrp asks dockerd (its own bounds)."""
         self.settings = settings
         self._reactor = reactor
-        self._interceptor = interceptor
+        self._parts = parts
+        self._dockerd = dockerd if dockerd is not None else Dockerd(reactor, settings.backend_path)
+        clock = IReactorTime(reactor)
+        self._interceptor = DockerInterceptor(self._dockerd, clock, parts)
+        self._sync = StoreSync(
+            parts.store, lambda: ensureDeferred(flows.read_everything(self._dockerd)), clock, "dockerd"
+        )
         self._port: IListeningPort | None = None
-        self._rebuild_call: IDelayedCall | None = None
 
     def unavailable(self, reason: str) -> bytes:
         message = f"koordrp: backend unix://{self.settings.backend_path} is unavailable: {reason}"
         return json_response(503, "Service Unavailable", message)
+
+    def probe(self) -> "Deferred[object]":
+        return self._dockerd.probe()
 
     def startService(self) -> None:
         settings = self.settings
@@ -50,32 +63,17 @@ class DockerProxyService(service.Service):
             listen=settings.listen_path,
             backend=settings.backend_path,
         )
-        self._rebuild_store()
-
-    def _rebuild_store(self) -> None:
-        """Learn what dockerd already runs; while dockerd is away, try again every second."""
-        self._rebuild_call = None
-        rebuilding = ensureDeferred(self._interceptor.rebuild())
-
-        def learnt(count: int) -> None:
-            self.log.info("store rebuilt from dockerd: {count} Kubernetes containers", count=count)
-
-        def retry(failure: Failure) -> None:
-            if self.running:
-                self._rebuild_call = self._reactor.callLater(_REBUILD_RETRY_SECONDS, self._rebuild_store)
-
-        rebuilding.addCallbacks(learnt, retry)
+        self._sync.start()
 
     def stopService(self) -> "Deferred[None] | None":
         super().stopService()  # type: ignore[no-untyped-call]
-        if self._rebuild_call is not None and self._rebuild_call.active():
-            self._rebuild_call.cancel()
+        self._sync.stop()
         port, self._port = self._port, None
         if port is None:
             return None
         stopped: Deferred[None] = port.stopListening()  # type: ignore[assignment]
         # Post hooks of calls that were answered are still owed to their servers.
-        stopped.addCallback(lambda _: self._interceptor.drain())
+        stopped.addCallback(lambda _: self._parts.dispatcher.drain())
 
         def release(_: object) -> None:
             remove_socket(self.settings.listen_path)

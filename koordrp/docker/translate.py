@@ -15,19 +15,18 @@ need survives only in conventions:
 
 Hooks are given what they would get through CRI for the same pod; what they change is written back
 into the JSON body, and only that: every other field (unknown ones included) goes to dockerd as the
-client sent it. The merging itself is ``koordrp.lifecycle``'s; this module only translates.
+client sent it. The merging itself is ``koordrp.hooks.messages``'; this module only translates.
 
 Nothing here does I/O. Bad shapes raise ``DockerShapeError`` with a one-line reason.
 """
 
+import json
 import re
 from typing import Any, Literal, Mapping, MutableMapping
 
-from cri_api.v1 import api_pb2 as cri
-
-from koordrp import lifecycle
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
-from koordrp.jsonvalues import json_type
+from koordrp.hooks.messages import ContainerHookRequest, PodHookRequest, merge_resources, merged_envs, with_pod
+from koordrp.text import json_type
 
 Kind = Literal["sandbox", "container"]
 JSONObject = dict[str, Any]
@@ -283,9 +282,9 @@ def to_docker_cgroup_parent(path: str, cgroup_driver: str) -> str:
 
 def _pod_request(
     name: _Name, labels: Mapping[str, str], host: Mapping[str, Any] | None, what: str, cgroup_driver: str
-) -> lifecycle.PodHookRequest:
+) -> PodHookRequest:
     pod_labels, annotations = _split_labels(labels, "sandbox")
-    pod = lifecycle.PodHookRequest(
+    pod = PodHookRequest(
         pod_meta=hook.PodSandboxMetadata(name=name.pod, uid=name.uid, namespace=name.namespace, attempt=name.attempt),
         runtime_handler=RUNTIME_HANDLER,
         labels=pod_labels,
@@ -305,12 +304,12 @@ def _container_request(
     labels: Mapping[str, str],
     env: list[str],
     host: Mapping[str, Any] | None,
-    pod: lifecycle.PodHookRequest | None,
+    pod: PodHookRequest | None,
     what: str,
     cgroup_driver: str,
-) -> lifecycle.ContainerHookRequest:
+) -> ContainerHookRequest:
     _, annotations = _split_labels(labels, "container")
-    container = lifecycle.ContainerHookRequest(
+    container = ContainerHookRequest(
         container_meta=hook.ContainerMetadata(name=name.container, attempt=name.attempt),
         container_annotations=annotations,
         container_envs=_env_map(env),
@@ -323,7 +322,7 @@ def _container_request(
         own_parent = to_hook_cgroup_parent(parent or "", cgroup_driver)
         container.container_resources.CopyFrom(_resources(host, f"{what}.HostConfig", _RESOURCE_KEYS))
     if pod is not None:
-        lifecycle.with_pod(container, pod)
+        with_pod(container, pod)
     else:
         # No pod known: what the container itself says (its pod's attempt is not in its name).
         container.pod_meta.CopyFrom(hook.PodSandboxMetadata(name=name.pod, uid=name.uid, namespace=name.namespace))
@@ -332,7 +331,7 @@ def _container_request(
     return container
 
 
-def sandbox_hook_request(name: str, body: object, cgroup_driver: str) -> lifecycle.PodHookRequest:
+def sandbox_hook_request(name: str, body: object, cgroup_driver: str) -> PodHookRequest:
     """The PreRunPodSandbox request for ``POST /containers/create?name=<name>`` of a sandbox."""
     create = _require_object(body, "create body")
     labels = _labels(create, "create body")
@@ -342,8 +341,8 @@ def sandbox_hook_request(name: str, body: object, cgroup_driver: str) -> lifecyc
 
 
 def container_hook_request(
-    name: str, body: object, pod: lifecycle.PodHookRequest, cgroup_driver: str
-) -> lifecycle.ContainerHookRequest:
+    name: str, body: object, pod: PodHookRequest, cgroup_driver: str
+) -> ContainerHookRequest:
     """The PreCreateContainer request for a container's create; its pod as the store keeps it.
 
     The pod's cgroup parent is the stored one (hooks may have moved the pod); the container's own
@@ -357,16 +356,16 @@ def container_hook_request(
     return _container_request(_Name(name, "container"), labels, env, host, pod, "create body", cgroup_driver)
 
 
-def fold_update(stored: lifecycle.ContainerHookRequest, body: object) -> lifecycle.ContainerHookRequest:
+def fold_update(stored: ContainerHookRequest, body: object) -> ContainerHookRequest:
     """The PreUpdateContainerResources request: the stored container with the update's values on top.
 
     An update names only what it changes (zero or empty means "keep"), which is exactly how
-    ``lifecycle.merge_resources`` reads a set of resources.
+    ``merge_resources`` reads a set of resources.
     """
     update = _require_object(body, "update body")
-    folded = lifecycle.ContainerHookRequest()
+    folded = ContainerHookRequest()
     folded.CopyFrom(stored)
-    lifecycle.merge_resources(folded.container_resources, _resources(update, "update body", _UPDATE_KEYS))
+    merge_resources(folded.container_resources, _resources(update, "update body", _UPDATE_KEYS))
     return folded
 
 
@@ -381,7 +380,7 @@ def _inspect_config(inspect: Mapping[str, Any]) -> Mapping[str, Any]:
     return config
 
 
-def stored_sandbox_from_inspect(inspect: object, cgroup_driver: str) -> lifecycle.PodHookRequest:
+def stored_sandbox_from_inspect(inspect: object, cgroup_driver: str) -> PodHookRequest:
     """The pod as koordrp stored it at create, read back from dockerd (hooks' changes included)."""
     found = _require_object(inspect, "inspect")
     labels = _labels(_inspect_config(found), "inspect.Config")
@@ -391,8 +390,8 @@ def stored_sandbox_from_inspect(inspect: object, cgroup_driver: str) -> lifecycl
 
 
 def stored_container_from_inspect(
-    inspect: object, pod: lifecycle.PodHookRequest | None, cgroup_driver: str
-) -> lifecycle.ContainerHookRequest:
+    inspect: object, pod: PodHookRequest | None, cgroup_driver: str
+) -> ContainerHookRequest:
     """The container as koordrp stored it at create, read back from dockerd, with its id.
 
     ``pod`` is its sandbox from the store; without it the pod's name, namespace and uid come from
@@ -470,17 +469,15 @@ def _write_env(body: MutableMapping[str, Any], before: Mapping[str, str], after:
     if dict(before) == dict(after):
         return False
     env = _env(body, "body")
-    # lifecycle.apply_envs keeps kubelet's order, replaces in place and appends new keys sorted;
-    # entries without "=" are not variables it can see, so they keep their place untouched.
+    # merged_envs keeps kubelet's order, replaces in place and appends new keys sorted; entries
+    # without "=" are not variables it can see, so they keep their place untouched.
     positions = [index for index, entry in enumerate(env) if "=" in entry]
-    pairs = [env[index].split("=", 1) for index in positions]
-    merged = lifecycle.apply_envs(
-        [cri.KeyValue(key=key, value=value) for key, value in pairs], dict(before), dict(after)
-    )
+    pairs = [(key, value) for key, _, value in (env[index].partition("=") for index in positions)]
+    merged = merged_envs(pairs, before, after)
     result = list(env)
-    for index, pair in zip(positions, merged):
-        result[index] = f"{pair.key}={pair.value}"
-    result.extend(f"{pair.key}={pair.value}" for pair in merged[len(positions) :])
+    for index, (key, value) in zip(positions, merged):
+        result[index] = f"{key}={value}"
+    result.extend(f"{key}={value}" for key, value in merged[len(positions) :])
     if result == env:
         return False
     body["Env"] = result
@@ -488,7 +485,7 @@ def _write_env(body: MutableMapping[str, Any], before: Mapping[str, str], after:
 
 
 def apply_to_sandbox_create(
-    body: JSONObject, before: lifecycle.PodHookRequest, after: lifecycle.PodHookRequest, cgroup_driver: str
+    body: JSONObject, before: PodHookRequest, after: PodHookRequest, cgroup_driver: str
 ) -> bool:
     """Write into a sandbox's create body what the hooks changed; True if the body changed.
 
@@ -507,8 +504,8 @@ def apply_to_sandbox_create(
 
 def apply_to_container_create(
     body: JSONObject,
-    before: lifecycle.ContainerHookRequest,
-    after: lifecycle.ContainerHookRequest,
+    before: ContainerHookRequest,
+    after: ContainerHookRequest,
     cgroup_driver: str,
 ) -> bool:
     """Write into a container's create body what the hooks changed; True if the body changed.
@@ -516,7 +513,7 @@ def apply_to_container_create(
     Annotations (as ``annotation.`` labels), HostConfig resources, Env (order kept), and the pod's
     cgroup parent: the container's cgroup is HostConfig.CgroupParent, which cri-dockerd filled
     from kubelet's sandbox config, so the pod's parent as hooks left it wins even when no
-    container hook touched it (as ``lifecycle.apply_to_create_container`` does for containerd).
+    container hook touched it (as ``koordrp.cri.translate.apply_to_create_container`` does for containerd).
     """
     changed = _write_labels(
         body, before.container_annotations, after.container_annotations, ANNOTATION_PREFIX, _SHIM_LABELS
@@ -534,7 +531,7 @@ def apply_to_container_create(
 
 
 def apply_to_update(
-    body: JSONObject, before: lifecycle.ContainerHookRequest, after: lifecycle.ContainerHookRequest
+    body: JSONObject, before: ContainerHookRequest, after: ContainerHookRequest
 ) -> bool:
     """Write into ``POST /containers/{id}/update``'s body the resources the hooks changed.
 
@@ -543,3 +540,59 @@ def apply_to_update(
     """
     _require_object(body, "update body")
     return _write_resources(body, None, before.container_resources, after.container_resources, _UPDATE_KEYS)
+
+
+# ---------------------------------------------------------------------------------------------
+# The requests as the flows see them (koordrp.flows): built from the JSON body, written back into it
+
+
+def _encoded(body: JSONObject) -> bytes:
+    return json.dumps(body).encode()
+
+
+class SandboxCreate:
+    """``POST /containers/create`` of a pod's sandbox (flows.RunPodSandbox)."""
+
+    def __init__(self, name: str, body: JSONObject, cgroup_driver: str) -> None:
+        self._name = name
+        self._body = body
+        self._driver = cgroup_driver
+
+    def hook_request(self) -> PodHookRequest:
+        return sandbox_hook_request(self._name, self._body, self._driver)
+
+    def rewritten(self, before: PodHookRequest, after: PodHookRequest) -> bytes | None:
+        return _encoded(self._body) if apply_to_sandbox_create(self._body, before, after, self._driver) else None
+
+
+class ContainerCreate:
+    """``POST /containers/create`` of a pod's container (flows.CreateContainer)."""
+
+    def __init__(self, name: str, body: JSONObject, cgroup_driver: str) -> None:
+        self._name = name
+        self._body = body
+        self._driver = cgroup_driver
+        self.sandbox_id = sandbox_id_of(body)
+
+    def hook_request(self, pod: PodHookRequest) -> ContainerHookRequest:
+        return container_hook_request(self._name, self._body, pod, self._driver)
+
+    def rewritten(self, before: ContainerHookRequest, after: ContainerHookRequest) -> bytes | None:
+        return _encoded(self._body) if apply_to_container_create(self._body, before, after, self._driver) else None
+
+    def envs_sent(self) -> dict[str, str]:
+        return _env_map(_env(self._body, "create body"))
+
+
+class ContainerUpdate:
+    """``POST /containers/{id}/update`` (flows.UpdateContainerResources)."""
+
+    def __init__(self, container_id: str, body: JSONObject) -> None:
+        self.container_id = container_id
+        self._body = body
+
+    def hook_request(self, stored: ContainerHookRequest) -> ContainerHookRequest:
+        return fold_update(stored, self._body)
+
+    def rewritten(self, before: ContainerHookRequest, after: ContainerHookRequest) -> bytes | None:
+        return _encoded(self._body) if apply_to_update(self._body, before, after) else None

@@ -2,16 +2,17 @@
 
 import os
 import stat
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable
 
 import grpc
 from twisted.internet.defer import Deferred, fail
+from twisted.internet.interfaces import IReactorFromThreads, IReactorTime
 
 from koordrp.api.runtime.v1alpha1 import api_pb2_grpc
-from koordrp.endpoints import grpc_target
+from koordrp.hooks.messages import HookRequest, HookResponse
 from koordrp.hooks.types import HookType
-from koordrp.lifecycle import HookRequest, HookResponse
-from koordrp.logtext import shortened
+from koordrp.text import shortened
+from koordrp.unix import grpc_target
 
 # Hook servers come and go with their plugins; reconnect quickly when one is back.
 _CHANNEL_OPTIONS = [
@@ -54,9 +55,11 @@ def _socket_problem(endpoint: str) -> str | None:
 
 
 class HookClient:
-    def __init__(self, endpoint: str, reactor: Any) -> None:
+    def __init__(self, endpoint: str, reactor: IReactorTime) -> None:
+        """``reactor`` also provides IReactorFromThreads: grpc answers on its own threads."""
         self.endpoint = endpoint
-        self._reactor = reactor
+        self._clock = reactor
+        self._from_threads = IReactorFromThreads(reactor)
         self._connect()
 
     def _connect(self) -> None:
@@ -85,7 +88,7 @@ class HookClient:
             if error is None:
                 answered.callback(done.result())
             elif isinstance(error, grpc.RpcError):
-                call: Any = error
+                call: grpc.Call = error  # type: ignore[assignment]  # grpc's RpcError raised by a call is also a Call
                 if call.code() is grpc.StatusCode.UNAVAILABLE:
                     self._lost = True
                 if call.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -95,9 +98,9 @@ class HookClient:
             else:
                 answered.errback(HookCallError(shortened(str(error))))
 
-        future.add_done_callback(lambda done: self._reactor.callFromThread(settle, done))
+        future.add_done_callback(lambda done: self._from_threads.callFromThread(settle, done))
         # The reactor's clock bounds the call too, so a hook that never answers cannot hold a CRI call.
-        answered.addTimeout(timeout, self._reactor, _raise_timed_out)
+        answered.addTimeout(timeout, self._clock, _raise_timed_out)
         return answered
 
     def close(self) -> None:
@@ -107,7 +110,9 @@ class HookClient:
 class HookClients:
     """One client per endpoint, reused across calls; closed when no registration names it."""
 
-    def __init__(self, reactor: Any, make_client: Callable[[str, Any], HookClient] = HookClient) -> None:
+    def __init__(
+        self, reactor: IReactorTime, make_client: Callable[[str, IReactorTime], HookClient] = HookClient
+    ) -> None:
         self._reactor = reactor
         self._make_client = make_client
         self._clients: dict[str, HookClient] = {}

@@ -4,9 +4,9 @@ import json
 import math
 from typing import NoReturn
 
-from koordrp.endpoints import EndpointError, parse_unix_endpoint
-from koordrp.hooks.types import FailurePolicy, HookServerConfig, HookType
-from koordrp.jsonvalues import json_type
+from koordrp.unix import EndpointError, parse_unix_endpoint
+from koordrp.hooks.types import HOOKS_BY_NAME, FailurePolicy, HookServerConfig, HookType
+from koordrp.text import json_type
 
 MAX_CONFIG_BYTES = 1 << 20
 """A registration is a few hundred bytes; anything past this is a mistake and is not read whole."""
@@ -19,7 +19,6 @@ MAX_SOCKET_PATH_BYTES = 107
 
 _SHOWN_CHARS = 80
 
-_HOOKS_BY_NAME = {hook.value: hook for hook in HookType}
 _POLICIES_BY_NAME = {policy.value: policy for policy in FailurePolicy}
 
 
@@ -127,10 +126,10 @@ def _hooks(document: dict[str, object]) -> frozenset[HookType]:
     for index, item in enumerate(value):
         if not isinstance(item, str):
             raise HookConfigError(f'"runtime-hooks"[{index}] must be a string, not {json_type(item)}')
-        hook = _HOOKS_BY_NAME.get(item)
+        hook = HOOKS_BY_NAME.get(item)
         if hook is None:
             raise HookConfigError(
-                f'"runtime-hooks" names unknown hook {_show(item)} (known: {", ".join(_HOOKS_BY_NAME)})'
+                f'"runtime-hooks" names unknown hook {_show(item)} (known: {", ".join(HOOKS_BY_NAME)})'
             )
         hooks.add(hook)
     return frozenset(hooks)

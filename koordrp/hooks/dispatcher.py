@@ -3,60 +3,38 @@
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from twisted.internet.defer import Deferred, ensureDeferred, gatherResults
+from twisted.internet.defer import CancelledError, Deferred, ensureDeferred, gatherResults
+from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
 from koordrp.hooks.client import HookClients, HookTimedOut
-from koordrp.hooks.types import FailurePolicy, HookServerConfig, HookType
-from koordrp.lifecycle import HookRequest, changed_fields, merge_response
+from koordrp.hooks.messages import HookRequest, changed_fields, merge_response
+from koordrp.hooks.types import FailurePolicy, HookFailure, HookServerConfig, HookType, StageOutcome, Subscribers
 
 if TYPE_CHECKING:
     # Only --metrics-endpoint loads prometheus_client: it costs a node daemon ~6 MB of RSS.
     from koordrp.metrics import Metrics
 
 
-@dataclass(frozen=True)
-class HookFailure:
-    """A Fail-policy server that could not be heard: the CRI call must fail with this message."""
-
-    server: HookServerConfig
-    hook: HookType
-    reason: str
-
-    @property
-    def message(self) -> str:
-        return f"koordrp: hook server {self.server.name} ({self.server.endpoint}) failed {self.hook.value}: {self.reason}"
-
-
-@dataclass
-class StageOutcome:
-    """The request after every server had its say, or the failure that stops the CRI call."""
-
-    request: HookRequest
-    failure: HookFailure | None = None
-    called: list[str] = field(default_factory=list)
-
-
 class Dispatcher:
     log = Logger()
 
-    def __init__(self, clients: HookClients, reactor: Any, metrics: Metrics | None = None) -> None:
+    def __init__(self, clients: HookClients, reactor: IReactorTime, metrics: Metrics | None = None) -> None:
         self._clients = clients
         self._reactor = reactor
         self._metrics = metrics
         self._post_stages: set[Deferred[StageOutcome]] = set()
 
-    def announce(self, hook: HookType, servers: tuple[HookServerConfig, ...], request: HookRequest) -> None:
+    def announce(self, hook: HookType, servers: Subscribers, request: HookRequest) -> None:
         """Start a post hook stage without waiting for it.
 
         The runtime has answered and nothing a post hook says can change that answer, so the caller
         does not wait. Stages start in the order the calls finished, and stopping waits for the ones
         still running (drain), so none is lost.
         """
-        stage = self.dispatch(hook, servers, request, None)
+        stage = self.run(hook, servers, request)
         self._post_stages.add(stage)
         stage.addBoth(lambda _: self._post_stages.discard(stage))
 
@@ -64,7 +42,7 @@ class Dispatcher:
         """Fires when every post hook stage started so far has ended (each is bounded by its timeouts)."""
         return gatherResults(list(self._post_stages), consumeErrors=True)
 
-    def skipped(self, hook: HookType, servers: tuple[HookServerConfig, ...]) -> None:
+    def skipped(self, hook: HookType, servers: Subscribers) -> None:
         """Count the calls a pod's skip label spared."""
         if self._metrics is not None:
             for server in servers:
@@ -74,18 +52,21 @@ class Dispatcher:
         if self._metrics is not None:
             self._metrics.hook_call(server.name, hook.value, result, self._reactor.seconds() - started)
 
-    def dispatch(
-        self, hook: HookType, servers: tuple[HookServerConfig, ...], request: HookRequest, budget: float | None
+    def run(
+        self, hook: HookType, servers: Subscribers, request: HookRequest, budget: float | None = None
     ) -> "Deferred[StageOutcome]":
         """Run ``hook`` on ``servers`` in order; ``budget`` is what is left of the CRI call's deadline.
+
+        These are the awaitable stages of ``koordrp.flows`` (Docker mode awaits them on the reactor;
+        CRI mode's ``HookBridge`` waits for them from its worker threads).
 
         Pre hooks chain: each response is merged into ``request`` before the next server is called.
         Post hook answers are not used, and their failures never fail the CRI call.
         """
-        return ensureDeferred(self._run(hook, servers, request, budget))
+        return ensureDeferred(self._chain(hook, servers, request, budget))
 
-    async def _run(
-        self, hook: HookType, servers: tuple[HookServerConfig, ...], request: HookRequest, budget: float | None
+    async def _chain(
+        self, hook: HookType, servers: Subscribers, request: HookRequest, budget: float | None
     ) -> StageOutcome:
         outcome = StageOutcome(request)
         deadline = None if budget is None else self._reactor.seconds() + budget
@@ -103,6 +84,8 @@ class Dispatcher:
                 if timeout <= 0:
                     raise HookTimedOut("the CRI call's deadline had passed")
                 response = await self._clients.get(server.endpoint).call(hook, request, timeout)
+            except CancelledError:
+                raise  # the call itself was given up (its client went away): not the server's failure
             except Exception as error:
                 self._count(server, hook, "timeout" if isinstance(error, HookTimedOut) else "error", started)
                 reason = str(error) or type(error).__name__

@@ -1,7 +1,9 @@
 """The hook points, failure policies and hook server registrations koordrp knows."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
+
+from koordrp.hooks.messages import HookRequest
 
 
 class HookType(Enum):
@@ -28,6 +30,10 @@ class HookType(Enum):
     def is_pod_hook(self) -> bool:
         """Pod hooks exchange PodSandboxHook messages; the others ContainerResourceHook messages."""
         return self in (HookType.PRE_RUN_POD_SANDBOX, HookType.POST_STOP_POD_SANDBOX)
+
+
+HOOKS_BY_NAME: dict[str, HookType] = {hook.value: hook for hook in HookType}
+"""Every hook point by the name hookserver.d files (and SDK handlers) give it."""
 
 
 class FailurePolicy(Enum):
@@ -59,9 +65,35 @@ class HookServers:
 
     servers: tuple[HookServerConfig, ...] = ()
 
-    def subscribed(self, hook: HookType) -> tuple[HookServerConfig, ...]:
+    def subscribed(self, hook: HookType) -> "Subscribers":
         return tuple(server for server in self.servers if hook in server.hooks)
 
     @property
     def endpoints(self) -> frozenset[str]:
         return frozenset(server.endpoint for server in self.servers)
+
+
+Subscribers = tuple[HookServerConfig, ...]
+"""The servers one stage calls, in order."""
+
+
+@dataclass(frozen=True)
+class HookFailure:
+    """A Fail-policy server that could not be heard: the call must fail with this message."""
+
+    server: HookServerConfig
+    hook: HookType
+    reason: str
+
+    @property
+    def message(self) -> str:
+        return f"koordrp: hook server {self.server.name} ({self.server.endpoint}) failed {self.hook.value}: {self.reason}"
+
+
+@dataclass
+class StageOutcome:
+    """The request after every server had its say, or the failure that stops the call."""
+
+    request: HookRequest
+    failure: HookFailure | None = None
+    called: list[str] = field(default_factory=list)

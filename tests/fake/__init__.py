@@ -5,7 +5,7 @@ from typing import Callable
 
 import grpc
 
-from koordrp.endpoints import grpc_target
+from koordrp.unix import grpc_target
 
 
 class FakeGrpcServer:

@@ -2,8 +2,10 @@
 
 from typing import Any, Callable
 
+from twisted.internet.interfaces import IReactorThreads
 from twisted.internet.testing import MemoryReactorClock
 from twisted.python.threadpool import ThreadPool
+from zope.interface import implementer
 
 
 class InlineThreadPool(ThreadPool):
@@ -22,6 +24,7 @@ class InlineThreadPool(ThreadPool):
                 onResult(True, result)
 
 
+@implementer(IReactorThreads)
 class InlineThreadsReactor(MemoryReactorClock):
     """A memory reactor plus the thread methods koordrp's services use, all run inline and recorded."""
 

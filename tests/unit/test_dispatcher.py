@@ -53,7 +53,7 @@ class DispatcherTests(TestCase):
         first.behaviours["PreCreateContainerHook"] = add_env("FIRST", "1")
         second.behaviours["PreCreateContainerHook"] = add_env("SECOND", "2")
         request = hook.ContainerResourceHookRequest(container_envs={"KUBELET": "0"})
-        outcome = yield self.dispatcher.dispatch(CREATE, (self.config("a", first), self.config("b", second)), request, None)
+        outcome = yield self.dispatcher.run(CREATE, (self.config("a", first), self.config("b", second)), request, None)
         self.assertIsNone(outcome.failure)
         self.assertEqual(
             dict(outcome.request.container_envs),
@@ -66,7 +66,7 @@ class DispatcherTests(TestCase):
         broken, after = self.server("broken"), self.server("after")
         broken.failures["PreCreateContainerHook"] = grpc.StatusCode.INTERNAL
         servers = (self.config("broken", broken, FailurePolicy.FAIL), self.config("after", after))
-        outcome = yield self.dispatcher.dispatch(CREATE, servers, hook.ContainerResourceHookRequest(), None)
+        outcome = yield self.dispatcher.run(CREATE, servers, hook.ContainerResourceHookRequest(), None)
         self.assertIsNotNone(outcome.failure)
         self.assertIn("broken.json", outcome.failure.message)
         self.assertIn("PreCreateContainer", outcome.failure.message)
@@ -79,7 +79,7 @@ class DispatcherTests(TestCase):
         broken.failures["PreCreateContainerHook"] = grpc.StatusCode.INTERNAL
         after.behaviours["PreCreateContainerHook"] = add_env("AFTER", "1")
         servers = (self.config("broken", broken), self.config("after", after))
-        outcome = yield self.dispatcher.dispatch(CREATE, servers, hook.ContainerResourceHookRequest(), None)
+        outcome = yield self.dispatcher.run(CREATE, servers, hook.ContainerResourceHookRequest(), None)
         self.assertIsNone(outcome.failure)
         self.assertIn("AFTER", outcome.request.container_envs)
         warnings = [e for e in self.events if e.get("log_level") is LogLevel.warn and e.get("server") == "broken.json"]
@@ -91,7 +91,7 @@ class DispatcherTests(TestCase):
         slow.delays["PreCreateContainerHook"] = 3
         for policy in (FailurePolicy.IGNORE, FailurePolicy.FAIL):
             started = time.monotonic()
-            outcome = yield self.dispatcher.dispatch(
+            outcome = yield self.dispatcher.run(
                 CREATE, (self.config("slow", slow, policy, timeout=0.3),), hook.ContainerResourceHookRequest(), None
             )
             elapsed = time.monotonic() - started
@@ -106,7 +106,7 @@ class DispatcherTests(TestCase):
         slow = self.server("slow")
         slow.delays["PreCreateContainerHook"] = 3
         started = time.monotonic()
-        outcome = yield self.dispatcher.dispatch(
+        outcome = yield self.dispatcher.run(
             CREATE, (self.config("slow", slow, FailurePolicy.FAIL, timeout=2),), hook.ContainerResourceHookRequest(), 0.2
         )
         self.assertLess(time.monotonic() - started, 1.0)
@@ -115,7 +115,7 @@ class DispatcherTests(TestCase):
     @inlineCallbacks
     def test_a_missing_socket_fails_at_once(self):  # type: ignore[no-untyped-def]
         started = time.monotonic()
-        outcome = yield self.dispatcher.dispatch(
+        outcome = yield self.dispatcher.run(
             CREATE, (self.config("absent", None, FailurePolicy.FAIL),), hook.ContainerResourceHookRequest(), None
         )
         self.assertLess(time.monotonic() - started, 0.1)
@@ -128,7 +128,7 @@ class DispatcherTests(TestCase):
         broken.failures["PostStopContainerHook"] = grpc.StatusCode.INTERNAL
         servers = (self.config("answering", answering), self.config("broken", broken, FailurePolicy.FAIL))
         request = hook.ContainerResourceHookRequest(container_envs={"A": "1"})
-        outcome = yield self.dispatcher.dispatch(HookType.POST_STOP_CONTAINER, servers, request, None)
+        outcome = yield self.dispatcher.run(HookType.POST_STOP_CONTAINER, servers, request, None)
         self.assertIsNone(outcome.failure)
         self.assertEqual(dict(outcome.request.container_envs), {"A": "1"})
         self.assertEqual(len(broken.calls("PostStopContainerHook")), 1)
@@ -138,7 +138,7 @@ class DispatcherTests(TestCase):
         first, second = self.server("a"), self.server("b")
         first.behaviours["PreCreateContainerHook"] = add_env("SAME", "1")
         second.behaviours["PreCreateContainerHook"] = add_env("SAME", "2")
-        yield self.dispatcher.dispatch(
+        yield self.dispatcher.run(
             CREATE, (self.config("a", first), self.config("b", second)), hook.ContainerResourceHookRequest(), None
         )
         conflicts = [e for e in self.events if e.get("log_level") is LogLevel.debug and e.get("field") == "container_envs[SAME]"]
@@ -149,12 +149,12 @@ class DispatcherTests(TestCase):
         fake = self.server("flaky")
         fake.behaviours["PreCreateContainerHook"] = add_env("UP", "1")
         servers = (self.config("flaky", fake, FailurePolicy.FAIL),)
-        outcome = yield self.dispatcher.dispatch(CREATE, servers, hook.ContainerResourceHookRequest(), None)
+        outcome = yield self.dispatcher.run(CREATE, servers, hook.ContainerResourceHookRequest(), None)
         self.assertIsNone(outcome.failure)
         fake.stop()
-        outcome = yield self.dispatcher.dispatch(CREATE, servers, hook.ContainerResourceHookRequest(), None)
+        outcome = yield self.dispatcher.run(CREATE, servers, hook.ContainerResourceHookRequest(), None)
         self.assertIsNotNone(outcome.failure)
         fake.start()
-        outcome = yield self.dispatcher.dispatch(CREATE, servers, hook.ContainerResourceHookRequest(), 5)
+        outcome = yield self.dispatcher.run(CREATE, servers, hook.ContainerResourceHookRequest(), 5)
         self.assertIsNone(outcome.failure, outcome.failure and outcome.failure.message)
         self.assertIn("UP", outcome.request.container_envs)

@@ -6,7 +6,7 @@ from typing import Any
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from koordrp import lifecycle
+from koordrp.hooks import messages
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
 from koordrp.docker import translate
 from koordrp.docker.translate import DockerShapeError
@@ -484,7 +484,7 @@ class NothingChangedTests(SynchronousTestCase):
         body = container_body()
         before = container_request()
         after = copy_of(before)
-        lifecycle.merge_container_response(
+        messages.merge_container_response(
             after,
             hook.ContainerResourceHookResponse(
                 container_annotations=before.container_annotations,
@@ -502,7 +502,7 @@ class SandboxApplyTests(SynchronousTestCase):
         body = sandbox_body()
         before = translate.sandbox_hook_request(SANDBOX_NAME, body, "systemd")
         after = copy_of(before)
-        lifecycle.merge_pod_response(
+        messages.merge_pod_response(
             after,
             hook.PodSandboxHookResponse(
                 labels={"koordinator.sh/qos": "BE", "app": "web"},
@@ -553,7 +553,7 @@ class ContainerApplyTests(SynchronousTestCase):
         body = container_body()
         before = container_request()
         after = copy_of(before)
-        lifecycle.merge_container_response(
+        messages.merge_container_response(
             after,
             hook.ContainerResourceHookResponse(
                 container_annotations={"node.koordinator.sh/cpuset": "0-3"},
@@ -601,7 +601,7 @@ class ContainerApplyTests(SynchronousTestCase):
         pod = translate.sandbox_hook_request(SANDBOX_NAME, sandbox, "cgroupfs")
         before = translate.container_hook_request(CONTAINER_NAME, body, pod, "cgroupfs")
         after = copy_of(before)
-        lifecycle.merge_container_response(
+        messages.merge_container_response(
             after, hook.ContainerResourceHookResponse(pod_cgroup_parent="/kubepods/besteffort/pod" + UID)
         )
         self.assertTrue(translate.apply_to_container_create(body, before, after, "cgroupfs"))
@@ -631,7 +631,7 @@ class ContainerApplyTests(SynchronousTestCase):
         pod = stored_pod()
         before = translate.container_hook_request(CONTAINER_NAME, body, pod, "systemd")
         after = copy_of(before)
-        lifecycle.merge_container_response(
+        messages.merge_container_response(
             after,
             hook.ContainerResourceHookResponse(
                 container_annotations={"a": "1"},
@@ -668,7 +668,7 @@ class UpdateTests(SynchronousTestCase):
         body = update_body()
         before = translate.fold_update(container_request(), body)
         after = copy_of(before)
-        lifecycle.merge_container_response(
+        messages.merge_container_response(
             after,
             hook.ContainerResourceHookResponse(
                 container_resources=hook.LinuxContainerResources(

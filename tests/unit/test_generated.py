@@ -1,4 +1,5 @@
-"""The committed hook API stubs are exactly what scripts/generate-stubs makes from proto/."""
+"""The committed stubs are exactly what scripts/generate-stubs makes: the hook API from proto/, the CRI
+schema from the container-runtime-interface-api package's descriptors."""
 
 import os
 import subprocess
@@ -10,11 +11,14 @@ from twisted.trial.unittest import SynchronousTestCase
 from tests.support.tempdirs import short_tempdir
 
 ROOT = Path(__file__).resolve().parents[2]
-GENERATED = Path("koordrp/api/runtime/v1alpha1")
+GENERATED = {
+    Path("koordrp/api/runtime/v1alpha1"): ["api_pb2.py", "api_pb2.pyi", "api_pb2_grpc.py"],
+    Path("koordrp/api/cri/v1"): ["api_pb2.py", "api_pb2.pyi"],
+}
 
 
 class GeneratedStubsTests(SynchronousTestCase):
-    def test_stubs_match_the_proto(self) -> None:
+    def test_stubs_match_their_sources(self) -> None:
         out = Path(short_tempdir(self))
         subprocess.run(
             [str(ROOT / "scripts" / "generate-stubs"), str(out)],
@@ -23,12 +27,26 @@ class GeneratedStubsTests(SynchronousTestCase):
             check=True,
             capture_output=True,
         )
-        names = sorted(path.name for path in (out / GENERATED).iterdir())
-        self.assertEqual(names, ["api_pb2.py", "api_pb2.pyi", "api_pb2_grpc.py"])
-        for name in names:
-            fresh = (out / GENERATED / name).read_text()
-            committed = (ROOT / GENERATED / name).read_text()
-            self.assertEqual(committed, fresh, f"{GENERATED / name} is stale: run scripts/generate-stubs")
+        for directory, expected in GENERATED.items():
+            names = sorted(path.name for path in (out / directory).iterdir())
+            self.assertEqual(names, expected)
+            for name in names:
+                fresh = (out / directory / name).read_text()
+                committed = (ROOT / directory / name).read_text()
+                self.assertEqual(committed, fresh, f"{directory / name} is stale: run scripts/generate-stubs")
+
+    def test_the_cri_schema_reads_what_the_package_writes(self) -> None:
+        from cri_api.v1 import api_pb2 as package
+
+        from koordrp.api.cri.v1 import api_pb2 as ours
+
+        for name, message in package.DESCRIPTOR.message_types_by_name.items():
+            mine = ours.DESCRIPTOR.message_types_by_name[name]
+            self.assertEqual(
+                [(field.name, field.number, field.type) for field in mine.fields],
+                [(field.name, field.number, field.type) for field in message.fields],
+                name,
+            )
 
     def test_wire_names_are_koordinators(self) -> None:
         from koordrp.api.runtime.v1alpha1 import api_pb2

@@ -4,25 +4,26 @@ import os
 from concurrent import futures
 
 import grpc
-from cri_api.v1 import api_pb2 as cri
 from twisted.internet import reactor
 from twisted.internet.defer import inlineCallbacks
 from twisted.internet.threads import deferToThread
 from twisted.trial.unittest import TestCase
 
-from koordrp import lifecycle
+from koordrp.api.cri.v1 import api_pb2 as cri
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
+from koordrp.cri import translate
 from koordrp.cri.backend import BackendChannel
 from koordrp.cri.bridge import HookBridge
-from koordrp.cri.intercept import Interceptor, SkipLabel
+from koordrp.cri.intercept import Interceptor
 from koordrp.cri.methods import BackendRole
 from koordrp.cri.passthrough import PassThroughHandler
 from koordrp.cri.runtime_lookup import RuntimeLookup
-from koordrp.endpoints import grpc_target
+from koordrp.flows import Parts, SkipLabel
 from koordrp.hooks.client import HookClients
 from koordrp.hooks.dispatcher import Dispatcher
 from koordrp.hooks.types import FailurePolicy, HookServerConfig, HookServers, HookType
 from koordrp.store import Store
+from koordrp.unix import grpc_target
 from tests.fake.cri_backend import FakeCRIBackend
 from tests.fake.hook_server import FakeHookServer
 from tests.support.tempdirs import short_tempdir
@@ -52,7 +53,7 @@ class InterceptTests(TestCase):
             container_envs={"HOOKED": "1"}
         )
         self.store = Store()
-        pod = lifecycle.pod_hook_request(
+        pod = translate.pod_hook_request(
             cri.RunPodSandboxRequest(config=cri.PodSandboxConfig(metadata=cri.PodSandboxMetadata(name="p", uid="u")))
         )
         self.store.put_pod("sandbox-1", pod)
@@ -61,10 +62,11 @@ class InterceptTests(TestCase):
         )
         clients = HookClients(reactor)
         self.addCleanup(clients.close_all)
-        bridge = HookBridge(reactor, Dispatcher(clients, reactor), lambda: servers)
+        dispatcher = Dispatcher(clients, reactor)
+        parts = Parts(self.store, dispatcher, lambda: servers, SkipLabel("skip", "true"))
         channel = BackendChannel(self.backend.path, lambda change, path: None)
         self.addCleanup(channel.close)
-        interceptor = Interceptor(channel, self.store, bridge, SkipLabel("skip", "true"), RuntimeLookup(channel.channel))
+        interceptor = Interceptor(channel, parts, HookBridge(reactor, dispatcher), RuntimeLookup(channel.channel))
         handler = PassThroughHandler({BackendRole.RUNTIME: channel, BackendRole.IMAGE: channel}, interceptor.handlers)
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), handlers=[handler])
         listen = os.path.join(directory, "proxy.sock")

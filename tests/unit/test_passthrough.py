@@ -13,7 +13,7 @@ from koordrp.cri.backend import BackendChannel
 from koordrp.cri.methods import BackendRole
 from koordrp.cri.passthrough import PassThroughHandler
 from koordrp.cri.reachability import Reachability
-from koordrp.endpoints import grpc_target
+from koordrp.unix import grpc_target
 from tests.fake.cri_backend import FakeCRIBackend
 from tests.support.tempdirs import short_tempdir
 

@@ -13,18 +13,19 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
-from cri_api.v1 import api_pb2 as cri
 from google.protobuf import json_format
 from google.protobuf.unknown_fields import UnknownFieldSet
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
-from koordrp import lifecycle
+from koordrp.api.cri.v1 import api_pb2 as cri
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
+from koordrp.cri import translate
+from koordrp.hooks import messages
 from koordrp.hooks.config import MAX_SOCKET_PATH_BYTES, HookConfigError, parse_hook_server_config
 from koordrp.hooks.types import FailurePolicy, HookServerConfig, HookType
-from koordrp.runtime_info import (
+from koordrp.cri.runtime_info import (
     RuntimeInfoError,
     container_info_from_status,
     container_sandbox_id,
@@ -322,7 +323,7 @@ def merged(request: Any, *responses: Any) -> Any:
     """A fresh copy of ``request`` with ``responses`` merged in turn, as the hook chain does."""
     result = copied(request)
     for response in responses:
-        lifecycle.merge_response(result, response)
+        messages.merge_response(result, response)
     return result
 
 
@@ -414,7 +415,7 @@ class MergePropertyTests(SynchronousTestCase):
         outputs = []
         for _ in range(2):
             fresh = type(request).FromString(wire)
-            lifecycle.merge_response(fresh, type(response).FromString(answer))
+            messages.merge_response(fresh, type(response).FromString(answer))
             outputs.append((fresh.SerializeToString(), fresh.SerializeToString(deterministic=True)))
         self.assertEqual(outputs[0], outputs[1])
 
@@ -436,7 +437,7 @@ class MergePropertyTests(SynchronousTestCase):
         envs = [cri.KeyValue(key=key, value=value) for key, value in pairs]
         before = {key: value for key, value in pairs}  # what the hook request says: the last value wins
         after = {**before, **answer}
-        result = [(env.key, env.value) for env in lifecycle.apply_envs(envs, before, after)]
+        result = [(env.key, env.value) for env in translate.apply_envs(envs, before, after)]
         changed = {key for key, value in after.items() if before.get(key) != value}
         # kubelet's entries stay where they were, duplicates included; unchanged keys keep their values.
         self.assertEqual([key for key, _ in result[: len(pairs)]], [key for key, _ in pairs])
@@ -468,9 +469,9 @@ class MergePropertyTests(SynchronousTestCase):
         )
         wire = request.SerializeToString()
         pod = hook.PodSandboxHookRequest(cgroup_parent=parent)
-        before = lifecycle.container_hook_request(pod, request)
+        before = translate.container_hook_request(pod, request)
         after = merged(before, response)
-        changed = lifecycle.apply_to_create_container(request, before, after)
+        changed = translate.apply_to_create_container(request, before, after)
         self.assertEqual(changed, request.SerializeToString() != wire)
         if after == before:
             self.assertFalse(changed, "a request no hook changed must go out as kubelet's bytes")

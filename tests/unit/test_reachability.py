@@ -4,7 +4,7 @@ import grpc
 from twisted.trial.unittest import SynchronousTestCase
 
 from koordrp.cri.reachability import Reachability, ReachabilityTracker
-from koordrp.endpoints import EndpointError, parse_unix_endpoint
+from koordrp.unix import EndpointError, parse_unix_endpoint
 
 C = grpc.ChannelConnectivity
 

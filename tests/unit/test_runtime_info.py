@@ -1,4 +1,4 @@
-"""Rebuilding hook requests from containerd's verbose status (koordrp.runtime_info).
+"""Rebuilding hook requests from containerd's verbose status (koordrp.cri.runtime_info).
 
 The fixtures are real containerd 1.6.20 answers (MessageToJson of the CRI responses, the OCI spec
 trimmed of mounts, capabilities and namespaces, the temp dir renamed /var/lib/koordrp-fixture):
@@ -23,12 +23,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from cri_api.v1 import api_pb2 as cri
 from google.protobuf import json_format
 from twisted.trial.unittest import SynchronousTestCase
 
+from koordrp.api.cri.v1 import api_pb2 as cri
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
-from koordrp.runtime_info import (
+from koordrp.cri.runtime_info import (
     RuntimeInfoError,
     container_info_from_status,
     container_sandbox_id,

@@ -28,12 +28,12 @@ from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from koordrp import sdk
 from koordrp.api.runtime.v1alpha1 import api_pb2
-from koordrp.endpoints import grpc_target
+from koordrp.unix import grpc_target
 from koordrp.examples.cpuset_qos import CpusetQoS
 from koordrp.hooks.config import parse_hook_server_config, permission_problem
 from koordrp.hooks.types import FailurePolicy, HookType
 from koordrp.sdk import HookServer, RunningServer
-from koordrp.unixsocket import SocketInUse
+from koordrp.unix import SocketInUse
 from tests.support.tempdirs import short_tempdir
 
 REPOSITORY = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -497,13 +497,13 @@ class RegistrationTests(SynchronousTestCase):
     def test_stop_unregisters_first_then_removes_the_socket(self) -> None:
         running = self.serve()
         socket_present: list[bool] = []
-        real_remove = sdk._remove_registration
+        real_remove = sdk.registration.remove_registration
 
         def remove(path: str) -> None:
             socket_present.append(os.path.exists(self.socket))
             real_remove(path)
 
-        self.patch(sdk, "_remove_registration", remove)
+        self.patch(sdk.registration, "remove_registration", remove)
         running.stop(0)
         self.assertEqual(socket_present, [True])
         self.assertEqual(os.listdir(self.hookserver_d), [])

@@ -10,23 +10,20 @@ from cri_api.v1 import api_pb2, api_pb2_grpc
 from twisted.logger import LogEvent, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 
-from koordrp.cri.bridge import HookBridge
-from koordrp.cri.intercept import SkipLabel
-from koordrp.cri.server import CRIProxyService, CRIProxySettings, Lifecycle
-from koordrp.endpoints import grpc_target
+from koordrp.cri.server import CRIProxyService, CRIProxySettings
+from koordrp.flows import Parts, SkipLabel
 from koordrp.hooks.client import HookClients
 from koordrp.hooks.dispatcher import Dispatcher
 from koordrp.hooks.types import HookServers
 from koordrp.store import Store
-from koordrp.unixsocket import NotASocket, SocketInUse, UnsafeDirectory
+from koordrp.unix import NotASocket, SocketInUse, UnsafeDirectory, grpc_target
 from tests.fake.cri_backend import FakeCRIBackend
 from tests.fake.reactor import InlineThreadsReactor
 from tests.support.tempdirs import short_tempdir
 
 
-def no_hooks(reactor: InlineThreadsReactor) -> Lifecycle:
-    dispatcher = Dispatcher(HookClients(reactor), reactor)
-    return Lifecycle(Store(), HookBridge(reactor, dispatcher, HookServers), SkipLabel("skip", "true"))
+def no_hooks(reactor: InlineThreadsReactor) -> Parts:
+    return Parts(Store(), Dispatcher(HookClients(reactor), reactor), HookServers, SkipLabel("skip", "true"))
 
 
 class CRIProxyServiceTests(SynchronousTestCase):

@@ -4,7 +4,7 @@ import threading
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from koordrp.lifecycle import ContainerHookRequest, PodHookRequest
+from koordrp.hooks.messages import ContainerHookRequest, PodHookRequest
 from koordrp.store import Store, StoredContainer
 
 

@@ -29,15 +29,17 @@ from __future__ import annotations
 
 import functools
 import json
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, TypeVar, overload
 
-from cri_api.v1 import api_pb2 as cri
 from google.protobuf import json_format
 from google.protobuf.descriptor import Descriptor
+from google.protobuf.message import Message
 
+from koordrp.api.cri.v1 import api_pb2 as cri
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
-from koordrp.jsonvalues import json_type
-from koordrp.lifecycle import as_hook_resources, pod_hook_request
+from koordrp.cri.translate import as_hook_resources, pod_hook_request
+from koordrp.hooks.messages import with_pod
+from koordrp.text import json_type
 
 __all__ = [
     "RuntimeInfoError",
@@ -131,12 +133,7 @@ def container_info_from_status(
     )
     container.container_resources.CopyFrom(_container_resources(status, config, info, what))
     if pod is not None:
-        container.pod_meta.CopyFrom(pod.pod_meta)
-        container.pod_labels.update(pod.labels)
-        container.pod_annotations.update(pod.annotations)
-        container.pod_cgroup_parent = pod.cgroup_parent
-        if pod.HasField("resources"):
-            container.pod_resources.CopyFrom(pod.resources)
+        with_pod(container, pod)
     else:
         annotations = _spec_annotations(info, what)
         container.pod_meta.name = annotations.get(SANDBOX_NAME_ANNOTATION, "")
@@ -163,7 +160,7 @@ def _one_line(error: BaseException) -> str:
     return " ".join(str(error).split()) or type(error).__name__
 
 
-def _verbose_info(response: Any, what: str) -> dict[str, Any]:
+def _verbose_info(response: cri.PodSandboxStatusResponse | cri.ContainerStatusResponse, what: str) -> dict[str, Any]:
     raw = response.info.get("info")
     if raw is None:
         raise RuntimeInfoError(f"{what} status has no verbose info (was it requested with verbose=True?)")
@@ -239,16 +236,31 @@ def _check_shape(value: object, descriptor: Descriptor, where: str) -> None:
             _check_shape(item, field.message_type, inner)
 
 
-def _parse(message_class: Any, value: dict[str, Any], where: str) -> Any:
+Parsed = TypeVar("Parsed", bound=Message)
+
+
+def _parse(message_class: type[Parsed], value: dict[str, Any], where: str) -> Parsed:
     """A CRI message from its Go-JSON form (snake_case names, integer enums, omitted zeros)."""
-    _check_shape(value, message_class.DESCRIPTOR, where)
+    message = message_class()
+    # The stubs type it as the pure-Python or the upb descriptor class: one API either way.
+    _check_shape(value, message.DESCRIPTOR, where)  # type: ignore[arg-type]
     try:
-        return json_format.ParseDict(value, message_class(), ignore_unknown_fields=True)
+        return json_format.ParseDict(value, message, ignore_unknown_fields=True)
     except (json_format.Error, ValueError, TypeError, AttributeError, RecursionError) as exc:
         raise RuntimeInfoError(f"{where} is malformed: {_one_line(exc)}") from None
 
 
-def _metadata(config: Any, status: Any, what: str) -> Any:
+@overload
+def _metadata(config: cri.PodSandboxConfig, status: cri.PodSandboxStatus, what: str) -> cri.PodSandboxMetadata: ...
+
+
+@overload
+def _metadata(config: cri.ContainerConfig, status: cri.ContainerStatus, what: str) -> cri.ContainerMetadata: ...
+
+
+def _metadata(
+    config: cri.PodSandboxConfig | cri.ContainerConfig, status: cri.PodSandboxStatus | cri.ContainerStatus, what: str
+) -> cri.PodSandboxMetadata | cri.ContainerMetadata:
     # Both hold the metadata kubelet sent; the config is what the rest is read from.
     if config.HasField("metadata"):
         return config.metadata
@@ -270,7 +282,9 @@ def _spec_annotations(info: dict[str, Any], what: str) -> dict[str, str]:
 # Resources
 
 
-def _container_resources(status: Any, config: Any, info: dict[str, Any], what: str) -> hook.LinuxContainerResources:
+def _container_resources(
+    status: cri.ContainerStatus, config: cri.ContainerConfig, info: dict[str, Any], what: str
+) -> hook.LinuxContainerResources:
     requested = as_hook_resources(config.linux.resources) if config.linux.HasField("resources") else None
     if status.resources.linux.ByteSize() > 0:
         current = as_hook_resources(status.resources.linux)

@@ -1,12 +1,14 @@
-"""Pure rules between CRI requests and hook messages."""
+"""CRI v1 requests ⇄ hook requests (koordrp.cri.translate)."""
 
 import copy
 
-from cri_api.v1 import api_pb2 as cri
 from twisted.trial.unittest import SynchronousTestCase
 
-from koordrp import lifecycle
+from koordrp import flows
+from koordrp.api.cri.v1 import api_pb2 as cri
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
+from koordrp.cri import translate
+from koordrp.hooks import messages
 
 
 def run_pod_request() -> cri.RunPodSandboxRequest:
@@ -48,7 +50,7 @@ def create_request() -> cri.CreateContainerRequest:
 
 class BuildTests(SynchronousTestCase):
     def test_pod_hook_request_carries_everything_the_sandbox_config_says(self) -> None:
-        pod = lifecycle.pod_hook_request(run_pod_request())
+        pod = translate.pod_hook_request(run_pod_request())
         self.assertEqual(
             (pod.pod_meta.name, pod.pod_meta.uid, pod.pod_meta.namespace, pod.pod_meta.attempt),
             ("web", "u-1", "prod", 2),
@@ -61,9 +63,9 @@ class BuildTests(SynchronousTestCase):
         self.assertEqual((pod.resources.cpu_shares, pod.resources.memory_limit_in_bytes), (1024, 1 << 30))
 
     def test_container_hook_request_takes_the_pod_from_the_store_not_from_kubelet(self) -> None:
-        stored_pod = lifecycle.pod_hook_request(run_pod_request())
+        stored_pod = translate.pod_hook_request(run_pod_request())
         stored_pod.cgroup_parent = "/set/by/a/hook"
-        container = lifecycle.container_hook_request(stored_pod, create_request())
+        container = translate.container_hook_request(stored_pod, create_request())
         self.assertEqual(container.pod_cgroup_parent, "/set/by/a/hook")
         self.assertEqual(container.pod_meta.uid, "u-1")
         self.assertEqual(dict(container.pod_labels), {"app": "web"})
@@ -73,96 +75,28 @@ class BuildTests(SynchronousTestCase):
         self.assertEqual(container.pod_resources.cpu_shares, 1024)
 
 
-class MergeTests(SynchronousTestCase):
-    def test_resources_take_only_what_the_response_sets(self) -> None:
-        target = hook.LinuxContainerResources(
-            cpu_period=100000, cpu_quota=50000, cpu_shares=2, memory_limit_in_bytes=10, oom_score_adj=500,
-            cpuset_cpus="0-1", cpuset_mems="0", unified={"a": "1"},
-            hugepage_limits=[hook.HugepageLimit(page_size="2MB", limit=1)],
-        )
-        lifecycle.merge_resources(target, hook.LinuxContainerResources())
-        self.assertEqual(target.cpu_quota, 50000)
-        self.assertEqual(target.oom_score_adj, 500)
-        self.assertEqual(target.cpuset_cpus, "0-1")
-        self.assertEqual(len(target.hugepage_limits), 1)
-        lifecycle.merge_resources(
-            target,
-            hook.LinuxContainerResources(
-                cpu_quota=-1, cpu_shares=512, oom_score_adj=-5, cpuset_cpus="3", unified={"b": "2"},
-                hugepage_limits=[hook.HugepageLimit(page_size="1GB", limit=2)],
-            ),
-        )
-        self.assertEqual((target.cpu_quota, target.cpu_shares, target.oom_score_adj), (-1, 512, -5))
-        self.assertEqual((target.cpuset_cpus, target.cpuset_mems), ("3", "0"))
-        self.assertEqual(dict(target.unified), {"a": "1", "b": "2"})
-        self.assertEqual([h.page_size for h in target.hugepage_limits], ["1GB"])
-        self.assertEqual((target.cpu_period, target.memory_limit_in_bytes), (100000, 10))
-
-    def test_negative_numbers_where_only_positive_make_sense_are_ignored(self) -> None:
-        target = hook.LinuxContainerResources(cpu_shares=2, memory_limit_in_bytes=10)
-        lifecycle.merge_resources(target, hook.LinuxContainerResources(cpu_shares=-1, memory_limit_in_bytes=-1))
-        self.assertEqual((target.cpu_shares, target.memory_limit_in_bytes), (2, 10))
-
-    def test_container_response_merges_maps_and_replaces_cgroup_parent(self) -> None:
-        request = hook.ContainerResourceHookRequest(
-            container_annotations={"a": "1"}, container_envs={"X": "1"}, pod_cgroup_parent="/p"
-        )
-        lifecycle.merge_container_response(
-            request, hook.ContainerResourceHookResponse(container_annotations={"b": "2"}, container_envs={"Y": "2"})
-        )
-        self.assertEqual(dict(request.container_annotations), {"a": "1", "b": "2"})
-        self.assertEqual(dict(request.container_envs), {"X": "1", "Y": "2"})
-        self.assertEqual(request.pod_cgroup_parent, "/p")
-        self.assertFalse(request.HasField("container_resources"))
-        lifecycle.merge_container_response(request, hook.ContainerResourceHookResponse(pod_cgroup_parent="/q"))
-        self.assertEqual(request.pod_cgroup_parent, "/q")
-
-    def test_pod_response(self) -> None:
-        pod = lifecycle.pod_hook_request(run_pod_request())
-        lifecycle.merge_pod_response(
-            pod,
-            hook.PodSandboxHookResponse(
-                labels={"tier": "gold"}, cgroup_parent="/kubepods/besteffort",
-                resources=hook.LinuxContainerResources(cpu_shares=2),
-            ),
-        )
-        self.assertEqual(dict(pod.labels), {"app": "web", "tier": "gold"})
-        self.assertEqual(pod.cgroup_parent, "/kubepods/besteffort")
-        self.assertEqual((pod.resources.cpu_shares, pod.resources.memory_limit_in_bytes), (2, 1 << 30))
-
-    def test_changed_fields_name_map_keys_and_nested_fields(self) -> None:
-        before = hook.ContainerResourceHookRequest(container_envs={"A": "1"})
-        after = copy.deepcopy(before)
-        after.container_envs["B"] = "2"
-        after.container_resources.cpu_shares = 3
-        self.assertEqual(
-            lifecycle.changed_fields(before, after), {"container_envs[B]", "container_resources.cpu_shares"}
-        )
-        self.assertEqual(lifecycle.changed_fields(before, copy.deepcopy(before)), set())
-
-
 class ApplyTests(SynchronousTestCase):
     def test_envs_keep_order_duplicates_and_equals_signs(self) -> None:
         envs = create_request().config.envs
-        result = lifecycle.apply_envs(envs, {"B": "2", "A": "x=y"}, {"B": "2", "A": "x=y", "Z": "1", "C": "3"})
+        result = translate.apply_envs(envs, {"B": "2", "A": "x=y"}, {"B": "2", "A": "x=y", "Z": "1", "C": "3"})
         self.assertEqual([(e.key, e.value) for e in result], [("B", "1"), ("A", "x=y"), ("B", "2"), ("C", "3"), ("Z", "1")])
-        result = lifecycle.apply_envs(envs, {"B": "2", "A": "x=y"}, {"B": "9", "A": "x=y"})
+        result = translate.apply_envs(envs, {"B": "2", "A": "x=y"}, {"B": "9", "A": "x=y"})
         self.assertEqual([(e.key, e.value) for e in result], [("B", "9"), ("A", "x=y"), ("B", "9")])
 
     def test_unchanged_hook_request_leaves_the_cri_request_alone(self) -> None:
         request = create_request()
         original = request.SerializeToString()
-        pod = lifecycle.pod_hook_request(run_pod_request())
-        container = lifecycle.container_hook_request(pod, request)
-        self.assertFalse(lifecycle.apply_to_create_container(request, container, copy.deepcopy(container)))
+        pod = translate.pod_hook_request(run_pod_request())
+        container = translate.container_hook_request(pod, request)
+        self.assertFalse(translate.apply_to_create_container(request, container, copy.deepcopy(container)))
         self.assertEqual(request.SerializeToString(), original)
 
     def test_create_container_gets_the_hooks_changes_and_nothing_else(self) -> None:
         request = create_request()
-        pod = lifecycle.pod_hook_request(run_pod_request())
-        before = lifecycle.container_hook_request(pod, request)
+        pod = translate.pod_hook_request(run_pod_request())
+        before = translate.container_hook_request(pod, request)
         after = copy.deepcopy(before)
-        lifecycle.merge_container_response(
+        messages.merge_container_response(
             after,
             hook.ContainerResourceHookResponse(
                 container_annotations={"d": "4"},
@@ -171,7 +105,7 @@ class ApplyTests(SynchronousTestCase):
                 pod_cgroup_parent="/kubepods/besteffort",
             ),
         )
-        self.assertTrue(lifecycle.apply_to_create_container(request, before, after))
+        self.assertTrue(translate.apply_to_create_container(request, before, after))
         config = request.config
         self.assertEqual(dict(config.annotations), {"c": "1", "d": "4"})
         self.assertEqual([(e.key, e.value) for e in config.envs][-1], ("KOORDRP", "1"))
@@ -183,10 +117,10 @@ class ApplyTests(SynchronousTestCase):
 
     def test_the_pods_real_cgroup_parent_reaches_create_container_without_a_container_hook(self) -> None:
         request = create_request()
-        pod = lifecycle.pod_hook_request(run_pod_request())
+        pod = translate.pod_hook_request(run_pod_request())
         pod.cgroup_parent = "/moved/by/PreRunPodSandbox"
-        container = lifecycle.container_hook_request(pod, request)
-        self.assertTrue(lifecycle.apply_to_create_container(request, container, copy.deepcopy(container)))
+        container = translate.container_hook_request(pod, request)
+        self.assertTrue(translate.apply_to_create_container(request, container, copy.deepcopy(container)))
         self.assertEqual(request.sandbox_config.linux.cgroup_parent, "/moved/by/PreRunPodSandbox")
 
     def test_fields_newer_than_the_stubs_survive(self) -> None:
@@ -194,45 +128,48 @@ class ApplyTests(SynchronousTestCase):
         config = cri.ContainerConfig(metadata=cri.ContainerMetadata(name="app")).SerializeToString() + unknown
         raw = cri.CreateContainerRequest(pod_sandbox_id="s").SerializeToString() + b"\x12" + bytes([len(config)]) + config
         request = cri.CreateContainerRequest.FromString(raw)
-        pod = lifecycle.pod_hook_request(run_pod_request())
-        before = lifecycle.container_hook_request(pod, request)
+        pod = translate.pod_hook_request(run_pod_request())
+        before = translate.container_hook_request(pod, request)
         after = copy.deepcopy(before)
         after.container_envs["NEW"] = "1"
-        lifecycle.apply_to_create_container(request, before, after)
+        translate.apply_to_create_container(request, before, after)
         self.assertIn(unknown, request.config.SerializeToString())
 
     def test_pod_resources_go_to_the_sandbox_linux_resources(self) -> None:
         request = run_pod_request()
-        before = lifecycle.pod_hook_request(request)
+        before = translate.pod_hook_request(request)
         after = copy.deepcopy(before)
-        lifecycle.merge_pod_response(
+        messages.merge_pod_response(
             after, hook.PodSandboxHookResponse(resources=hook.LinuxContainerResources(cpu_quota=20000))
         )
-        self.assertTrue(lifecycle.apply_to_run_pod_sandbox(request, before, after))
+        self.assertTrue(translate.apply_to_run_pod_sandbox(request, before, after))
         self.assertEqual(request.config.linux.resources.cpu_quota, 20000)
         self.assertEqual(request.config.linux.resources.cpu_shares, 1024)
 
     def test_update_folds_kubelets_values_then_applies_the_hooks(self) -> None:
-        pod = lifecycle.pod_hook_request(run_pod_request())
-        stored = lifecycle.created_container_info(
-            create_request(), lifecycle.container_hook_request(pod, create_request()), "c-1"
+        pod = translate.pod_hook_request(run_pod_request())
+        request = create_request()
+        stored = flows.created_container(
+            translate.container_hook_request(pod, request), "c-1", translate.envs_of(request.config)
         )
         request = cri.UpdateContainerResourcesRequest(
             container_id="c-1", linux=cri.LinuxContainerResources(cpu_shares=100), annotations={"u": "1"}
         )
-        folded = lifecycle.fold_update_request(stored, request)
+        folded = translate.fold_update_request(stored, request)
         self.assertEqual(folded.container_resources.cpu_shares, 100)
         self.assertEqual(folded.container_resources.cpuset_cpus, "0-1")
         self.assertEqual(dict(folded.container_annotations), {"c": "1", "u": "1"})
         after = copy.deepcopy(folded)
         after.container_resources.cpuset_mems = "0"
-        self.assertTrue(lifecycle.apply_to_update_container_resources(request, folded, after))
+        self.assertTrue(translate.apply_to_update_container_resources(request, folded, after))
         self.assertEqual((request.linux.cpu_shares, request.linux.cpuset_mems), (100, "0"))
         self.assertEqual(request.linux.cpuset_cpus, "")
 
     def test_created_container_info_keeps_the_envs_the_runtime_got(self) -> None:
         request = create_request()
-        pod = lifecycle.pod_hook_request(run_pod_request())
-        info = lifecycle.created_container_info(request, lifecycle.container_hook_request(pod, request), "c-9")
+        pod = translate.pod_hook_request(run_pod_request())
+        hook_request = translate.container_hook_request(pod, request)
+        hook_request.container_envs["ONLY_IN_THE_HOOK_REQUEST"] = "1"
+        info = flows.created_container(hook_request, "c-9", translate.envs_of(request.config))
         self.assertEqual(info.container_meta.id, "c-9")
         self.assertEqual(dict(info.container_envs), {"B": "2", "A": "x=y"})

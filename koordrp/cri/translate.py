@@ -1,0 +1,204 @@
+"""CRI v1 requests ⇄ hook requests: what the flows need from kubelet's requests, and what they write back.
+
+Hook requests are built from CRI requests (and from what the store remembers); once a stage has run,
+only what its hooks changed is written back into the CRI request: every other byte kubelet sent,
+unknown fields included, reaches the runtime untouched, and a request no hook changed is forwarded
+as the very bytes kubelet sent. Nothing here does I/O.
+"""
+
+from typing import Iterable, MutableMapping
+
+from koordrp.api.cri.v1 import api_pb2 as cri
+from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
+from koordrp.hooks.messages import ContainerHookRequest, PodHookRequest, merge_resources, merged_envs, with_pod
+
+
+def as_hook_resources(resources: cri.LinuxContainerResources) -> hook.LinuxContainerResources:
+    # The hook API's LinuxContainerResources is CRI's, field for field, so the wire form converts exactly.
+    return hook.LinuxContainerResources.FromString(resources.SerializeToString())
+
+
+def as_cri_resources(resources: hook.LinuxContainerResources) -> cri.LinuxContainerResources:
+    return cri.LinuxContainerResources.FromString(resources.SerializeToString())
+
+
+# ---------------------------------------------------------------------------------------------
+# Building hook requests
+
+
+def pod_hook_request(request: cri.RunPodSandboxRequest) -> PodHookRequest:
+    config = request.config
+    pod = PodHookRequest(
+        pod_meta=hook.PodSandboxMetadata(
+            name=config.metadata.name,
+            uid=config.metadata.uid,
+            namespace=config.metadata.namespace,
+            attempt=config.metadata.attempt,
+        ),
+        runtime_handler=request.runtime_handler,
+        labels=dict(config.labels),
+        annotations=dict(config.annotations),
+        cgroup_parent=config.linux.cgroup_parent,
+    )
+    if config.linux.HasField("overhead"):
+        pod.overhead.CopyFrom(as_hook_resources(config.linux.overhead))
+    if config.linux.HasField("resources"):
+        pod.resources.CopyFrom(as_hook_resources(config.linux.resources))
+    return pod
+
+
+def envs_of(config: cri.ContainerConfig) -> dict[str, str]:
+    """The container's environment as a map: the last value of a repeated key wins, as in the container."""
+    return {env.key: env.value for env in config.envs}
+
+
+def container_hook_request(pod: PodHookRequest, request: cri.CreateContainerRequest) -> ContainerHookRequest:
+    """The PreCreateContainer request: the container from the CRI request, its pod from ``pod``.
+
+    ``pod`` is what koordrp stored when the sandbox ran, so it carries the hooks' changes (its
+    cgroup parent above all), which kubelet's copy in ``request.sandbox_config`` does not.
+    """
+    config = request.config
+    container = ContainerHookRequest(
+        container_meta=hook.ContainerMetadata(name=config.metadata.name, attempt=config.metadata.attempt),
+        container_annotations=dict(config.annotations),
+        container_envs=envs_of(config),
+    )
+    if config.linux.HasField("resources"):
+        container.container_resources.CopyFrom(as_hook_resources(config.linux.resources))
+    return with_pod(container, pod)
+
+
+def fold_update_request(stored: ContainerHookRequest, request: cri.UpdateContainerResourcesRequest) -> ContainerHookRequest:
+    """The PreUpdateContainerResources request: what is stored, with kubelet's new values on top."""
+    folded = ContainerHookRequest()
+    folded.CopyFrom(stored)
+    folded.container_meta.id = request.container_id
+    if request.HasField("linux"):
+        merge_resources(folded.container_resources, as_hook_resources(request.linux))
+    folded.container_annotations.update(request.annotations)
+    return folded
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing what the hooks changed back into CRI requests
+
+
+def _apply_map(target: MutableMapping[str, str], before: MutableMapping[str, str], after: MutableMapping[str, str]) -> bool:
+    changed = False
+    for key, value in after.items():
+        if before.get(key) != value:
+            target[key] = value
+            changed = True
+    return changed
+
+
+def _apply_resources(
+    target: cri.LinuxContainerResources, before: hook.LinuxContainerResources, after: hook.LinuxContainerResources
+) -> bool:
+    if before == after:
+        return False
+    for field in hook.LinuxContainerResources.DESCRIPTOR.fields:
+        name = field.name
+        if getattr(before, name) == getattr(after, name):
+            continue
+        if name == "unified":
+            _apply_map(target.unified, before.unified, after.unified)
+        elif name == "hugepage_limits":
+            del target.hugepage_limits[:]
+            target.hugepage_limits.extend(as_cri_resources(after).hugepage_limits)
+        else:
+            setattr(target, name, getattr(after, name))
+    return True
+
+
+def apply_envs(
+    envs: Iterable[cri.KeyValue], before: MutableMapping[str, str], after: MutableMapping[str, str]
+) -> list[cri.KeyValue]:
+    """kubelet's env list with the hooks' changes (``merged_envs``: order kept, new keys appended sorted)."""
+    merged = merged_envs([(env.key, env.value) for env in envs], before, after)
+    return [cri.KeyValue(key=key, value=value) for key, value in merged]
+
+
+# Each apply_to_* writes into a CRI request what the hooks changed between ``before`` and ``after``
+# (the stage's hook request as it went in and as it came out), and says whether it changed anything.
+
+
+def apply_to_run_pod_sandbox(request: cri.RunPodSandboxRequest, before: PodHookRequest, after: PodHookRequest) -> bool:
+    config = request.config
+    changed = _apply_map(config.labels, before.labels, after.labels)
+    changed |= _apply_map(config.annotations, before.annotations, after.annotations)
+    if after.cgroup_parent != before.cgroup_parent:
+        config.linux.cgroup_parent = after.cgroup_parent
+        changed = True
+    return _apply_resources(config.linux.resources, before.resources, after.resources) or changed
+
+
+def apply_to_create_container(
+    request: cri.CreateContainerRequest, before: ContainerHookRequest, after: ContainerHookRequest
+) -> bool:
+    config = request.config
+    changed = _apply_map(config.annotations, before.container_annotations, after.container_annotations)
+    changed |= _apply_resources(config.linux.resources, before.container_resources, after.container_resources)
+    if after.container_envs != before.container_envs:
+        envs = apply_envs(config.envs, before.container_envs, after.container_envs)
+        del config.envs[:]
+        config.envs.extend(envs)
+        changed = True
+    # containerd derives the container's cgroup from the sandbox config in this request, which is
+    # kubelet's original: the pod's actual parent (as hooks set it) must win even when no
+    # container hook touched it.
+    if after.pod_cgroup_parent and after.pod_cgroup_parent != request.sandbox_config.linux.cgroup_parent:
+        request.sandbox_config.linux.cgroup_parent = after.pod_cgroup_parent
+        changed = True
+    return changed
+
+
+def apply_to_update_container_resources(
+    request: cri.UpdateContainerResourcesRequest, before: ContainerHookRequest, after: ContainerHookRequest
+) -> bool:
+    changed = _apply_map(request.annotations, before.container_annotations, after.container_annotations)
+    return _apply_resources(request.linux, before.container_resources, after.container_resources) or changed
+
+
+# ---------------------------------------------------------------------------------------------
+# The requests as the flows see them (koordrp.flows): built from kubelet's, written back in place
+
+
+class RunPodSandbox:
+    def __init__(self, request: cri.RunPodSandboxRequest) -> None:
+        self.request = request
+
+    def hook_request(self) -> PodHookRequest:
+        return pod_hook_request(self.request)
+
+    def rewritten(self, before: PodHookRequest, after: PodHookRequest) -> bytes | None:
+        return self.request.SerializeToString() if apply_to_run_pod_sandbox(self.request, before, after) else None
+
+
+class CreateContainer:
+    def __init__(self, request: cri.CreateContainerRequest) -> None:
+        self.request = request
+        self.sandbox_id = request.pod_sandbox_id
+
+    def hook_request(self, pod: PodHookRequest) -> ContainerHookRequest:
+        return container_hook_request(pod, self.request)
+
+    def rewritten(self, before: ContainerHookRequest, after: ContainerHookRequest) -> bytes | None:
+        return self.request.SerializeToString() if apply_to_create_container(self.request, before, after) else None
+
+    def envs_sent(self) -> dict[str, str]:
+        return envs_of(self.request.config)
+
+
+class UpdateContainerResources:
+    def __init__(self, request: cri.UpdateContainerResourcesRequest) -> None:
+        self.request = request
+        self.container_id = request.container_id
+
+    def hook_request(self, stored: ContainerHookRequest) -> ContainerHookRequest:
+        return fold_update_request(stored, self.request)
+
+    def rewritten(self, before: ContainerHookRequest, after: ContainerHookRequest) -> bytes | None:
+        changed = apply_to_update_container_resources(self.request, before, after)
+        return self.request.SerializeToString() if changed else None

@@ -1,0 +1,118 @@
+"""Hook messages and the rules that merge hook answers, whichever front end a call came through.
+
+A stage's hook request is changed in place by each server's answer, so the next server in the chain
+sees it (``merge_response``); what the chain changed is later written back into the front end's own
+request (``koordrp.cri.translate``, ``koordrp.docker.translate``). Nothing here knows about threads,
+grpc, the reactor or a wire format other than the hook API's.
+"""
+
+from typing import Mapping, Sequence, TypeAlias
+
+from google.protobuf.message import Message
+
+from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
+
+PodHookRequest: TypeAlias = hook.PodSandboxHookRequest
+ContainerHookRequest: TypeAlias = hook.ContainerResourceHookRequest
+HookRequest: TypeAlias = PodHookRequest | ContainerHookRequest
+HookResponse: TypeAlias = hook.PodSandboxHookResponse | hook.ContainerResourceHookResponse
+Resources: TypeAlias = hook.LinuxContainerResources
+
+# Numbers a hook may set: a zero means "not mentioned", except for the CFS quota, where -1 means
+# unlimited. oom_score_adj 0 is also taken as "not mentioned" (Koordinator would apply it): a
+# plugin answering with only the fields it cares about must not reset the container's OOM score.
+_POSITIVE_FIELDS = ("cpu_period", "cpu_shares", "memory_limit_in_bytes", "memory_swap_limit_in_bytes")
+_NON_ZERO_FIELDS = ("cpu_quota", "oom_score_adj")
+_NON_EMPTY_FIELDS = ("cpuset_cpus", "cpuset_mems")
+
+
+def merge_resources(target: Resources, response: Resources) -> None:
+    """Merge the fields ``response`` sets into ``target``; fields it leaves unset stay as they were."""
+    for name in _POSITIVE_FIELDS:
+        value = getattr(response, name)
+        if value > 0:
+            setattr(target, name, value)
+    for name in _NON_ZERO_FIELDS:
+        value = getattr(response, name)
+        if value != 0:
+            setattr(target, name, value)
+    for name in _NON_EMPTY_FIELDS:
+        value = getattr(response, name)
+        if value:
+            setattr(target, name, value)
+    target.unified.update(response.unified)
+    if response.hugepage_limits:
+        del target.hugepage_limits[:]
+        target.hugepage_limits.extend(response.hugepage_limits)
+
+
+def merge_pod_response(request: PodHookRequest, response: hook.PodSandboxHookResponse) -> None:
+    request.labels.update(response.labels)
+    request.annotations.update(response.annotations)
+    if response.cgroup_parent:
+        request.cgroup_parent = response.cgroup_parent
+    if response.HasField("resources"):
+        merge_resources(request.resources, response.resources)
+
+
+def merge_container_response(request: ContainerHookRequest, response: hook.ContainerResourceHookResponse) -> None:
+    request.container_annotations.update(response.container_annotations)
+    if response.HasField("container_resources"):
+        merge_resources(request.container_resources, response.container_resources)
+    if response.pod_cgroup_parent:
+        request.pod_cgroup_parent = response.pod_cgroup_parent
+    request.container_envs.update(response.container_envs)
+
+
+def merge_response(request: HookRequest, response: HookResponse) -> None:
+    if isinstance(request, PodHookRequest):
+        assert isinstance(response, hook.PodSandboxHookResponse)
+        merge_pod_response(request, response)
+    else:
+        assert isinstance(response, hook.ContainerResourceHookResponse)
+        merge_container_response(request, response)
+
+
+def changed_fields(before: Message, after: Message, prefix: str = "") -> set[str]:
+    """Dotted paths of the fields (map entries by key) whose value differs between two messages."""
+    changed: set[str] = set()
+    for field in after.DESCRIPTOR.fields:
+        path = prefix + field.name
+        old, new = getattr(before, field.name), getattr(after, field.name)
+        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            changed.update(f"{path}[{key}]" for key in set(old) | set(new) if old.get(key) != new.get(key))
+        elif field.message_type is not None and not field.is_repeated:
+            changed.update(changed_fields(old, new, path + "."))
+        elif old != new:
+            changed.add(path)
+    return changed
+
+
+def with_pod(container: ContainerHookRequest, pod: PodHookRequest) -> ContainerHookRequest:
+    """Fill the pod fields of a container hook request from the pod's stored information."""
+    container.pod_meta.CopyFrom(pod.pod_meta)
+    container.pod_labels.clear()
+    container.pod_labels.update(pod.labels)
+    container.pod_annotations.clear()
+    container.pod_annotations.update(pod.annotations)
+    container.pod_cgroup_parent = pod.cgroup_parent
+    if pod.HasField("resources"):
+        container.pod_resources.CopyFrom(pod.resources)
+    else:
+        container.ClearField("pod_resources")
+    return container
+
+
+def merged_envs(
+    envs: Sequence[tuple[str, str]], before: Mapping[str, str], after: Mapping[str, str]
+) -> list[tuple[str, str]]:
+    """An ordered environment with the hooks' changes: order kept, values replaced in place, new keys appended sorted.
+
+    A map cannot say where a key stood or that it stood twice, so only the keys the hooks changed
+    are touched, every occurrence of them, and everything else stays exactly as it was sent.
+    """
+    changed = {key: value for key, value in after.items() if before.get(key) != value}
+    result = [(key, changed.get(key, value)) for key, value in envs]
+    present = {key for key, _ in result}
+    result.extend((key, changed[key]) for key in sorted(changed) if key not in present)
+    return result

@@ -1,0 +1,98 @@
+"""Stages and a runtime for driving ``koordrp.flows`` directly, answering at once and recording everything."""
+
+import copy
+from dataclasses import dataclass, field
+
+from koordrp.flows import LookupFailed, PodSource
+from koordrp.hooks.messages import HookRequest, HookResponse, PodHookRequest, merge_response
+from koordrp.hooks.types import HookFailure, HookType, StageOutcome, Subscribers
+from koordrp.store import StoredContainer
+
+
+@dataclass
+class StageRecord:
+    hook: HookType
+    servers: list[str]
+    request: HookRequest
+    """A copy of the request as the stage was given it."""
+
+
+@dataclass
+class ScriptedStages:
+    """``flows.Stages`` whose servers all answer ``answers[hook]`` (merged as the dispatcher merges), or fail."""
+
+    answers: dict[HookType, HookResponse] = field(default_factory=dict)
+    failures: dict[HookType, str] = field(default_factory=dict)
+    ran: list[StageRecord] = field(default_factory=list)
+    announced: list[StageRecord] = field(default_factory=list)
+    skips: list[tuple[HookType, list[str]]] = field(default_factory=list)
+
+    async def run(self, hook: HookType, servers: Subscribers, request: HookRequest) -> StageOutcome:
+        self.ran.append(StageRecord(hook, [server.name for server in servers], copy.deepcopy(request)))
+        reason = self.failures.get(hook)
+        if reason is not None:
+            return StageOutcome(request, HookFailure(servers[0], hook, reason))
+        answer = self.answers.get(hook)
+        if answer is not None:
+            for _ in servers:
+                merge_response(request, answer)
+        return StageOutcome(request, called=[server.name for server in servers])
+
+    def announce(self, hook: HookType, servers: Subscribers, request: HookRequest) -> None:
+        self.announced.append(StageRecord(hook, [server.name for server in servers], copy.deepcopy(request)))
+
+    def skipped(self, hook: HookType, servers: Subscribers) -> None:
+        self.skips.append((hook, [server.name for server in servers]))
+
+    def hooks_run(self) -> list[HookType]:
+        return [record.hook for record in self.ran]
+
+
+@dataclass(frozen=True)
+class Reply:
+    ok: bool
+    created_id: str
+
+
+@dataclass
+class RecordingRuntime:
+    """``flows.Backend``: records what is forwarded, answers ``ok`` with ``created_id``, knows ``pods``/``containers``."""
+
+    ok: bool = True
+    created_id: str = "created-1"
+    pods: dict[str, PodHookRequest] = field(default_factory=dict)
+    containers: dict[str, StoredContainer] = field(default_factory=dict)
+    broken: str | None = None
+    """Set: every read-back fails with this reason."""
+    forwarded: list[bytes | None] = field(default_factory=list)
+    read_back: list[str] = field(default_factory=list)
+
+    async def forward(self, rewritten: bytes | None) -> Reply:
+        self.forwarded.append(rewritten)
+        return Reply(self.ok, self.created_id)
+
+    async def read_pod(self, sandbox_id: str) -> PodHookRequest | None:
+        self.read_back.append(sandbox_id)
+        if self.broken is not None:
+            raise LookupFailed(self.broken)
+        pod = self.pods.get(sandbox_id)
+        return copy.deepcopy(pod) if pod is not None else None
+
+    async def read_container(self, container_id: str, pods: PodSource) -> StoredContainer | None:
+        self.read_back.append(container_id)
+        if self.broken is not None:
+            raise LookupFailed(self.broken)
+        stored = self.containers.get(container_id)
+        if stored is None:
+            return None
+        info = copy.deepcopy(stored.info)
+        pod = await pods(stored.sandbox_id)
+        if pod is not None:
+            info.pod_labels.update(pod.labels)
+            info.pod_cgroup_parent = pod.cgroup_parent
+        return StoredContainer(stored.sandbox_id, info)
+
+    async def listed(self) -> tuple[list[str], list[str]]:
+        if self.broken is not None:
+            raise LookupFailed(self.broken)
+        return list(self.pods), list(self.containers)

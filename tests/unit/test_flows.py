@@ -1,0 +1,371 @@
+"""The lifecycle flows (koordrp.flows), rule by rule.
+
+Rules about what is written into a request run once per front end, with CRI mode's requests
+(koordrp.cri.translate) and Docker mode's (koordrp.docker.translate): both must behave the same.
+Rules that only involve ids run once. The stages and the runtime are fakes that answer at once
+(tests/fake/flows.py), so every flow runs to its end with flows.run_blocking.
+"""
+
+import json
+from typing import Any, Coroutine, Sequence
+
+from twisted.internet.defer import Deferred
+from twisted.internet.task import Clock
+from twisted.logger import LogEvent, globalLogPublisher
+from twisted.trial.unittest import SynchronousTestCase
+
+from koordrp import flows
+from koordrp.api.cri.v1 import api_pb2 as cri
+from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
+from koordrp.cri import translate as cri_translate
+from koordrp.docker import translate as docker_translate
+from koordrp.hooks.client import HookClients
+from koordrp.hooks.dispatcher import Dispatcher
+from koordrp.hooks.messages import ContainerHookRequest, PodHookRequest
+from koordrp.hooks.types import FailurePolicy, HookServerConfig, HookServers, HookType
+from koordrp.store import Store, StoredContainer
+from tests.fake.flows import RecordingRuntime, Reply, ScriptedStages
+
+SKIP = flows.SkipLabel("runtimeproxy.koordinator.sh/skip-hookserver", "true")
+POD_PARENT = "/kubepods/pod-1"
+
+PRE_RUN = HookType.PRE_RUN_POD_SANDBOX
+PRE_CREATE = HookType.PRE_CREATE_CONTAINER
+PRE_START = HookType.PRE_START_CONTAINER
+POST_START = HookType.POST_START_CONTAINER
+PRE_UPDATE = HookType.PRE_UPDATE_CONTAINER_RESOURCES
+POST_STOP = HookType.POST_STOP_CONTAINER
+POST_STOP_POD = HookType.POST_STOP_POD_SANDBOX
+
+
+class CRIWire:
+    """kubelet's requests, as CRI mode reads them, and what reached the runtime."""
+
+    def sandbox(self, labels: dict[str, str]) -> flows.RunPodSandbox:
+        config = cri.PodSandboxConfig(
+            metadata=cri.PodSandboxMetadata(name="web", namespace="default", uid="uid-1"),
+            labels=labels,
+            linux=cri.LinuxPodSandboxConfig(cgroup_parent=POD_PARENT),
+        )
+        return cri_translate.RunPodSandbox(cri.RunPodSandboxRequest(config=config))
+
+    def container(self, sandbox_id: str, envs: Sequence[tuple[str, str]]) -> flows.CreateContainer:
+        config = cri.ContainerConfig(
+            metadata=cri.ContainerMetadata(name="app"),
+            envs=[cri.KeyValue(key=key, value=value) for key, value in envs],
+            linux=cri.LinuxContainerConfig(resources=cri.LinuxContainerResources(cpu_shares=2, cpuset_cpus="0-3")),
+        )
+        sandbox = cri.PodSandboxConfig(linux=cri.LinuxPodSandboxConfig(cgroup_parent=POD_PARENT))
+        request = cri.CreateContainerRequest(pod_sandbox_id=sandbox_id, config=config, sandbox_config=sandbox)
+        return cri_translate.CreateContainer(request)
+
+    def update(self, container_id: str, cpu_shares: int) -> flows.UpdateContainerResources:
+        request = cri.UpdateContainerResourcesRequest(
+            container_id=container_id, linux=cri.LinuxContainerResources(cpu_shares=cpu_shares)
+        )
+        return cri_translate.UpdateContainerResources(request)
+
+    def sandbox_parent(self, sent: bytes) -> str:
+        return cri.RunPodSandboxRequest.FromString(sent).config.linux.cgroup_parent
+
+    def container_sent(self, sent: bytes) -> tuple[list[tuple[str, str]], str, str]:
+        """Environment, cpuset and the cgroup parent the container is placed under."""
+        request = cri.CreateContainerRequest.FromString(sent)
+        envs = [(env.key, env.value) for env in request.config.envs]
+        return envs, request.config.linux.resources.cpuset_cpus, request.sandbox_config.linux.cgroup_parent
+
+    def update_sent(self, sent: bytes) -> tuple[int, str]:
+        request = cri.UpdateContainerResourcesRequest.FromString(sent)
+        return request.linux.cpu_shares, request.linux.cpuset_cpus
+
+
+class DockerWire:
+    """cri-dockerd's requests, as Docker mode reads them, and what reached dockerd."""
+
+    DRIVER = "cgroupfs"
+
+    def sandbox(self, labels: dict[str, str]) -> flows.RunPodSandbox:
+        body = {
+            "Labels": {docker_translate.TYPE_LABEL: docker_translate.SANDBOX_TYPE, **labels},
+            "HostConfig": {"CgroupParent": POD_PARENT},
+        }
+        return docker_translate.SandboxCreate("k8s_POD_web_default_uid-1_0", body, self.DRIVER)
+
+    def container(self, sandbox_id: str, envs: Sequence[tuple[str, str]]) -> flows.CreateContainer:
+        body = {
+            "Env": [f"{key}={value}" for key, value in envs],
+            "Labels": {
+                docker_translate.TYPE_LABEL: docker_translate.CONTAINER_TYPE,
+                docker_translate.SANDBOX_ID_LABEL: sandbox_id,
+            },
+            "HostConfig": {"CgroupParent": POD_PARENT, "CpuShares": 2, "CpusetCpus": "0-3"},
+        }
+        return docker_translate.ContainerCreate("k8s_app_web_default_uid-1_0", body, self.DRIVER)
+
+    def update(self, container_id: str, cpu_shares: int) -> flows.UpdateContainerResources:
+        return docker_translate.ContainerUpdate(container_id, {"CpuShares": cpu_shares})
+
+    def sandbox_parent(self, sent: bytes) -> str:
+        return str(json.loads(sent)["HostConfig"]["CgroupParent"])
+
+    def container_sent(self, sent: bytes) -> tuple[list[tuple[str, str]], str, str]:
+        body = json.loads(sent)
+        envs = [tuple(entry.split("=", 1)) for entry in body["Env"]]
+        host = body["HostConfig"]
+        return envs, host["CpusetCpus"], host["CgroupParent"]  # type: ignore[return-value]
+
+    def update_sent(self, sent: bytes) -> tuple[int, str]:
+        body = json.loads(sent)
+        return body["CpuShares"], body["CpusetCpus"]
+
+
+class FlowTestCase(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.store = Store()
+        self.stages = ScriptedStages()
+        self.runtime = RecordingRuntime()
+        self.servers = HookServers()
+        clock = Clock()
+        self.parts = flows.Parts(self.store, Dispatcher(HookClients(clock), clock), lambda: self.servers, SKIP)
+        self.events: list[LogEvent] = []
+        globalLogPublisher.addObserver(self.events.append)
+        self.addCleanup(globalLogPublisher.removeObserver, self.events.append)
+
+    def subscribe(self, *hooks: HookType) -> None:
+        self.servers = HookServers(
+            (HookServerConfig("a.json", "/run/a.sock", FailurePolicy.FAIL, frozenset(hooks), 2.0),)
+        )
+
+    def call(self, method: str = "Method") -> "flows.Call[Reply]":
+        return flows.Call(self.parts, method, self.stages, self.runtime)
+
+    def drive(self, flow: Coroutine[Any, Any, Reply]) -> Reply:
+        return flows.run_blocking(flow)
+
+    def put_pod(self, sandbox_id: str = "s-1", labels: dict[str, str] | None = None, parent: str = POD_PARENT) -> PodHookRequest:
+        pod = PodHookRequest(pod_meta=hook.PodSandboxMetadata(name="web", uid="uid-1"), labels=labels or {}, cgroup_parent=parent)
+        self.store.put_pod(sandbox_id, pod)
+        return pod
+
+    def put_container(self, container_id: str = "c-1", labels: dict[str, str] | None = None) -> ContainerHookRequest:
+        container = ContainerHookRequest(
+            pod_meta=hook.PodSandboxMetadata(name="web", uid="uid-1"),
+            container_meta=hook.ContainerMetadata(name="app", id=container_id),
+            pod_labels=labels or {},
+            container_envs={"A": "1"},
+            container_resources=hook.LinuxContainerResources(cpu_shares=2, cpuset_cpus="0-3"),
+        )
+        self.store.put_container(container_id, "s-1", container)
+        return container
+
+
+class RequestRules:
+    """Rules about what a flow writes into the request; a subclass per front end gives ``wire``."""
+
+    wire: Any
+
+    def test_with_nobody_subscribed_the_request_goes_as_received_and_is_remembered(self: Any) -> None:
+        self.drive(flows.run_pod_sandbox(self.call(), self.wire.sandbox({"app": "web"})))
+        self.assertEqual((self.stages.ran, self.runtime.forwarded), ([], [None]))
+        pod = self.store.pod("created-1")
+        self.assertEqual((dict(pod.labels), pod.cgroup_parent), ({"app": "web"}, POD_PARENT))
+
+    def test_pre_hook_changes_reach_the_runtime_and_the_store(self: Any) -> None:
+        self.subscribe(PRE_RUN, PRE_CREATE)
+        self.stages.answers[PRE_RUN] = hook.PodSandboxHookResponse(cgroup_parent="/moved")
+        self.stages.answers[PRE_CREATE] = hook.ContainerResourceHookResponse(
+            container_envs={"ADDED": "1"}, container_resources=hook.LinuxContainerResources(cpuset_cpus="2-3")
+        )
+        self.drive(flows.run_pod_sandbox(self.call(), self.wire.sandbox({"app": "web"})))
+        self.assertEqual(self.wire.sandbox_parent(self.runtime.forwarded[0]), "/moved")
+        self.assertEqual(self.store.pod("created-1").cgroup_parent, "/moved")
+        self.runtime.created_id = "c-1"
+        self.drive(flows.create_container(self.call(), self.wire.container("created-1", [("A", "1"), ("B", "2")])))
+        envs, cpuset, parent = self.wire.container_sent(self.runtime.forwarded[1])
+        self.assertEqual((envs, cpuset, parent), ([("A", "1"), ("B", "2"), ("ADDED", "1")], "2-3", "/moved"))
+        self.assertEqual(self.stages.ran[1].request.pod_cgroup_parent, "/moved")
+        stored = self.store.container("c-1")
+        self.assertEqual((stored.sandbox_id, stored.info.container_meta.id), ("created-1", "c-1"))
+        self.assertEqual(dict(stored.info.container_envs), {"A": "1", "B": "2", "ADDED": "1"})
+        self.assertEqual(stored.info.container_resources.cpuset_cpus, "2-3")
+
+    def test_the_pods_cgroup_parent_from_the_store_reaches_create_without_a_hook(self: Any) -> None:
+        self.put_pod(parent="/moved/by/PreRunPodSandbox")
+        self.drive(flows.create_container(self.call(), self.wire.container("s-1", [("A", "1")])))
+        self.assertEqual(self.stages.ran, [])
+        self.assertEqual(self.wire.container_sent(self.runtime.forwarded[0])[2], "/moved/by/PreRunPodSandbox")
+
+    def test_the_skip_label_spares_every_hook_and_counts_each(self: Any) -> None:
+        self.subscribe(*HookType)
+        self.drive(flows.run_pod_sandbox(self.call(), self.wire.sandbox({SKIP.key: SKIP.value})))
+        self.runtime.created_id = "c-1"
+        self.drive(flows.create_container(self.call(), self.wire.container("created-1", [("A", "1")])))
+        self.drive(flows.start_container(self.call(), "c-1"))
+        self.drive(flows.update_container_resources(self.call(), self.wire.update("c-1", 512)))
+        self.drive(flows.stop_container(self.call(), "c-1"))
+        self.drive(flows.stop_pod_sandbox(self.call(), "created-1"))
+        self.assertEqual((self.stages.ran, self.stages.announced), ([], []))
+        self.assertEqual(
+            [skipped for skipped, _ in self.stages.skips],
+            [PRE_RUN, PRE_CREATE, PRE_START, POST_START, PRE_UPDATE, POST_STOP, POST_STOP_POD],
+        )
+        self.assertEqual(self.runtime.forwarded, [None] * 6)
+
+    def test_a_failing_fail_policy_hook_stops_the_call_before_the_runtime(self: Any) -> None:
+        self.subscribe(PRE_CREATE)
+        self.stages.failures[PRE_CREATE] = "no answer within 2s"
+        self.put_pod()
+        with self.assertRaises(flows.HookFailed) as failed:
+            self.drive(flows.create_container(self.call(), self.wire.container("s-1", [("A", "1")])))
+        self.assertIn("a.json", str(failed.exception))
+        self.assertIn("PreCreateContainer: no answer within 2s", str(failed.exception))
+        self.assertEqual((self.runtime.forwarded, self.store.sizes()), ([], (1, 0)))
+
+    def test_what_the_runtime_refuses_is_not_remembered(self: Any) -> None:
+        self.runtime.ok = False
+        self.drive(flows.run_pod_sandbox(self.call(), self.wire.sandbox({})))
+        self.put_pod()
+        self.drive(flows.create_container(self.call(), self.wire.container("s-1", [("A", "1")])))
+        self.assertEqual(self.store.sizes(), (1, 0))
+        self.put_container()
+        self.drive(flows.update_container_resources(self.call(), self.wire.update("c-1", 512)))
+        self.assertEqual(self.store.container("c-1").info.container_resources.cpu_shares, 2)
+
+    def test_an_update_folds_in_kubelets_values_writes_back_the_hooks_and_is_remembered(self: Any) -> None:
+        self.put_container()
+        self.subscribe(PRE_UPDATE)
+        self.stages.answers[PRE_UPDATE] = hook.ContainerResourceHookResponse(
+            container_resources=hook.LinuxContainerResources(cpuset_cpus="1")
+        )
+        self.drive(flows.update_container_resources(self.call(), self.wire.update("c-1", 512)))
+        seen = self.stages.ran[0].request.container_resources
+        self.assertEqual((seen.cpu_shares, seen.cpuset_cpus), (512, "0-3"))
+        self.assertEqual(self.wire.update_sent(self.runtime.forwarded[0]), (512, "1"))
+        stored = self.store.container("c-1").info.container_resources
+        self.assertEqual((stored.cpu_shares, stored.cpuset_cpus), (512, "1"))
+
+    def test_a_container_of_a_sandbox_nobody_knows_goes_unchanged_without_hooks(self: Any) -> None:
+        self.subscribe(PRE_CREATE)
+        self.drive(flows.create_container(self.call(), self.wire.container("no-such-sandbox", [("A", "1")])))
+        self.assertEqual((self.stages.ran, self.runtime.forwarded), ([], [None]))
+        self.assertEqual((self.runtime.read_back, self.store.sizes()), (["no-such-sandbox"], (0, 0)))
+
+
+class CRIRequestRules(RequestRules, FlowTestCase):
+    wire = CRIWire()
+
+
+class DockerRequestRules(RequestRules, FlowTestCase):
+    wire = DockerWire()
+
+
+class IdentityRules(FlowTestCase):
+    """Rules of the flows that take only an id: the same in both modes by construction."""
+
+    def test_start_runs_its_pre_stage_then_the_runtime_then_its_post_stage(self) -> None:
+        self.put_container()
+        self.subscribe(PRE_START, POST_START)
+        self.stages.answers[PRE_START] = hook.ContainerResourceHookResponse(container_envs={"STARTED": "1"})
+        self.drive(flows.start_container(self.call(), "c-1"))
+        self.assertEqual(self.stages.hooks_run(), [PRE_START])
+        self.assertEqual(self.runtime.forwarded, [None])
+        [post] = self.stages.announced
+        self.assertEqual((post.hook, post.request.container_envs["STARTED"]), (POST_START, "1"))
+
+    def test_no_post_stage_when_the_runtime_refused(self) -> None:
+        self.put_container()
+        self.put_pod()
+        self.subscribe(POST_START, POST_STOP, POST_STOP_POD)
+        self.runtime.ok = False
+        for flow in (flows.start_container(self.call(), "c-1"), flows.stop_container(self.call(), "c-1")):
+            self.drive(flow)
+        self.drive(flows.stop_pod_sandbox(self.call(), "s-1"))
+        self.assertEqual(self.stages.announced, [])
+
+    def test_stops_announce_their_post_stage_with_what_is_stored(self) -> None:
+        stored = self.put_container()
+        pod = self.put_pod()
+        self.subscribe(POST_STOP, POST_STOP_POD)
+        self.drive(flows.stop_container(self.call(), "c-1"))
+        self.drive(flows.stop_pod_sandbox(self.call(), "s-1"))
+        self.assertEqual(
+            [(post.hook, post.request) for post in self.stages.announced], [(POST_STOP, stored), (POST_STOP_POD, pod)]
+        )
+
+    def test_stopping_what_nobody_knows_calls_no_hook(self) -> None:
+        self.subscribe(POST_STOP, POST_STOP_POD)
+        self.drive(flows.stop_container(self.call(), "no-such-container"))
+        self.drive(flows.stop_pod_sandbox(self.call(), "no-such-pod"))
+        self.assertEqual((self.stages.announced, self.runtime.forwarded), ([], [None, None]))
+
+    def test_removes_forget_a_container_and_a_pod_with_its_containers(self) -> None:
+        self.put_pod()
+        self.put_container("c-1")
+        self.put_container("c-2")
+        self.drive(flows.remove_container(self.call(), "c-1"))
+        self.assertEqual(self.store.sizes(), (1, 1))
+        self.drive(flows.remove_pod_sandbox(self.call(), "s-1"))
+        self.assertEqual(self.store.sizes(), (0, 0))
+
+    def test_a_container_the_store_lacks_is_read_back_with_its_pod_and_remembered(self) -> None:
+        self.runtime.pods["s-1"] = PodHookRequest(labels={"app": "web"}, cgroup_parent="/from/the/runtime")
+        self.runtime.containers["c-1"] = StoredContainer("s-1", ContainerHookRequest(container_envs={"A": "1"}))
+        self.subscribe(PRE_START)
+        self.drive(flows.start_container(self.call(), "c-1"))
+        self.assertEqual(self.runtime.read_back, ["c-1", "s-1"])
+        seen = self.stages.ran[0].request
+        self.assertEqual((dict(seen.pod_labels), seen.pod_cgroup_parent), ({"app": "web"}, "/from/the/runtime"))
+        self.assertEqual(self.store.sizes(), (1, 1))
+        self.drive(flows.start_container(self.call(), "c-1"))
+        self.assertEqual(self.runtime.read_back, ["c-1", "s-1"])
+
+    def test_a_runtime_that_cannot_say_costs_a_warning_and_the_call_goes_on_without_hooks(self) -> None:
+        self.runtime.broken = "UNAVAILABLE: connection refused"
+        self.subscribe(PRE_START, POST_START)
+        self.drive(flows.start_container(self.call(), "c-1"))
+        self.assertEqual((self.stages.ran, self.stages.announced, self.runtime.forwarded), ([], [], [None]))
+        [warning] = [event for event in self.events if "could not be read from the runtime" in event["log_format"]]
+        self.assertEqual((warning["kind"], warning["id"], warning["error"]), ("container", "c-1", "UNAVAILABLE: connection refused"))
+
+    def test_the_call_record_names_the_subject_and_every_hook_called(self) -> None:
+        stored = self.put_container()
+        self.subscribe(PRE_START, POST_START)
+        call = self.call("StartContainer")
+        self.drive(flows.start_container(call, "c-1"))
+        self.assertEqual(call.record.subject.container_meta, stored.container_meta)
+        self.assertEqual(call.record.hooks, ["PreStartContainer@a.json", "PostStartContainer@a.json"])
+
+    def test_a_flow_that_would_wait_for_an_event_loop_cannot_run_in_a_thread(self) -> None:
+        async def waits() -> None:
+            await Deferred()
+
+        with self.assertRaises(RuntimeError):
+            flows.run_blocking(waits())
+
+
+class ReadEverythingTests(FlowTestCase):
+    def test_everything_with_each_container_given_its_pod(self) -> None:
+        self.runtime.pods["s-1"] = PodHookRequest(cgroup_parent="/p")
+        self.runtime.containers["c-1"] = StoredContainer("s-1", ContainerHookRequest())
+        self.runtime.containers["c-2"] = StoredContainer("s-gone", ContainerHookRequest())
+        pods, containers = flows.run_blocking(flows.read_everything(self.runtime))
+        self.assertEqual([sandbox_id for sandbox_id, _ in pods], ["s-1"])
+        self.assertEqual([(cid, stored.info.pod_cgroup_parent) for cid, stored in containers], [("c-1", "/p"), ("c-2", "")])
+
+    def test_an_entry_that_cannot_be_read_is_left_out_with_a_warning(self) -> None:
+        class HalfReadable(RecordingRuntime):
+            async def read_pod(self, sandbox_id: str) -> PodHookRequest | None:
+                if sandbox_id == "s-bad":
+                    raise flows.Unreadable("verbose info is not JSON")
+                return await super().read_pod(sandbox_id)
+
+        runtime = HalfReadable(pods={"s-bad": PodHookRequest(), "s-good": PodHookRequest()})
+        pods, _ = flows.run_blocking(flows.read_everything(runtime))
+        self.assertEqual([sandbox_id for sandbox_id, _ in pods], ["s-good"])
+        [warning] = [event for event in self.events if "left out" in event["log_format"]]
+        self.assertEqual((warning["id"], warning["error"]), ("s-bad", "verbose info is not JSON"))
+
+    def test_a_runtime_that_cannot_be_asked_fails_the_whole_reading(self) -> None:
+        self.runtime.broken = "UNAVAILABLE"
+        with self.assertRaises(flows.LookupFailed):
+            flows.run_blocking(flows.read_everything(self.runtime))

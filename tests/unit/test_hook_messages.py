@@ -1,0 +1,78 @@
+"""The rules that merge hook answers into hook requests (koordrp.hooks.messages)."""
+
+import copy
+
+from twisted.trial.unittest import SynchronousTestCase
+
+from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
+from koordrp.cri import translate
+from koordrp.hooks import messages
+from tests.unit.test_cri_translate import run_pod_request
+
+
+class MergeTests(SynchronousTestCase):
+    def test_resources_take_only_what_the_response_sets(self) -> None:
+        target = hook.LinuxContainerResources(
+            cpu_period=100000, cpu_quota=50000, cpu_shares=2, memory_limit_in_bytes=10, oom_score_adj=500,
+            cpuset_cpus="0-1", cpuset_mems="0", unified={"a": "1"},
+            hugepage_limits=[hook.HugepageLimit(page_size="2MB", limit=1)],
+        )
+        messages.merge_resources(target, hook.LinuxContainerResources())
+        self.assertEqual(target.cpu_quota, 50000)
+        self.assertEqual(target.oom_score_adj, 500)
+        self.assertEqual(target.cpuset_cpus, "0-1")
+        self.assertEqual(len(target.hugepage_limits), 1)
+        messages.merge_resources(
+            target,
+            hook.LinuxContainerResources(
+                cpu_quota=-1, cpu_shares=512, oom_score_adj=-5, cpuset_cpus="3", unified={"b": "2"},
+                hugepage_limits=[hook.HugepageLimit(page_size="1GB", limit=2)],
+            ),
+        )
+        self.assertEqual((target.cpu_quota, target.cpu_shares, target.oom_score_adj), (-1, 512, -5))
+        self.assertEqual((target.cpuset_cpus, target.cpuset_mems), ("3", "0"))
+        self.assertEqual(dict(target.unified), {"a": "1", "b": "2"})
+        self.assertEqual([h.page_size for h in target.hugepage_limits], ["1GB"])
+        self.assertEqual((target.cpu_period, target.memory_limit_in_bytes), (100000, 10))
+
+    def test_negative_numbers_where_only_positive_make_sense_are_ignored(self) -> None:
+        target = hook.LinuxContainerResources(cpu_shares=2, memory_limit_in_bytes=10)
+        messages.merge_resources(target, hook.LinuxContainerResources(cpu_shares=-1, memory_limit_in_bytes=-1))
+        self.assertEqual((target.cpu_shares, target.memory_limit_in_bytes), (2, 10))
+
+    def test_container_response_merges_maps_and_replaces_cgroup_parent(self) -> None:
+        request = hook.ContainerResourceHookRequest(
+            container_annotations={"a": "1"}, container_envs={"X": "1"}, pod_cgroup_parent="/p"
+        )
+        messages.merge_container_response(
+            request, hook.ContainerResourceHookResponse(container_annotations={"b": "2"}, container_envs={"Y": "2"})
+        )
+        self.assertEqual(dict(request.container_annotations), {"a": "1", "b": "2"})
+        self.assertEqual(dict(request.container_envs), {"X": "1", "Y": "2"})
+        self.assertEqual(request.pod_cgroup_parent, "/p")
+        self.assertFalse(request.HasField("container_resources"))
+        messages.merge_container_response(request, hook.ContainerResourceHookResponse(pod_cgroup_parent="/q"))
+        self.assertEqual(request.pod_cgroup_parent, "/q")
+
+    def test_pod_response(self) -> None:
+        pod = translate.pod_hook_request(run_pod_request())
+        messages.merge_pod_response(
+            pod,
+            hook.PodSandboxHookResponse(
+                labels={"tier": "gold"}, cgroup_parent="/kubepods/besteffort",
+                resources=hook.LinuxContainerResources(cpu_shares=2),
+            ),
+        )
+        self.assertEqual(dict(pod.labels), {"app": "web", "tier": "gold"})
+        self.assertEqual(pod.cgroup_parent, "/kubepods/besteffort")
+        self.assertEqual((pod.resources.cpu_shares, pod.resources.memory_limit_in_bytes), (2, 1 << 30))
+
+    def test_changed_fields_name_map_keys_and_nested_fields(self) -> None:
+        before = hook.ContainerResourceHookRequest(container_envs={"A": "1"})
+        after = copy.deepcopy(before)
+        after.container_envs["B"] = "2"
+        after.container_resources.cpu_shares = 3
+        self.assertEqual(
+            messages.changed_fields(before, after), {"container_envs[B]", "container_resources.cpu_shares"}
+        )
+        self.assertEqual(messages.changed_fields(before, copy.deepcopy(before)), set())
