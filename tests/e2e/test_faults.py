@@ -255,6 +255,13 @@ def test_restart_during_churn_keeps_every_containers_hooks(
             runtime = proxy.runtime(channel)
             for name in names:
                 runtime.StopContainer(api_pb2.StopContainerRequest(container_id=containers[name], timeout=0))
+        # Post hooks leave after the CRI answer: a SIGKILL in that moment would lose them (as it
+        # would lose anything in flight), which is not what this test is about.
+        wanted = {containers[name] for name in names}
+        deadline = time.monotonic() + 5
+        while not wanted <= {r.container_meta.id for r in server.calls("PostStopContainerHook")}:
+            assert time.monotonic() < deadline, f"no PostStopContainer for {wanted}"
+            time.sleep(0.01)
 
     def restart(proxy: KoordrpProcess) -> KoordrpProcess:
         if signal_name == "SIGTERM":
