@@ -10,7 +10,7 @@ from typing import Iterable, MutableMapping
 
 from koordrp.api.cri.v1 import api_pb2 as cri
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
-from koordrp.hooks.messages import ContainerHookRequest, PodHookRequest, merge_resources, merged_envs, with_pod
+from koordrp.hooks.messages import ContainerHookRequest, PodHookRequest, fold_resources, merged_envs, with_pod
 
 
 def as_hook_resources(resources: cri.LinuxContainerResources) -> hook.LinuxContainerResources:
@@ -75,7 +75,7 @@ def fold_update_request(stored: ContainerHookRequest, request: cri.UpdateContain
     folded.CopyFrom(stored)
     folded.container_meta.id = request.container_id
     if request.HasField("linux"):
-        merge_resources(folded.container_resources, as_hook_resources(request.linux))
+        fold_resources(folded.container_resources, as_hook_resources(request.linux))
     folded.container_annotations.update(request.annotations)
     return folded
 

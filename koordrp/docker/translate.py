@@ -25,7 +25,7 @@ import re
 from typing import Any, Literal, Mapping, MutableMapping
 
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
-from koordrp.hooks.messages import ContainerHookRequest, PodHookRequest, merge_resources, merged_envs, with_pod
+from koordrp.hooks.messages import ContainerHookRequest, PodHookRequest, fold_resources, merged_envs, with_pod
 from koordrp.text import json_type
 
 Kind = Literal["sandbox", "container"]
@@ -360,12 +360,12 @@ def fold_update(stored: ContainerHookRequest, body: object) -> ContainerHookRequ
     """The PreUpdateContainerResources request: the stored container with the update's values on top.
 
     An update names only what it changes (zero or empty means "keep"), which is exactly how
-    ``merge_resources`` reads a set of resources.
+    ``fold_resources`` reads a set of resources.
     """
     update = _require_object(body, "update body")
     folded = ContainerHookRequest()
     folded.CopyFrom(stored)
-    merge_resources(folded.container_resources, _resources(update, "update body", _UPDATE_KEYS))
+    fold_resources(folded.container_resources, _resources(update, "update body", _UPDATE_KEYS))
     return folded
 
 

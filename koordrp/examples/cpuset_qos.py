@@ -10,8 +10,9 @@ PreCreateContainer:
 * every container gets ``POD_QOS_CLASS`` set from its pod's ``koordinator.sh/qosClass`` label, or
   ``NONE`` when the pod has none.
 
-PreRunPodSandbox is answered with nothing: the pod is created as kubelet asked. Answers hold only
-what this server changes; koordrp keeps every field they leave empty.
+PreRunPodSandbox is answered with nothing: the pod is created as kubelet asked. The container
+answer is ``reply(request)`` (the request as it came) with this server's changes: koordrp takes the
+cpuset an answer's resources carry, so an answer built from scratch would clear kubelet's cpuset.
 """
 
 import argparse
@@ -19,7 +20,7 @@ import logging
 import re
 
 from koordrp.api.runtime.v1alpha1 import api_pb2
-from koordrp.sdk import HookServer
+from koordrp.sdk import HookServer, reply
 
 CPUSET_ANNOTATION = "demo.koordrp.io/cpuset"
 QOS_LABEL = "koordinator.sh/qosClass"
@@ -36,7 +37,7 @@ class CpusetQoS(HookServer):
         return None
 
     def PreCreateContainer(self, request: api_pb2.ContainerResourceHookRequest) -> api_pb2.ContainerResourceHookResponse:
-        response = api_pb2.ContainerResourceHookResponse()
+        response = reply(request)
         cpuset = request.pod_annotations.get(CPUSET_ANNOTATION, "").replace(" ", "")
         if cpuset:
             if not _CPU_LIST.match(cpuset):

@@ -31,21 +31,26 @@ class HookConfigError(ValueError):
 
 
 def parse_hook_server_config(name: str, data: bytes, default_timeout: float) -> HookServerConfig:
-    """Parse the registration file ``name`` holding ``data``.
+    """Parse the registration file ``name`` holding ``data``, the way Koordinator's proxy reads it.
 
-    Fields koordrp does not know are ignored, so that files written for newer proxies still load.
+    Fields koordrp does not know are ignored, so that files written for newer proxies still load;
+    so are stage names it has no hook point for (koordlet lists ``PreRemoveRunPodSandbox`` when
+    Resctrl is on), which ``ignored_stages`` keeps for the log. No ``runtime-hooks`` (koordlet
+    leaves it out when every stage is disabled) registers the server for nothing.
     """
     if len(data) > MAX_CONFIG_BYTES:
         raise HookConfigError(TOO_LARGE)
     document = _decode(data)
     if not isinstance(document, dict):
         raise HookConfigError(f"not a JSON object (found {json_type(document)})")
+    hooks, ignored = _hooks(document)
     return HookServerConfig(
         name=name,
         endpoint=_endpoint(document),
         failure_policy=_failure_policy(document),
-        hooks=_hooks(document),
+        hooks=hooks,
         timeout=_timeout(document, default_timeout),
+        ignored_stages=ignored,
     )
 
 
@@ -107,7 +112,8 @@ def _endpoint(document: dict[str, object]) -> str:
 
 def _failure_policy(document: dict[str, object]) -> FailurePolicy:
     value = document.get("failure-policy")
-    if value is None:
+    # Koordinator's PolicyNone (""), like an absent policy, ignores failures.
+    if value is None or value == "":
         return FailurePolicy.IGNORE
     if isinstance(value, str) and value in _POLICIES_BY_NAME:
         return _POLICIES_BY_NAME[value]
@@ -116,23 +122,24 @@ def _failure_policy(document: dict[str, object]) -> FailurePolicy:
     raise HookConfigError(f'"failure-policy" must be {known}, not {shown}')
 
 
-def _hooks(document: dict[str, object]) -> frozenset[HookType]:
-    if "runtime-hooks" not in document:
-        raise HookConfigError('"runtime-hooks" is missing')
-    value = document["runtime-hooks"]
+def _hooks(document: dict[str, object]) -> tuple[frozenset[HookType], tuple[str, ...]]:
+    """The hooks the file asks for, and the stage names among them koordrp has no hook point for."""
+    value = document.get("runtime-hooks")
+    if value is None:
+        return frozenset(), ()
     if not isinstance(value, list):
         raise HookConfigError(f'"runtime-hooks" must be a list of hook names, not {json_type(value)}')
-    hooks = set()
+    hooks: set[HookType] = set()
+    ignored: list[str] = []
     for index, item in enumerate(value):
         if not isinstance(item, str):
             raise HookConfigError(f'"runtime-hooks"[{index}] must be a string, not {json_type(item)}')
         hook = HOOKS_BY_NAME.get(item)
-        if hook is None:
-            raise HookConfigError(
-                f'"runtime-hooks" names unknown hook {_show(item)} (known: {", ".join(HOOKS_BY_NAME)})'
-            )
-        hooks.add(hook)
-    return frozenset(hooks)
+        if hook is not None:
+            hooks.add(hook)
+        elif _show(item) not in ignored:
+            ignored.append(_show(item))
+    return frozenset(hooks), tuple(ignored)
 
 
 def _timeout(document: dict[str, object], default: float) -> float:

@@ -23,27 +23,44 @@ Resources: TypeAlias = hook.LinuxContainerResources
 # plugin answering with only the fields it cares about must not reset the container's OOM score.
 _POSITIVE_FIELDS = ("cpu_period", "cpu_shares", "memory_limit_in_bytes", "memory_swap_limit_in_bytes")
 _NON_ZERO_FIELDS = ("cpu_quota", "oom_score_adj")
-_NON_EMPTY_FIELDS = ("cpuset_cpus", "cpuset_mems")
+_CPUSET_FIELDS = ("cpuset_cpus", "cpuset_mems")
 
 
-def merge_resources(target: Resources, response: Resources) -> None:
-    """Merge the fields ``response`` sets into ``target``; fields it leaves unset stay as they were."""
+def _merge_numbers_and_maps(target: Resources, source: Resources) -> None:
     for name in _POSITIVE_FIELDS:
-        value = getattr(response, name)
+        value = getattr(source, name)
         if value > 0:
             setattr(target, name, value)
     for name in _NON_ZERO_FIELDS:
-        value = getattr(response, name)
+        value = getattr(source, name)
         if value != 0:
             setattr(target, name, value)
-    for name in _NON_EMPTY_FIELDS:
-        value = getattr(response, name)
+    target.unified.update(source.unified)
+    if source.hugepage_limits:
+        del target.hugepage_limits[:]
+        target.hugepage_limits.extend(source.hugepage_limits)
+
+
+def merge_resources(target: Resources, answer: Resources) -> None:
+    """Merge a hook's resources into ``target``, as Koordinator's proxy does.
+
+    Plugins answer a copy of the request with their changes, so the cpuset they send is the one
+    they want, the empty string included (koordlet clears kubelet's cpuset that way for best-effort
+    pods). Numbers keep their "unset" values: a zero (or, where only positive makes sense, a
+    negative) number leaves ``target``'s as it was.
+    """
+    _merge_numbers_and_maps(target, answer)
+    for name in _CPUSET_FIELDS:
+        setattr(target, name, getattr(answer, name))
+
+
+def fold_resources(target: Resources, update: Resources) -> None:
+    """Fold kubelet's new resources into the stored ones: what it leaves unset, the empty cpuset included, stays."""
+    _merge_numbers_and_maps(target, update)
+    for name in _CPUSET_FIELDS:
+        value = getattr(update, name)
         if value:
             setattr(target, name, value)
-    target.unified.update(response.unified)
-    if response.hugepage_limits:
-        del target.hugepage_limits[:]
-        target.hugepage_limits.extend(response.hugepage_limits)
 
 
 def merge_pod_response(request: PodHookRequest, response: hook.PodSandboxHookResponse) -> None:

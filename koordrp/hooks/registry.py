@@ -110,6 +110,9 @@ class Notice:
 REJECTED = "hook server registration {file} rejected: {reason}"
 REJECTED_KEEPING = "hook server registration {file} rejected: {reason}; its last good version stays in force"
 VALID_AGAIN = "hook server registration {file} is valid now"
+IGNORED_STAGES = "hook server registration {file} lists stages koordrp has no hook point for, ignored: {stages}"
+NO_HOOKS = "hook server registration {file} lists no hooks: the server is registered and called for nothing"
+_STAGES_SHOWN = 10
 UNREGISTERED = "hook server {name} unregistered: {file} is gone"
 DIRECTORY_GONE = "hook server directory {directory} is gone; its hook servers are unregistered"
 DIRECTORY_BACK = "hook server directory {directory} is back"
@@ -272,7 +275,21 @@ class RegistrationBook:
             return self._refuse(name, old, Refusal(error.reason, reading.seen, digest), notices)
         if old is not None and old.complaint is not None:
             notices.append(Notice(LogLevel.info, VALID_AGAIN, {"file": self._path(name)}))
+        if old is None or old.good is None or old.good != config or old.good.ignored_stages != config.ignored_stages:
+            notices.extend(self._remarks(name, config))
         return Entry(seen=reading.seen, good=config, complaint=None)
+
+    def _remarks(self, name: str, config: HookServerConfig) -> list[Notice]:
+        """What a new version of a valid file may still deserve a word about."""
+        remarks = []
+        if config.ignored_stages:
+            stages = ", ".join(config.ignored_stages[:_STAGES_SHOWN])
+            if len(config.ignored_stages) > _STAGES_SHOWN:
+                stages += f" and {len(config.ignored_stages) - _STAGES_SHOWN} more"
+            remarks.append(Notice(LogLevel.info, IGNORED_STAGES, {"file": self._path(name), "stages": stages}))
+        if not config.hooks:
+            remarks.append(Notice(LogLevel.info, NO_HOOKS, {"file": self._path(name)}))
+        return remarks
 
     def _refuse(self, name: str, old: Entry | None, refusal: Refusal, notices: list[Notice]) -> Entry:
         good = old.good if old is not None else None

@@ -53,6 +53,8 @@ class HookServerConfig:
     hooks: frozenset[HookType]
     timeout: float
     """Seconds one hook call may take."""
+    ignored_stages: tuple[str, ...] = field(default=(), compare=False)
+    """Stage names the file lists that koordrp has no hook point for (koordlet's PreRemoveRunPodSandbox)."""
 
 
 @dataclass(frozen=True)

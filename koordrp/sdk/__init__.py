@@ -3,11 +3,11 @@
 A hook server answers koordrp's ``RuntimeHookService`` calls. With this module it is a class or a
 handful of functions::
 
-    from koordrp.sdk import HookServer
+    from koordrp.sdk import HookServer, reply
 
     class Pinning(HookServer):
         def PreCreateContainer(self, request):
-            response = ContainerResourceHookResponse()
+            response = reply(request)  # the request as it is: change what you want
             response.container_resources.cpuset_cpus = "0-1"
             return response
 
@@ -17,6 +17,11 @@ handful of functions::
 Handlers are named after the hook exactly as hookserver.d files spell it (``PreCreateContainer``,
 not ``pre_create_container`` nor the RPC's ``PreCreateContainerHook``), or registered with
 ``@server.hook(HookType.PRE_CREATE_CONTAINER)`` / ``@server.hook("PreCreateContainer")``.
+
+Answer with ``reply(request)`` changed where you want, as koordlet answers: koordrp merges an
+answer into the request the way Koordinator's proxy does, so a resources message in it sets the
+cpuset to what it says (the empty string clears kubelet's cpuset), and ``reply`` starts from the
+request's own values. Returning ``None`` changes nothing.
 
 Where a handler runs (the Twisted reactor or an asyncio loop, following txaio's choice) and how its
 answer is awaited is told in ``koordrp.sdk.loops``; how the registration is written, in
@@ -48,6 +53,7 @@ __all__ = [
     "PodHandler",
     "RunningServer",
     "hook_type",
+    "reply",
 ]
 
 SOCKET_UMASK = 0o177
@@ -99,6 +105,39 @@ def hook_type(hook: HookType | str) -> HookType:
     if found is None:
         raise ValueError(f"unknown hook {hook!r} (known: {', '.join(HOOKS_BY_NAME)})")
     return found
+
+
+@overload
+def reply(request: api_pb2.PodSandboxHookRequest) -> api_pb2.PodSandboxHookResponse: ...
+
+
+@overload
+def reply(request: api_pb2.ContainerResourceHookRequest) -> api_pb2.ContainerResourceHookResponse: ...
+
+
+def reply(
+    request: api_pb2.PodSandboxHookRequest | api_pb2.ContainerResourceHookRequest,
+) -> api_pb2.PodSandboxHookResponse | api_pb2.ContainerResourceHookResponse:
+    """The answer that changes nothing: every field the answer has, copied from ``request``.
+
+    Change what you want in it and return it. Starting from an empty answer instead, a resources
+    message you add carries an empty cpuset, which clears the container's.
+    """
+    if isinstance(request, api_pb2.PodSandboxHookRequest):
+        pod = api_pb2.PodSandboxHookResponse(
+            labels=request.labels, annotations=request.annotations, cgroup_parent=request.cgroup_parent
+        )
+        if request.HasField("resources"):
+            pod.resources.CopyFrom(request.resources)
+        return pod
+    container = api_pb2.ContainerResourceHookResponse(
+        container_annotations=request.container_annotations,
+        pod_cgroup_parent=request.pod_cgroup_parent,
+        container_envs=request.container_envs,
+    )
+    if request.HasField("container_resources"):
+        container.container_resources.CopyFrom(request.container_resources)
+    return container
 
 
 class HookServer:

@@ -170,17 +170,21 @@ class RejectTests(SynchronousTestCase):
             self.reason(with_fields(failure_policy="fail")), '"failure-policy" must be "Fail" or "Ignore", not "fail"'
         )
         self.assertIn("not a boolean", self.reason(with_fields(failure_policy=True)))
-        self.assertIn('not ""', self.reason(with_fields(failure_policy="")))
 
-    def test_hooks_missing(self) -> None:
-        self.assertEqual(self.reason(with_fields(runtime_hooks=_MISSING)), '"runtime-hooks" is missing')
+    def test_an_empty_or_absent_policy_is_ignore_as_in_koordinator(self) -> None:
+        for data in (with_fields(failure_policy=""), with_fields(failure_policy=_MISSING)):
+            self.assertIs(parse_hook_server_config("k.json", data, 3.0).failure_policy, FailurePolicy.IGNORE)
+
+    def test_no_hooks_registers_the_server_for_none(self) -> None:
+        for data in (with_fields(runtime_hooks=_MISSING), with_fields(runtime_hooks=None), with_fields(runtime_hooks=[])):
+            config = parse_hook_server_config("k.json", data, 3.0)
+            self.assertEqual((config.hooks, config.ignored_stages), (frozenset(), ()))
 
     def test_hooks_not_a_list(self) -> None:
         self.assertEqual(
             self.reason(with_fields(runtime_hooks="PreRunPodSandbox")),
             '"runtime-hooks" must be a list of hook names, not string',
         )
-        self.assertIn("not null", self.reason(with_fields(runtime_hooks=None)))
 
     def test_hooks_not_strings(self) -> None:
         self.assertEqual(
@@ -188,14 +192,16 @@ class RejectTests(SynchronousTestCase):
             '"runtime-hooks"[1] must be a string, not number',
         )
 
-    def test_unknown_hook_is_named(self) -> None:
-        reason = self.reason(with_fields(runtime_hooks=["PreRunPodSandbox", "PreRemoveContainer"]))
-        self.assertTrue(reason.startswith('"runtime-hooks" names unknown hook "PreRemoveContainer" (known: '), reason)
-        self.assertIn("PreUpdateContainerResources", reason)
+    def test_stages_without_a_hook_point_are_ignored_and_named(self) -> None:
+        data = with_fields(runtime_hooks=["PreRunPodSandbox", "PreRemoveRunPodSandbox", "PreRemoveRunPodSandbox"])
+        config = parse_hook_server_config("koordlet.json", data, 3.0)
+        self.assertEqual(config.hooks, frozenset({HookType.PRE_RUN_POD_SANDBOX}))
+        self.assertEqual(config.ignored_stages, ('"PreRemoveRunPodSandbox"',))
 
-    def test_unknown_hook_is_shown_short(self) -> None:
-        reason = self.reason(with_fields(runtime_hooks=["x" * 10_000]))
-        self.assertIn('"xxxx', reason)
+    def test_an_ignored_stage_is_shown_short(self) -> None:
+        config = parse_hook_server_config("k.json", with_fields(runtime_hooks=["x" * 10_000]), 3.0)
+        [shown] = config.ignored_stages
+        self.assertTrue(shown.startswith('"xxxx') and len(shown) <= 80, shown)
 
     def test_timeout_not_positive(self) -> None:
         for value in (0, -1, 0.0, -0.5):

@@ -11,7 +11,7 @@ from tests.unit.test_cri_translate import run_pod_request
 
 
 class MergeTests(SynchronousTestCase):
-    def test_resources_take_only_what_the_response_sets(self) -> None:
+    def test_numbers_keep_what_the_answer_leaves_unset_and_the_cpuset_is_the_answers(self) -> None:
         target = hook.LinuxContainerResources(
             cpu_period=100000, cpu_quota=50000, cpu_shares=2, memory_limit_in_bytes=10, oom_score_adj=500,
             cpuset_cpus="0-1", cpuset_mems="0", unified={"a": "1"},
@@ -20,7 +20,7 @@ class MergeTests(SynchronousTestCase):
         messages.merge_resources(target, hook.LinuxContainerResources())
         self.assertEqual(target.cpu_quota, 50000)
         self.assertEqual(target.oom_score_adj, 500)
-        self.assertEqual(target.cpuset_cpus, "0-1")
+        self.assertEqual((target.cpuset_cpus, target.cpuset_mems), ("", ""))  # koordlet clears a cpuset so
         self.assertEqual(len(target.hugepage_limits), 1)
         messages.merge_resources(
             target,
@@ -30,10 +30,17 @@ class MergeTests(SynchronousTestCase):
             ),
         )
         self.assertEqual((target.cpu_quota, target.cpu_shares, target.oom_score_adj), (-1, 512, -5))
-        self.assertEqual((target.cpuset_cpus, target.cpuset_mems), ("3", "0"))
+        self.assertEqual((target.cpuset_cpus, target.cpuset_mems), ("3", ""))
         self.assertEqual(dict(target.unified), {"a": "1", "b": "2"})
         self.assertEqual([h.page_size for h in target.hugepage_limits], ["1GB"])
         self.assertEqual((target.cpu_period, target.memory_limit_in_bytes), (100000, 10))
+
+    def test_a_kubelet_update_folds_in_only_the_cpuset_it_sets(self) -> None:
+        target = hook.LinuxContainerResources(cpu_shares=2, cpuset_cpus="0-1", cpuset_mems="0")
+        messages.fold_resources(target, hook.LinuxContainerResources(cpu_shares=512))
+        self.assertEqual((target.cpu_shares, target.cpuset_cpus, target.cpuset_mems), (512, "0-1", "0"))
+        messages.fold_resources(target, hook.LinuxContainerResources(cpuset_cpus="3"))
+        self.assertEqual((target.cpu_shares, target.cpuset_cpus), (512, "3"))
 
     def test_negative_numbers_where_only_positive_make_sense_are_ignored(self) -> None:
         target = hook.LinuxContainerResources(cpu_shares=2, memory_limit_in_bytes=10)

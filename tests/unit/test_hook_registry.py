@@ -29,6 +29,7 @@ from koordrp.hooks.registry import (
     read_registration,
 )
 from koordrp.hooks.types import FailurePolicy, HookServerConfig, HookServers, HookType
+from tests.support import koordlet
 from tests.support.tempdirs import short_tempdir
 
 reactor: IReactorTime = _global_reactor  # type: ignore[assignment]
@@ -227,6 +228,44 @@ class BookTests(SynchronousTestCase):
             "b.json (/run/b.sock, Fail, 3s): no hooks",
         )
         self.assertEqual(describe(HookServers()), "none")
+
+    def lines(self, notices: list[Notice]) -> list[str]:
+        return [notice.format.format(**notice.fields) for notice in notices]
+
+    def test_koordlets_registrations_as_koordlet_writes_them(self) -> None:
+        cases = {
+            koordlet.DEFAULT: ("PreRunPodSandbox, PreCreateContainer, PreUpdateContainerResources", []),
+            koordlet.WITH_RESCTRL: (
+                "PreRunPodSandbox, PreCreateContainer, PreUpdateContainerResources",
+                [f"hook server registration {DIRECTORY}/koordlet.json lists stages koordrp has no hook point for, "
+                 'ignored: "PreRemoveRunPodSandbox"'],
+            ),
+            koordlet.NO_STAGES: (
+                "no hooks",
+                [f"hook server registration {DIRECTORY}/koordlet.json lists no hooks: the server is registered and "
+                 "called for nothing"],
+            ),
+        }
+        for data, (hooks, remarks) in cases.items():
+            book = RegistrationBook(DIRECTORY, 2.0)
+            files = FakeFiles()
+            files.put("koordlet.json", data, key(1))
+            changed, notices = book.update({"koordlet.json": key(1)}, files.read)
+            self.assertTrue(changed)
+            self.assertEqual(
+                self.lines(notices),
+                [*remarks, f"hook servers: koordlet.json (/var/run/koordlet/koordlet.sock, Ignore, 2s): {hooks}"],
+            )
+
+    def test_a_remark_is_made_once_per_version_of_the_file(self) -> None:
+        self.files.put("koordlet.json", koordlet.WITH_RESCTRL, None)  # too fresh to trust: read at every rescan
+        _, notices = self.update({"koordlet.json": key(1)})
+        self.assertEqual(len([n for n in notices if n.format == registry.IGNORED_STAGES]), 1)
+        self.assertEqual(self.update({"koordlet.json": key(1)}), (False, []))
+        self.assertEqual(self.files.reads, ["koordlet.json"])
+        self.files.put("koordlet.json", koordlet.WITH_RESCTRL.replace(b"Ignore", b"Fail"), key(2))
+        _, notices = self.update({"koordlet.json": key(2)})
+        self.assertEqual([n.format for n in notices], [registry.IGNORED_STAGES, registry.SERVERS])
 
 
 class TroubleTests(SynchronousTestCase):
@@ -574,7 +613,7 @@ class WatchingTests(TestCase):
         os.mkdir(self.dir)
         self.write("a.json", registration("/run/a.sock"))
         hooks = self.start()
-        self.write("a.json", registration("/run/a.sock", ("PreRunPodSandbox", "PreFlightCheck")))
+        self.write("a.json", registration("/run/a.sock", failure_policy="Sometimes"))
         await self.until(lambda: len(self.warnings_about("a.json")) == 1, "bad a.json rejected")
         self.assertEqual(self.endpoints(hooks), {"a.json": "/run/a.sock"})
         os.utime(self.path("a.json"))  # same bad version, new stat
@@ -584,9 +623,7 @@ class WatchingTests(TestCase):
             self.warnings_about("a.json"),
             [
                 f"hook server registration {self.path('a.json')} rejected: "
-                '"runtime-hooks" names unknown hook "PreFlightCheck" (known: PreRunPodSandbox, PostStopPodSandbox, '
-                "PreCreateContainer, PreStartContainer, PostStartContainer, PostStopContainer, "
-                "PreUpdateContainerResources); its last good version stays in force"
+                '"failure-policy" must be "Fail" or "Ignore", not "Sometimes"; its last good version stays in force'
             ],
         )
         self.assertEqual(self.endpoints(hooks)["a.json"], "/run/a.sock")

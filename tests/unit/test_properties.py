@@ -24,7 +24,7 @@ from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
 from koordrp.cri import translate
 from koordrp.hooks import messages
 from koordrp.hooks.config import MAX_SOCKET_PATH_BYTES, HookConfigError, parse_hook_server_config
-from koordrp.hooks.types import FailurePolicy, HookServerConfig, HookType
+from koordrp.hooks.types import HOOKS_BY_NAME, FailurePolicy, HookServerConfig, HookType
 from koordrp.cri.runtime_info import (
     RuntimeInfoError,
     container_info_from_status,
@@ -205,8 +205,10 @@ class HookConfigPropertyTests(SynchronousTestCase):
         assert isinstance(document, dict)
         self.assertEqual(config.endpoint, expected_endpoint(document["remote-endpoint"]))
         policy = document.get("failure-policy")
-        self.assertEqual(config.failure_policy, FailurePolicy.IGNORE if policy is None else FailurePolicy(policy))
-        self.assertEqual(config.hooks, frozenset(HookType(name) for name in document["runtime-hooks"]))
+        self.assertEqual(config.failure_policy, FailurePolicy.IGNORE if policy in (None, "") else FailurePolicy(policy))
+        names = document.get("runtime-hooks") or []
+        self.assertEqual(config.hooks, frozenset(HookType(name) for name in names if name in HOOKS_BY_NAME))
+        self.assertEqual(len(config.ignored_stages), len({name for name in names if name not in HOOKS_BY_NAME}))
         timeout = document.get("timeout-seconds")
         self.assertEqual(config.timeout, DEFAULT_TIMEOUT if timeout is None else float(timeout))
 
@@ -344,8 +346,8 @@ class MergeModel:
         for name in NON_ZERO_FIELDS:
             wanted = getattr(response, name) if getattr(response, name) != 0 else getattr(before, name)
             self.test.assertEqual(getattr(after, name), wanted, name)
-        for name in STRING_FIELDS:
-            self.test.assertEqual(getattr(after, name), getattr(response, name) or getattr(before, name), name)
+        for name in STRING_FIELDS:  # the cpuset the answer carries, the empty one included
+            self.test.assertEqual(getattr(after, name), getattr(response, name), name)
         self.test.assertEqual(list(after.hugepage_limits), list(response.hugepage_limits or before.hugepage_limits))
         self.test.assertEqual(dict(after.unified), {**before.unified, **response.unified})
 

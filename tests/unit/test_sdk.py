@@ -28,12 +28,12 @@ from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from koordrp import sdk
 from koordrp.api.runtime.v1alpha1 import api_pb2
-from koordrp.unix import grpc_target
 from koordrp.examples.cpuset_qos import CpusetQoS
 from koordrp.hooks.config import parse_hook_server_config, permission_problem
+from koordrp.hooks.messages import merge_response
 from koordrp.hooks.types import FailurePolicy, HookType
 from koordrp.sdk import HookServer, RunningServer
-from koordrp.unix import SocketInUse
+from koordrp.unix import SocketInUse, grpc_target
 from tests.support.tempdirs import short_tempdir
 
 REPOSITORY = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -311,7 +311,7 @@ class FailureTests(ServingTestCase):
 
 
 class ExampleServerTests(ServingTestCase):
-    """koordrp.examples.cpuset_qos answers with only what it changes."""
+    """koordrp.examples.cpuset_qos answers with the request as it came, plus its changes."""
 
     def setUp(self) -> None:
         super().setUp()
@@ -331,8 +331,8 @@ class ExampleServerTests(ServingTestCase):
         self.assertEqual(
             response,
             api_pb2.ContainerResourceHookResponse(
-                container_resources=api_pb2.LinuxContainerResources(cpuset_cpus="0-1"),
-                container_envs={"POD_QOS_CLASS": "LSR"},
+                container_resources=api_pb2.LinuxContainerResources(cpu_shares=512, cpuset_cpus="0-1"),
+                container_envs={"PATH": "/bin", "POD_QOS_CLASS": "LSR"},
             ),
         )
 
@@ -350,6 +350,24 @@ class ExampleServerTests(ServingTestCase):
     async def test_pod_sandbox_changes_nothing(self) -> None:
         response = await self.call(HookType.PRE_RUN_POD_SANDBOX, pod_request())
         self.assertEqual(response.ByteSize(), 0)
+
+
+class ReplyTests(SynchronousTestCase):
+    def test_a_reply_is_the_request_as_an_answer_that_changes_nothing(self) -> None:
+        resources = api_pb2.LinuxContainerResources(cpu_shares=2, cpuset_cpus="0-3", cpuset_mems="0")
+        container = container_request(
+            container_annotations={"a": "1"}, container_resources=resources, pod_cgroup_parent="/kubepods/p",
+            container_envs={"A": "1"},
+        )
+        pod = api_pb2.PodSandboxHookRequest(labels={"l": "1"}, annotations={"a": "1"}, cgroup_parent="/p", resources=resources)
+        for request in (container, pod):
+            merged = type(request)()
+            merged.CopyFrom(request)
+            merge_response(merged, sdk.reply(request))
+            self.assertEqual(merged, request)
+        self.assertEqual(sdk.reply(container).container_resources, resources)
+        self.assertEqual((sdk.reply(pod).cgroup_parent, dict(sdk.reply(pod).labels)), ("/p", {"l": "1"}))
+        self.assertFalse(sdk.reply(container_request()).HasField("container_resources"))
 
 
 class NamingTests(SynchronousTestCase):
