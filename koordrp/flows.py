@@ -45,8 +45,8 @@ from twisted.logger import Logger
 
 from koordrp.calllog import CallRecord
 from koordrp.hooks.messages import ContainerHookRequest, HookRequest, PodHookRequest
-from koordrp.hooks.types import HookServers, HookType, StageOutcome, Subscribers
-from koordrp.store import Store, StoredContainer
+from koordrp.hooks.types import FailurePolicy, HookServers, HookType, StageOutcome, Subscribers
+from koordrp.store import Store, StoredContainer, StoredPod
 from koordrp.text import shortened
 
 if TYPE_CHECKING:
@@ -88,8 +88,8 @@ class Stages(Protocol):
     def announce(self, hook: HookType, servers: Subscribers, request: HookRequest) -> None:
         """Start a post stage; nobody waits for it."""
 
-    def skipped(self, hook: HookType, servers: Subscribers) -> None:
-        """Count a stage the skip label spared."""
+    def skipped(self, hook: HookType, servers: Subscribers, result: str) -> None:
+        """Count a stage not run: ``result`` says why (SKIPPED by the pod's label, UNREADABLE request)."""
 
 
 PodSource = Callable[[str], Awaitable[PodHookRequest | None]]
@@ -103,7 +103,7 @@ class RuntimeReader(Protocol):
     could not say; Unreadable: it answered with something koordrp cannot read.
     """
 
-    def read_pod(self, sandbox_id: str) -> Awaitable[PodHookRequest | None]: ...
+    def read_pod(self, sandbox_id: str) -> Awaitable[StoredPod | None]: ...
 
     def read_container(self, container_id: str, pods: PodSource) -> Awaitable[StoredContainer | None]: ...
 
@@ -153,6 +153,26 @@ class HookFailed(Exception):
     """A Fail-policy hook server could not be heard: the call fails with this message, unforwarded."""
 
 
+class UnreadableRequest(Exception):
+    """A request koordrp cannot read, which a Fail-policy server must see: the call fails with this message."""
+
+
+SKIPPED = "skipped"
+UNREADABLE = "unreadable"
+
+# The hook points of each CRI method (Docker calls stand for one of them).
+METHOD_HOOKS: dict[str, tuple[HookType, ...]] = {
+    "RunPodSandbox": (HookType.PRE_RUN_POD_SANDBOX,),
+    "CreateContainer": (HookType.PRE_CREATE_CONTAINER,),
+    "StartContainer": (HookType.PRE_START_CONTAINER, HookType.POST_START_CONTAINER),
+    "UpdateContainerResources": (HookType.PRE_UPDATE_CONTAINER_RESOURCES,),
+    "StopContainer": (HookType.POST_STOP_CONTAINER,),
+    "StopPodSandbox": (HookType.POST_STOP_CONTAINER, HookType.POST_STOP_POD_SANDBOX),
+    "RemoveContainer": (),
+    "RemovePodSandbox": (),
+}
+
+
 @dataclass(frozen=True)
 class SkipLabel:
     """The pod label that spares a pod (and its containers) every hook call."""
@@ -197,7 +217,7 @@ class Call(Generic[AnyReply]):
         """The servers to call: none when nobody subscribed, or when the pod is skipped (counted)."""
         subscribed = self.servers.subscribed(hook)
         if subscribed and self._skipping:
-            self.stages.skipped(hook, subscribed)
+            self.stages.skipped(hook, subscribed, SKIPPED)
             return ()
         return subscribed
 
@@ -240,9 +260,10 @@ class Call(Generic[AnyReply]):
         """The pod from the store, or read back from the runtime (and remembered) if the store lacks it."""
         pod = self.store.pod(sandbox_id)
         if pod is None and sandbox_id:
-            pod = await self._read_back("pod", sandbox_id, self.backend.read_pod)
-            if pod is not None:
-                self.store.learn([(sandbox_id, pod)], [])
+            stored = await self._read_back("pod", sandbox_id, self.backend.read_pod)
+            if stored is not None:
+                self.store.learn([(sandbox_id, stored)], [])
+                pod = stored.info
         return pod
 
     async def container(self, container_id: str) -> StoredContainer | None:
@@ -256,7 +277,9 @@ class Call(Generic[AnyReply]):
                 self.store.learn([], [(container_id, stored)])
         return stored
 
-    async def _read_back(self, kind: str, identifier: str, read: Callable[[str], Awaitable[Result | None]]) -> Result | None:
+    async def _read_back(
+        self, kind: str, identifier: str, read: Callable[[str], Awaitable[Result | None]]
+    ) -> Result | None:
         try:
             return await read(identifier)
         except LookupFailed as error:
@@ -269,7 +292,9 @@ class Call(Generic[AnyReply]):
             return None
 
 
-def created_container(final: ContainerHookRequest, container_id: str, envs_sent: dict[str, str]) -> ContainerHookRequest:
+def created_container(
+    final: ContainerHookRequest, container_id: str, envs_sent: dict[str, str]
+) -> ContainerHookRequest:
     """The container as the runtime now has it: the final hook request, with its id and the envs it was given."""
     final.container_meta.id = container_id
     final.container_envs.clear()
@@ -313,7 +338,7 @@ async def start_container(call: Call[AnyReply], container_id: str) -> AnyReply:
     call.concerns(container.pod_labels)
     await call.pre(HookType.PRE_START_CONTAINER, container)
     reply = await call.backend.forward(None)
-    if reply.ok:
+    if reply.ok and call.store.started(container_id):
         call.post(HookType.POST_START_CONTAINER, container)
     return reply
 
@@ -328,14 +353,15 @@ async def update_container_resources(call: Call[AnyReply], request: UpdateContai
     rewritten = await call.pre_rewriting(hook, container, request.rewritten)
     reply = await call.backend.forward(rewritten)
     if reply.ok:
-        call.store.put_container(request.container_id, stored.sandbox_id, container)
+        call.store.revise_container(request.container_id, container)
     return reply
 
 
 async def stop_container(call: Call[AnyReply], container_id: str) -> AnyReply:
     stored = await call.container(container_id)
     reply = await call.backend.forward(None)
-    if reply.ok and stored is not None:
+    # kubelet stops again what is stopped already (retries, garbage collection): once per stop.
+    if reply.ok and stored is not None and call.store.stopped(container_id):
         call.concerns(stored.info.pod_labels)
         call.post(HookType.POST_STOP_CONTAINER, stored.info)
     return reply
@@ -345,8 +371,13 @@ async def stop_pod_sandbox(call: Call[AnyReply], sandbox_id: str) -> AnyReply:
     pod = await call.pod(sandbox_id)
     reply = await call.backend.forward(None)
     if reply.ok and pod is not None:
+        pod_was_up, containers = call.store.pod_stopped(sandbox_id)
         call.concerns(pod.labels)
-        call.post(HookType.POST_STOP_POD_SANDBOX, pod)
+        # The runtime stopped the pod's containers too: a plugin sees every stop that went through koordrp.
+        for container in containers:
+            call.post(HookType.POST_STOP_CONTAINER, container.info)
+        if pod_was_up:
+            call.post(HookType.POST_STOP_POD_SANDBOX, pod)
     return reply
 
 
@@ -367,12 +398,39 @@ async def remove_pod_sandbox(call: Call[AnyReply], sandbox_id: str) -> AnyReply:
     return reply
 
 
+async def unreadable(call: Call[AnyReply], method: str, reason: str) -> AnyReply:
+    """A ``method`` request koordrp cannot read goes to the runtime as it came, for the runtime's own answer.
+
+    koordrp never refuses what the runtime accepts, so its hooks are skipped (counted, with one
+    warning), unless a Fail-policy server is subscribed to its pre hook: that server must see
+    every such call, so the call fails (UnreadableRequest), naming why.
+    """
+    hooks = METHOD_HOOKS[method]
+    for hook in (hook for hook in hooks if hook.is_pre):
+        strict = [server for server in call.servers.subscribed(hook) if server.failure_policy is FailurePolicy.FAIL]
+        if strict:
+            raise UnreadableRequest(
+                f"koordrp: cannot read the {method} request, which hook server {strict[0].name} "
+                f"(Fail policy) must see at {hook.value}: {shortened(reason)}"
+            )
+    for hook in hooks:
+        subscribed = call.servers.subscribed(hook)
+        if subscribed:
+            call.stages.skipped(hook, subscribed, UNREADABLE)
+    call.log.warn(
+        "cannot read the {method} request ({reason}); it goes to the runtime as it came, without hooks",
+        method=method,
+        reason=shortened(reason),
+    )
+    return await call.backend.forward(None)
+
+
 # ---------------------------------------------------------------------------------------------
 # What the runtime has, for the store to agree with
 
 log = Logger()
 
-Inventory = tuple[list[tuple[str, PodHookRequest]], list[tuple[str, StoredContainer]]]
+Inventory = tuple[list[tuple[str, StoredPod]], list[tuple[str, StoredContainer]]]
 
 
 async def read_everything(runtime: RuntimeInventory) -> Inventory:
@@ -382,14 +440,15 @@ async def read_everything(runtime: RuntimeInventory) -> Inventory:
     out; if the runtime cannot be asked, LookupFailed says why.
     """
     sandbox_ids, container_ids = await runtime.listed()
-    pods: dict[str, PodHookRequest] = {}
+    pods: dict[str, StoredPod] = {}
     for sandbox_id in sandbox_ids:
         pod = await _readable("pod", sandbox_id, runtime.read_pod(sandbox_id))
         if pod is not None:
             pods[sandbox_id] = pod
 
     async def listed_pod(sandbox_id: str) -> PodHookRequest | None:
-        return pods.get(sandbox_id)
+        found = pods.get(sandbox_id)
+        return None if found is None else found.info
 
     containers: list[tuple[str, StoredContainer]] = []
     for container_id in container_ids:
@@ -403,7 +462,12 @@ async def _readable(kind: str, identifier: str, reading: Awaitable[Result | None
     try:
         return await reading
     except Unreadable as error:
-        log.warn("{kind} {id} cannot be read from the runtime; left out: {error}", kind=kind, id=shortened(identifier, 80), error=shortened(str(error)))
+        log.warn(
+            "{kind} {id} cannot be read from the runtime; left out: {error}",
+            kind=kind,
+            id=shortened(identifier, 80),
+            error=shortened(str(error)),
+        )
         return None
 
 

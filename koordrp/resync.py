@@ -22,7 +22,9 @@ RETRY_SECONDS = 1.0
 class StoreSync:
     log = Logger()
 
-    def __init__(self, store: Store, read: Callable[[], "Deferred[Inventory]"], clock: IReactorTime, runtime: str) -> None:
+    def __init__(
+        self, store: Store, read: Callable[[], "Deferred[Inventory]"], clock: IReactorTime, runtime: str
+    ) -> None:
         """``read`` asks the runtime for everything; ``runtime`` names it in log lines."""
         self._store = store
         self._read = read
@@ -81,7 +83,9 @@ class StoreSync:
             reason = shortened(str(failure.value)) or type(failure.value).__name__
         else:
             reason = f"{type(failure.value).__name__}: {shortened(str(failure.value))}"
-            self.log.failure("reading {runtime}'s pods and containers failed unexpectedly", failure, runtime=self._runtime)
+            self.log.failure(
+                "reading {runtime}'s pods and containers failed unexpectedly", failure, runtime=self._runtime
+            )
         if reason != self._failing:
             self.log.warn(
                 "cannot read {runtime}'s pods and containers: {reason}; trying again every {retry:g}s",

@@ -1,14 +1,22 @@
 """What koordrp told the runtime about each pod and container, by id, safe to use from any thread.
 
-Entries are hook requests: exactly what the next hook for that pod or container is sent. Every read
-and write copies, so no caller can change what another one sees.
+Entries are hook requests: exactly what the next hook for that pod or container is sent, with the
+state the pod or container is in as far as koordrp knows (it decides which post hooks are owed).
+Every read and write copies, so no caller can change what another one sees.
 """
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from enum import Enum
 from typing import Iterable
 
 from koordrp.hooks.messages import ContainerHookRequest, PodHookRequest
+
+
+class ContainerState(Enum):
+    CREATED = "created"
+    RUNNING = "running"
+    STOPPED = "stopped"
 
 
 def _copy_pod(pod: PodHookRequest) -> PodHookRequest:
@@ -24,26 +32,39 @@ def _copy_container(container: ContainerHookRequest) -> ContainerHookRequest:
 
 
 @dataclass(frozen=True)
+class StoredPod:
+    info: PodHookRequest
+    stopped: bool = False
+
+    def copy(self) -> "StoredPod":
+        return StoredPod(_copy_pod(self.info), self.stopped)
+
+
+@dataclass(frozen=True)
 class StoredContainer:
     sandbox_id: str
     info: ContainerHookRequest
+    state: ContainerState = ContainerState.CREATED
+
+    def copy(self) -> "StoredContainer":
+        return StoredContainer(self.sandbox_id, _copy_container(self.info), self.state)
 
 
 class Store:
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._pods: dict[str, PodHookRequest] = {}
+        self._pods: dict[str, StoredPod] = {}
         self._containers: dict[str, StoredContainer] = {}
 
     def pod(self, sandbox_id: str) -> PodHookRequest | None:
         with self._lock:
-            pod = self._pods.get(sandbox_id)
-        return None if pod is None else _copy_pod(pod)
+            stored = self._pods.get(sandbox_id)
+        return None if stored is None else _copy_pod(stored.info)
 
     def container(self, container_id: str) -> StoredContainer | None:
         with self._lock:
             stored = self._containers.get(container_id)
-        return None if stored is None else StoredContainer(stored.sandbox_id, _copy_container(stored.info))
+        return None if stored is None else stored.copy()
 
     def has_pod(self, sandbox_id: str) -> bool:
         with self._lock:
@@ -54,14 +75,58 @@ class Store:
             return container_id in self._containers
 
     def put_pod(self, sandbox_id: str, pod: PodHookRequest) -> None:
-        copied = _copy_pod(pod)
+        """A pod the runtime has just run."""
+        stored = StoredPod(_copy_pod(pod))
         with self._lock:
-            self._pods[sandbox_id] = copied
+            self._pods[sandbox_id] = stored
 
     def put_container(self, container_id: str, sandbox_id: str, info: ContainerHookRequest) -> None:
+        """A container the runtime has just created."""
         stored = StoredContainer(sandbox_id, _copy_container(info))
         with self._lock:
             self._containers[container_id] = stored
+
+    def revise_container(self, container_id: str, info: ContainerHookRequest) -> None:
+        """New information about a container (its resources were updated); one forgotten meanwhile stays forgotten."""
+        copied = _copy_container(info)
+        with self._lock:
+            stored = self._containers.get(container_id)
+            if stored is not None:
+                self._containers[container_id] = replace(stored, info=copied)
+
+    def started(self, container_id: str) -> bool:
+        """The container started: True when koordrp knew it as not running (its PostStartContainer is owed)."""
+        return self._enter(container_id, ContainerState.RUNNING)
+
+    def stopped(self, container_id: str) -> bool:
+        """The container stopped: True when koordrp knew it as not stopped (its PostStopContainer is owed)."""
+        return self._enter(container_id, ContainerState.STOPPED)
+
+    def _enter(self, container_id: str, state: ContainerState) -> bool:
+        with self._lock:
+            stored = self._containers.get(container_id)
+            if stored is None or stored.state is state:
+                return False
+            self._containers[container_id] = replace(stored, state=state)
+            return True
+
+    def pod_stopped(self, sandbox_id: str) -> tuple[bool, list[StoredContainer]]:
+        """The pod stopped, and its containers with it.
+
+        Says whether koordrp knew the pod as not stopped (its PostStopPodSandbox is owed), and which
+        of its containers it knew as not stopped (their PostStopContainer are owed), oldest first.
+        """
+        with self._lock:
+            stored = self._pods.get(sandbox_id)
+            newly = stored is not None and not stored.stopped
+            if stored is not None:
+                self._pods[sandbox_id] = replace(stored, stopped=True)
+            containers = []
+            for container_id, container in self._containers.items():
+                if container.sandbox_id == sandbox_id and container.state is not ContainerState.STOPPED:
+                    self._containers[container_id] = replace(container, state=ContainerState.STOPPED)
+                    containers.append(container)
+        return newly, [container.copy() for container in containers]
 
     def forget_container(self, container_id: str) -> None:
         with self._lock:
@@ -74,19 +139,14 @@ class Store:
             for container_id in [cid for cid, c in self._containers.items() if c.sandbox_id == sandbox_id]:
                 del self._containers[container_id]
 
-    def learn(
-        self, pods: Iterable[tuple[str, PodHookRequest]], containers: Iterable[tuple[str, StoredContainer]]
-    ) -> None:
+    def learn(self, pods: Iterable[tuple[str, StoredPod]], containers: Iterable[tuple[str, StoredContainer]]) -> None:
         """Add what the runtime has and the store lacks (after a start or a store miss).
 
         An entry already present was written by a CRI call that went through koordrp, which is
         at least as fresh as anything read back from the runtime, so it is kept.
         """
-        new_pods = [(sandbox_id, _copy_pod(pod)) for sandbox_id, pod in pods]
-        new_containers = [
-            (container_id, StoredContainer(stored.sandbox_id, _copy_container(stored.info)))
-            for container_id, stored in containers
-        ]
+        new_pods = [(sandbox_id, pod.copy()) for sandbox_id, pod in pods]
+        new_containers = [(container_id, stored.copy()) for container_id, stored in containers]
         with self._lock:
             for sandbox_id, pod in new_pods:
                 self._pods.setdefault(sandbox_id, pod)
@@ -100,7 +160,7 @@ class Store:
 
     def reconcile(
         self,
-        pods: list[tuple[str, PodHookRequest]],
+        pods: list[tuple[str, StoredPod]],
         containers: list[tuple[str, StoredContainer]],
         known_before: tuple[set[str], set[str]],
     ) -> tuple[int, int]:

@@ -5,6 +5,10 @@ package of koordrp's own (``koordrp.cri.v1``): the wire only sees field numbers 
 name of its own lets both be loaded in one process (the tests build requests with the package's
 classes). Services are left out: koordrp routes calls by method name and forwards raw bytes.
 
+One field differs from the package: ``KeyValue.value`` is ``bytes``, as in cri-api v0.34.9,
+v0.35.6, v0.36.2 and later (the package still says ``string``). A current kubelet may send an
+environment value that is not UTF-8, which a ``string`` field refuses to parse.
+
     python -m scripts.cri_schema OUT.pb
 """
 
@@ -35,7 +39,14 @@ def koordrp_schema() -> descriptor_pb2.FileDescriptorProto:
     schema.ClearField("service")
     for message in schema.message_type:
         _rename_types(message, old_prefix, f".{PACKAGE}.")
+    _bytes_field(schema, "KeyValue", "value")
     return schema
+
+
+def _bytes_field(schema: descriptor_pb2.FileDescriptorProto, message_name: str, field_name: str) -> None:
+    (message,) = [message for message in schema.message_type if message.name == message_name]
+    (field,) = [field for field in message.field if field.name == field_name]
+    field.type = descriptor_pb2.FieldDescriptorProto.TYPE_BYTES
 
 
 def main() -> None:

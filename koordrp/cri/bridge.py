@@ -37,8 +37,8 @@ class HookBridge:
         """The stages of one call, each bounded by what ``remaining()`` says is left of its deadline."""
         return BlockingStages(self, remaining)
 
-    def skipped(self, hook: HookType, servers: Subscribers) -> None:
-        self._reactor.callFromThread(self._dispatcher.skipped, hook, servers)
+    def skipped(self, hook: HookType, servers: Subscribers, result: str) -> None:
+        self._reactor.callFromThread(self._dispatcher.skipped, hook, servers, result)
 
     def announce(self, hook: HookType, servers: Subscribers, request: HookRequest) -> None:
         """Start a post hook stage in the reactor and return at once (Dispatcher.announce)."""
@@ -80,8 +80,8 @@ class BlockingStages:
     def announce(self, hook: HookType, servers: Subscribers, request: HookRequest) -> None:
         self._bridge.announce(hook, servers, request)
 
-    def skipped(self, hook: HookType, servers: Subscribers) -> None:
-        self._bridge.skipped(hook, servers)
+    def skipped(self, hook: HookType, servers: Subscribers, result: str) -> None:
+        self._bridge.skipped(hook, servers, result)
 
 
 def _set_failure(answer: "concurrent.futures.Future[StageOutcome]", failure: Failure) -> None:

@@ -19,8 +19,7 @@ from koordrp.cri.backend import BackendChannel
 from koordrp.cri.bridge import HookBridge, HookStageTimeout
 from koordrp.cri.passthrough import relay_failure, remaining_timeout
 from koordrp.cri.runtime_lookup import RuntimeLookup, stored_container
-from koordrp.hooks.messages import PodHookRequest
-from koordrp.store import StoredContainer
+from koordrp.store import StoredContainer, StoredPod
 
 RUNTIME_SERVICE = "/runtime.v1.RuntimeService/"
 
@@ -124,7 +123,7 @@ class CRIBackend:
         raw = bytes(response)
         return CRIReply(raw, self._created_id(raw) if self._created_id is not None else "")
 
-    async def read_pod(self, sandbox_id: str) -> PodHookRequest | None:
+    async def read_pod(self, sandbox_id: str) -> StoredPod | None:
         return self._interceptor.lookup.pod(sandbox_id, remaining_timeout(self._context))
 
     async def read_container(self, container_id: str, pods: flows.PodSource) -> StoredContainer | None:
@@ -157,17 +156,20 @@ class Interceptor:
         path = RUNTIME_SERVICE + name
 
         def handle(raw: bytes, context: grpc.ServicerContext) -> bytes:
-            try:
-                request = method.parse(raw)
-            except DecodeError as error:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"koordrp: cannot parse the {name} request: {error}")
             backend = CRIBackend(self, path, context, raw, method.created_id)
             stages = self._bridge.stages(lambda: remaining_timeout(context))
             call = flows.Call(self._parts, name, stages, backend)
             started = time.monotonic()
             outcome = "OK"
             try:
-                return flows.run_blocking(method.flow(call, request)).raw
+                try:
+                    flow = method.flow(call, method.parse(raw))
+                except DecodeError as error:
+                    flow = flows.unreadable(call, name, str(error))
+                return flows.run_blocking(flow).raw
+            except flows.UnreadableRequest as refusal:
+                outcome = grpc.StatusCode.INVALID_ARGUMENT.name
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(refusal))
             except flows.HookFailed as failure:
                 outcome = grpc.StatusCode.UNKNOWN.name
                 context.abort(grpc.StatusCode.UNKNOWN, str(failure))

@@ -27,6 +27,7 @@ What containerd 1.6 returns (seen on a live instance, see tests/fixtures/):
 
 from __future__ import annotations
 
+import base64
 import functools
 import json
 from typing import Any, Callable, TypeVar, overload
@@ -123,13 +124,14 @@ def container_info_from_status(
         raise RuntimeInfoError("container status has no container id")
     what = f"container {status.id}"
     info = _verbose_info(response, what)
-    config = _parse(cri.ContainerConfig, _object(info, "config", f"{what} info", required=True), f"{what} config")
+    written = _object(info, "config", f"{what} info", required=True)
+    without_envs = {key: value for key, value in written.items() if key != "envs"}
+    config = _parse(cri.ContainerConfig, without_envs, f"{what} config")
     metadata = _metadata(config, status, what)
     container = hook.ContainerResourceHookRequest(
         container_meta=hook.ContainerMetadata(name=metadata.name, attempt=metadata.attempt, id=status.id),
         container_annotations=dict(config.annotations),
-        # A map keeps the last value of a duplicated key, as the runtime's environment does.
-        container_envs={env.key: env.value for env in config.envs},
+        container_envs=_envs(written.get("envs"), _spec_env(info, what), f"{what} config"),
     )
     container.container_resources.CopyFrom(_container_resources(status, config, info, what))
     if pod is not None:
@@ -267,6 +269,52 @@ def _metadata(
     if status.HasField("metadata"):
         return status.metadata
     raise RuntimeInfoError(f"{what} has no metadata in its status or config")
+
+
+def _envs(written: object, spec_env: frozenset[str], where: str) -> dict[str, str]:
+    """The config's environment as hooks saw it: a map (the last value of a repeated key wins, as in the
+    container), without values that are not UTF-8.
+
+    The runtime writes each value as its own CRI schema has it: a string, or (where ``KeyValue.value``
+    is bytes, cri-api v0.35.6 and later) base64. Its runtime spec holds the environment as text,
+    which tells the two apart.
+    """
+    if written is None:
+        return {}
+    if not isinstance(written, list):
+        raise RuntimeInfoError(f"{where}: 'envs' is a JSON {json_type(written)}, not an array")
+    envs: dict[str, str] = {}
+    for index, entry in enumerate(written):
+        if not isinstance(entry, dict):
+            raise RuntimeInfoError(f"{where}.envs[{index}] is a JSON {json_type(entry)}, not an object")
+        key = _string(entry, "key", f"{where}.envs[{index}]")
+        value = _env_value(key, _string(entry, "value", f"{where}.envs[{index}]"), spec_env)
+        if value is not None:
+            envs[key] = value
+    return envs
+
+
+def _env_value(key: str, written: str, spec_env: frozenset[str]) -> str | None:
+    """The value as the container has it: ``written`` when the spec shows it (or shows nothing), else its base64."""
+    if not spec_env or f"{key}={written}" in spec_env:
+        return written
+    try:
+        text = base64.b64decode(written, validate=True).decode("utf-8")
+    except UnicodeDecodeError:
+        return None  # bytes that are no text: hooks never saw them
+    except ValueError:
+        return written
+    return text if f"{key}={text}" in spec_env else written
+
+
+def _spec_env(info: dict[str, Any], what: str) -> frozenset[str]:
+    where = f"{what} runtimeSpec.process"
+    env = _object(_object(info, "runtimeSpec", f"{what} info"), "process", f"{what} runtimeSpec").get("env")
+    if env is None:
+        return frozenset()
+    if not isinstance(env, list) or not all(isinstance(entry, str) for entry in env):
+        raise RuntimeInfoError(f"{where}: 'env' is not an array of strings")
+    return frozenset(env)
 
 
 def _spec_annotations(info: dict[str, Any], what: str) -> dict[str, str]:

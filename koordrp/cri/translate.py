@@ -47,9 +47,23 @@ def pod_hook_request(request: cri.RunPodSandboxRequest) -> PodHookRequest:
     return pod
 
 
+def _env_variable(env: cri.KeyValue) -> tuple[str, str] | None:
+    """The variable as hooks see it; None for a value that is not UTF-8, which their string map cannot hold."""
+    try:
+        return env.key, env.value.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def _env_entry(key: str, value: str) -> cri.KeyValue:
+    return cri.KeyValue(key=key, value=value.encode("utf-8"))
+
+
 def envs_of(config: cri.ContainerConfig) -> dict[str, str]:
-    """The container's environment as a map: the last value of a repeated key wins, as in the container."""
-    return {env.key: env.value for env in config.envs}
+    """The container's environment as hooks see it: a map (the last value of a repeated key wins, as in
+    the container), without the values that are not UTF-8."""
+    variables = (_env_variable(env) for env in config.envs)
+    return dict(variable for variable in variables if variable is not None)
 
 
 def container_hook_request(pod: PodHookRequest, request: cri.CreateContainerRequest) -> ContainerHookRequest:
@@ -115,9 +129,9 @@ def _apply_resources(
 def apply_envs(
     envs: Iterable[cri.KeyValue], before: MutableMapping[str, str], after: MutableMapping[str, str]
 ) -> list[cri.KeyValue]:
-    """kubelet's env list with the hooks' changes (``merged_envs``: order kept, new keys appended sorted)."""
-    merged = merged_envs([(env.key, env.value) for env in envs], before, after)
-    return [cri.KeyValue(key=key, value=value) for key, value in merged]
+    """kubelet's env list with the hooks' changes (``merged_envs``: order kept, new keys appended sorted;
+    a value that is not UTF-8 stays untouched in its place)."""
+    return merged_envs(list(envs), _env_variable, _env_entry, before, after)
 
 
 # Each apply_to_* writes into a CRI request what the hooks changed between ``before`` and ``after``

@@ -17,8 +17,7 @@ from twisted.python.failure import Failure
 from koordrp.docker import translate
 from koordrp.docker.http import HTTPError, parse_response
 from koordrp.flows import LookupFailed, PodSource, Unreadable
-from koordrp.hooks.messages import PodHookRequest
-from koordrp.store import StoredContainer
+from koordrp.store import ContainerState, StoredContainer, StoredPod
 
 CONNECT_SECONDS = 10.0
 QUESTION_SECONDS = 10.0
@@ -96,7 +95,11 @@ class Dockerd:
     """The questions koordrp asks dockerd; its answers about Kubernetes containers, as the store keeps them."""
 
     def __init__(
-        self, reactor: IReactorUNIX, path: str, question_seconds: float = QUESTION_SECONDS, probe_seconds: float = PROBE_SECONDS
+        self,
+        reactor: IReactorUNIX,
+        path: str,
+        question_seconds: float = QUESTION_SECONDS,
+        probe_seconds: float = PROBE_SECONDS,
     ) -> None:
         self._reactor = reactor
         self.path = path
@@ -145,7 +148,7 @@ class Dockerd:
 
     # flows.RuntimeInventory
 
-    async def read_pod(self, sandbox_id: str) -> PodHookRequest | None:
+    async def read_pod(self, sandbox_id: str) -> StoredPod | None:
         return await self.pod_from(await self.inspect(sandbox_id))
 
     async def read_container(self, container_id: str, pods: PodSource) -> StoredContainer | None:
@@ -163,13 +166,14 @@ class Dockerd:
             [identifier for identifier, kind in kinds.items() if kind == "container"],
         )
 
-    async def pod_from(self, inspect: dict[str, Any] | None) -> PodHookRequest | None:
+    async def pod_from(self, inspect: dict[str, Any] | None) -> StoredPod | None:
         if inspect is None or translate.kind_of_inspect(inspect) != "sandbox":
             return None
         try:
-            return translate.stored_sandbox_from_inspect(inspect, await self.cgroup_driver())
+            info = translate.stored_sandbox_from_inspect(inspect, await self.cgroup_driver())
         except translate.DockerShapeError as error:
             raise Unreadable(str(error)) from None
+        return StoredPod(info, stopped=_state(inspect) is ContainerState.STOPPED)
 
     async def container_from(self, inspect: dict[str, Any] | None, pods: PodSource) -> StoredContainer | None:
         if inspect is None or translate.kind_of_inspect(inspect) != "container":
@@ -177,9 +181,20 @@ class Dockerd:
         try:
             sandbox_id = translate.sandbox_id_of_inspect(inspect)
             pod = await pods(sandbox_id)
-            return StoredContainer(sandbox_id, translate.stored_container_from_inspect(inspect, pod, await self.cgroup_driver()))
+            info = translate.stored_container_from_inspect(inspect, pod, await self.cgroup_driver())
+            return StoredContainer(sandbox_id, info, _state(inspect))
         except translate.DockerShapeError as error:
             raise Unreadable(str(error)) from None
+
+
+# dockerd's State.Status, as the store counts a container's life: paused or restarting is not stopped.
+_STATES = {"created": ContainerState.CREATED, "exited": ContainerState.STOPPED, "dead": ContainerState.STOPPED}
+
+
+def _state(inspect: dict[str, Any]) -> ContainerState:
+    state = inspect.get("State")
+    status = state.get("Status") if isinstance(state, dict) else None
+    return _STATES.get(status, ContainerState.RUNNING) if isinstance(status, str) else ContainerState.RUNNING
 
 
 def _reason(error: BaseException) -> str:

@@ -20,8 +20,7 @@ from koordrp.docker import translate
 from koordrp.docker.dockerd import Dockerd
 from koordrp.docker.http import HTTPError, RequestHead, Response, json_response, parse_response
 from koordrp.docker.proxy import IDockerInterceptor
-from koordrp.hooks.messages import PodHookRequest
-from koordrp.store import StoredContainer
+from koordrp.store import StoredContainer, StoredPod
 
 _VERSION = r"(?:/v[0-9.]+)?"
 _CREATE = re.compile(rf"^{_VERSION}/containers/create$")
@@ -82,7 +81,7 @@ class DockerBackend:
         found = self._inspected.pop(identifier, None)
         return found if found is not None else await self._dockerd.inspect(identifier)
 
-    async def read_pod(self, sandbox_id: str) -> PodHookRequest | None:
+    async def read_pod(self, sandbox_id: str) -> StoredPod | None:
         return await self._dockerd.pod_from(await self._inspect_once(sandbox_id))
 
     async def read_container(self, container_id: str, pods: flows.PodSource) -> StoredContainer | None:
@@ -113,6 +112,9 @@ class DockerInterceptor:
             reply = await self._answer(action, head, body, call, backend)
             outcome = reply.status
             return reply.raw
+        except flows.UnreadableRequest as refusal:
+            outcome = "400"
+            return json_response(400, "Bad Request", str(refusal))
         except flows.HookFailed as failure:
             outcome = "500"
             return json_response(500, "Internal Server Error", str(failure))
@@ -141,8 +143,14 @@ class DockerInterceptor:
             name = head.query("name") or ""
             driver = await self._dockerd.cgroup_driver()
             if kind == "sandbox":
-                return flows.run_pod_sandbox(call, translate.SandboxCreate(name, document, driver))
-            return flows.create_container(call, translate.ContainerCreate(name, document, driver))
+                try:
+                    return flows.run_pod_sandbox(call, translate.SandboxCreate(name, document, driver))
+                except translate.DockerShapeError as error:
+                    return flows.unreadable(call, "RunPodSandbox", str(error))
+            try:
+                return flows.create_container(call, translate.ContainerCreate(name, document, driver))
+            except translate.DockerShapeError as error:
+                return flows.unreadable(call, "CreateContainer", str(error))
         found = await self._resolve(_target(head), backend)
         if found is None:
             return None
@@ -159,8 +167,11 @@ class DockerInterceptor:
             return flows.stop_container(call, identifier)
         if action == "remove":
             return flows.remove_container(call, identifier)
-        document = _json_object(body)
-        return None if document is None else flows.update_container_resources(call, translate.ContainerUpdate(identifier, document))
+        try:
+            update = translate.ContainerUpdate(identifier, _json(body, "update body"))
+        except translate.DockerShapeError as error:
+            return flows.unreadable(call, "UpdateContainerResources", str(error))
+        return flows.update_container_resources(call, update)
 
     async def _resolve(self, identifier: str, backend: DockerBackend) -> tuple[translate.Kind, str] | None:
         """Whether ``identifier`` (an id, a short id or a name) is a Kubernetes sandbox or container, and its id."""
@@ -197,9 +208,16 @@ def _target(head: RequestHead) -> str:
     return match.group(1)
 
 
+def _json(body: bytes, what: str) -> object:
+    try:
+        return json.loads(body or b"{}")
+    except ValueError as error:
+        raise translate.DockerShapeError(f"{what} is not JSON: {error}") from None
+
+
 def _json_object(body: bytes) -> translate.JSONObject | None:
     try:
-        document = json.loads(body or b"{}")
-    except ValueError:
+        document = _json(body, "body")
+    except translate.DockerShapeError:
         return None
     return document if isinstance(document, dict) else None

@@ -119,14 +119,15 @@ def _env(holder: Mapping[str, Any], what: str) -> list[str]:
     return list(value)
 
 
+def _env_variable(entry: str) -> tuple[str, str] | None:
+    key, sep, value = entry.partition("=")
+    return (key, value) if sep else None
+
+
 def _env_map(env: list[str]) -> dict[str, str]:
     """``K=V`` entries as a map (the last of a repeated key wins); entries without ``=`` name no value."""
-    envs: dict[str, str] = {}
-    for entry in env:
-        key, sep, value = entry.partition("=")
-        if sep:
-            envs[key] = value
-    return envs
+    variables = (_env_variable(entry) for entry in env)
+    return dict(variable for variable in variables if variable is not None)
 
 
 def _resources(holder: Mapping[str, Any], what: str, keys: tuple[tuple[str, str], ...]) -> hook.LinuxContainerResources:
@@ -300,14 +301,9 @@ def _pod_request(
 
 
 def _container_request(
-    name: _Name,
-    labels: Mapping[str, str],
-    env: list[str],
-    host: Mapping[str, Any] | None,
-    pod: PodHookRequest | None,
-    what: str,
-    cgroup_driver: str,
+    name: _Name, labels: Mapping[str, str], env: list[str], host: Mapping[str, Any] | None, what: str, cgroup_driver: str
 ) -> ContainerHookRequest:
+    """The container as its own JSON says, pod fields included (its pod's attempt is not in its name)."""
     _, annotations = _split_labels(labels, "container")
     container = ContainerHookRequest(
         container_meta=hook.ContainerMetadata(name=name.container, attempt=name.attempt),
@@ -321,13 +317,16 @@ def _container_request(
             raise DockerShapeError(f"{what}.HostConfig.CgroupParent is {json_type(parent)}, not a string")
         own_parent = to_hook_cgroup_parent(parent or "", cgroup_driver)
         container.container_resources.CopyFrom(_resources(host, f"{what}.HostConfig", _RESOURCE_KEYS))
-    if pod is not None:
-        with_pod(container, pod)
-    else:
-        # No pod known: what the container itself says (its pod's attempt is not in its name).
-        container.pod_meta.CopyFrom(hook.PodSandboxMetadata(name=name.pod, uid=name.uid, namespace=name.namespace))
-    if not container.pod_cgroup_parent:
-        container.pod_cgroup_parent = own_parent
+    container.pod_meta.CopyFrom(hook.PodSandboxMetadata(name=name.pod, uid=name.uid, namespace=name.namespace))
+    container.pod_cgroup_parent = own_parent
+    return container
+
+
+def _with_stored_pod(container: ContainerHookRequest, pod: PodHookRequest) -> ContainerHookRequest:
+    """The pod fields from the store; the container's own cgroup parent stands in when the pod has none."""
+    own_parent = container.pod_cgroup_parent
+    with_pod(container, pod)
+    container.pod_cgroup_parent = container.pod_cgroup_parent or own_parent
     return container
 
 
@@ -340,6 +339,15 @@ def sandbox_hook_request(name: str, body: object, cgroup_driver: str) -> PodHook
     return _pod_request(_Name(name, "sandbox"), labels, host, "create body", cgroup_driver)
 
 
+def _container_create(name: str, body: object, cgroup_driver: str) -> ContainerHookRequest:
+    create = _require_object(body, "create body")
+    labels = _labels(create, "create body")
+    _require_kind(labels, "container", "create body")
+    host = _optional_object(create, "HostConfig", "create body")
+    env = _env(create, "create body")
+    return _container_request(_Name(name, "container"), labels, env, host, "create body", cgroup_driver)
+
+
 def container_hook_request(
     name: str, body: object, pod: PodHookRequest, cgroup_driver: str
 ) -> ContainerHookRequest:
@@ -348,12 +356,18 @@ def container_hook_request(
     The pod's cgroup parent is the stored one (hooks may have moved the pod); the container's own
     HostConfig.CgroupParent only stands in when the stored pod has none.
     """
-    create = _require_object(body, "create body")
-    labels = _labels(create, "create body")
-    _require_kind(labels, "container", "create body")
-    host = _optional_object(create, "HostConfig", "create body")
-    env = _env(create, "create body")
-    return _container_request(_Name(name, "container"), labels, env, host, pod, "create body", cgroup_driver)
+    return _with_stored_pod(_container_create(name, body, cgroup_driver), pod)
+
+
+def _update_resources(body: object) -> hook.LinuxContainerResources:
+    return _resources(_require_object(body, "update body"), "update body", _UPDATE_KEYS)
+
+
+def _folded(stored: ContainerHookRequest, update: hook.LinuxContainerResources) -> ContainerHookRequest:
+    folded = ContainerHookRequest()
+    folded.CopyFrom(stored)
+    fold_resources(folded.container_resources, update)
+    return folded
 
 
 def fold_update(stored: ContainerHookRequest, body: object) -> ContainerHookRequest:
@@ -362,11 +376,7 @@ def fold_update(stored: ContainerHookRequest, body: object) -> ContainerHookRequ
     An update names only what it changes (zero or empty means "keep"), which is exactly how
     ``fold_resources`` reads a set of resources.
     """
-    update = _require_object(body, "update body")
-    folded = ContainerHookRequest()
-    folded.CopyFrom(stored)
-    fold_resources(folded.container_resources, _resources(update, "update body", _UPDATE_KEYS))
-    return folded
+    return _folded(stored, _update_resources(body))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -408,9 +418,9 @@ def stored_container_from_inspect(
     host = _optional_object(found, "HostConfig", "inspect")
     env = _env(config, "inspect.Config")
     name = _Name(found.get("Name"), "container")
-    container = _container_request(name, labels, env, host, pod, "inspect", cgroup_driver)
+    container = _container_request(name, labels, env, host, "inspect", cgroup_driver)
     container.container_meta.id = container_id
-    return container
+    return container if pod is None else _with_stored_pod(container, pod)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -469,15 +479,8 @@ def _write_env(body: MutableMapping[str, Any], before: Mapping[str, str], after:
     if dict(before) == dict(after):
         return False
     env = _env(body, "body")
-    # merged_envs keeps kubelet's order, replaces in place and appends new keys sorted; entries
-    # without "=" are not variables it can see, so they keep their place untouched.
-    positions = [index for index, entry in enumerate(env) if "=" in entry]
-    pairs = [(key, value) for key, _, value in (env[index].partition("=") for index in positions)]
-    merged = merged_envs(pairs, before, after)
-    result = list(env)
-    for index, (key, value) in zip(positions, merged):
-        result[index] = f"{key}={value}"
-    result.extend(f"{key}={value}" for key, value in merged[len(positions) :])
+    # Entries without "=" name no value: hooks never saw them, and they keep their place.
+    result = merged_envs(env, _env_variable, lambda key, value: f"{key}={value}", before, after)
     if result == env:
         return False
     body["Env"] = result
@@ -554,12 +557,13 @@ class SandboxCreate:
     """``POST /containers/create`` of a pod's sandbox (flows.RunPodSandbox)."""
 
     def __init__(self, name: str, body: JSONObject, cgroup_driver: str) -> None:
-        self._name = name
+        """DockerShapeError: a body koordrp cannot read."""
         self._body = body
         self._driver = cgroup_driver
+        self._pod = sandbox_hook_request(name, body, cgroup_driver)
 
     def hook_request(self) -> PodHookRequest:
-        return sandbox_hook_request(self._name, self._body, self._driver)
+        return self._pod
 
     def rewritten(self, before: PodHookRequest, after: PodHookRequest) -> bytes | None:
         return _encoded(self._body) if apply_to_sandbox_create(self._body, before, after, self._driver) else None
@@ -569,13 +573,14 @@ class ContainerCreate:
     """``POST /containers/create`` of a pod's container (flows.CreateContainer)."""
 
     def __init__(self, name: str, body: JSONObject, cgroup_driver: str) -> None:
-        self._name = name
+        """DockerShapeError: a body koordrp cannot read."""
         self._body = body
         self._driver = cgroup_driver
         self.sandbox_id = sandbox_id_of(body)
+        self._container = _container_create(name, body, cgroup_driver)
 
     def hook_request(self, pod: PodHookRequest) -> ContainerHookRequest:
-        return container_hook_request(self._name, self._body, pod, self._driver)
+        return _with_stored_pod(self._container, pod)
 
     def rewritten(self, before: ContainerHookRequest, after: ContainerHookRequest) -> bytes | None:
         return _encoded(self._body) if apply_to_container_create(self._body, before, after, self._driver) else None
@@ -587,12 +592,15 @@ class ContainerCreate:
 class ContainerUpdate:
     """``POST /containers/{id}/update`` (flows.UpdateContainerResources)."""
 
-    def __init__(self, container_id: str, body: JSONObject) -> None:
+    def __init__(self, container_id: str, body: object) -> None:
+        """DockerShapeError: a body koordrp cannot read."""
         self.container_id = container_id
-        self._body = body
+        self._update = _update_resources(body)
+        assert isinstance(body, dict)
+        self._body: JSONObject = body
 
     def hook_request(self, stored: ContainerHookRequest) -> ContainerHookRequest:
-        return fold_update(stored, self._body)
+        return _folded(stored, self._update)
 
     def rewritten(self, before: ContainerHookRequest, after: ContainerHookRequest) -> bytes | None:
         return _encoded(self._body) if apply_to_update(self._body, before, after) else None

@@ -42,11 +42,11 @@ class Dispatcher:
         """Fires when every post hook stage started so far has ended (each is bounded by its timeouts)."""
         return gatherResults(list(self._post_stages), consumeErrors=True)
 
-    def skipped(self, hook: HookType, servers: Subscribers) -> None:
-        """Count the calls a pod's skip label spared."""
+    def skipped(self, hook: HookType, servers: Subscribers, result: str) -> None:
+        """Count the calls not made: ``result`` says why (flows.SKIPPED, flows.UNREADABLE)."""
         if self._metrics is not None:
             for server in servers:
-                self._metrics.hook_call(server.name, hook.value, "skipped", None)
+                self._metrics.hook_call(server.name, hook.value, result, None)
 
     def _count(self, server: HookServerConfig, hook: HookType, result: str, started: float) -> None:
         if self._metrics is not None:

@@ -6,7 +6,7 @@ request (``koordrp.cri.translate``, ``koordrp.docker.translate``). Nothing here 
 grpc, the reactor or a wire format other than the hook API's.
 """
 
-from typing import Mapping, Sequence, TypeAlias
+from typing import Callable, Mapping, Sequence, TypeAlias, TypeVar
 
 from google.protobuf.message import Message
 
@@ -120,16 +120,34 @@ def with_pod(container: ContainerHookRequest, pod: PodHookRequest) -> ContainerH
     return container
 
 
-def merged_envs(
-    envs: Sequence[tuple[str, str]], before: Mapping[str, str], after: Mapping[str, str]
-) -> list[tuple[str, str]]:
-    """An ordered environment with the hooks' changes: order kept, values replaced in place, new keys appended sorted.
+Entry = TypeVar("Entry")
 
-    A map cannot say where a key stood or that it stood twice, so only the keys the hooks changed
-    are touched, every occurrence of them, and everything else stays exactly as it was sent.
+
+def merged_envs(
+    entries: Sequence[Entry],
+    read: Callable[[Entry], tuple[str, str] | None],
+    write: Callable[[str, str], Entry],
+    before: Mapping[str, str],
+    after: Mapping[str, str],
+) -> list[Entry]:
+    """An environment list with the hooks' changes: order kept, values replaced in place, new keys appended sorted.
+
+    ``before`` and ``after`` are the hook request's environment as it went in and came out. A map
+    cannot say where a key stood or that it stood twice, so only the keys the hooks changed are
+    touched, every occurrence of them; every other entry stays exactly as it was sent. An entry
+    ``read`` cannot see as a variable (None: a value hooks cannot be shown) never was in the map,
+    and stays as and where it is, whatever the hooks answer.
     """
     changed = {key: value for key, value in after.items() if before.get(key) != value}
-    result = [(key, changed.get(key, value)) for key, value in envs]
-    present = {key for key, _ in result}
-    result.extend((key, changed[key]) for key in sorted(changed) if key not in present)
+    result: list[Entry] = []
+    present: set[str] = set()
+    for entry in entries:
+        variable = read(entry)
+        if variable is None:
+            result.append(entry)
+            continue
+        key = variable[0]
+        present.add(key)
+        result.append(write(key, changed[key]) if key in changed else entry)
+    result.extend(write(key, changed[key]) for key in sorted(changed) if key not in present)
     return result

@@ -15,7 +15,7 @@ import pytest
 
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
 from tests.e2e.conftest import hook_server, require, wait_registered
-from tests.fake.hook_server import FakeHookServer
+from tests.fake.hook_server import FakeHookServer, koordlet_cpuset_rule
 from tests.support.dockerd import Dockerd, remove_cgroup, require_binaries, unix_http
 from tests.support.hook_registration import register
 from tests.support.images import BUSYBOX_REF, ImageSet
@@ -191,6 +191,40 @@ def test_kubernetes_creates_go_through_the_hooks(
     finally:
         dockerd.docker("rm", "-f", container_id, sandbox_id)
         remove_cgroup("/koordrp-docker-e2e")
+
+
+def test_a_koordlet_like_answer_clears_the_cpuset_and_a_repeated_stop_calls_no_hook(
+    dockerd: Dockerd, proxy: KoordrpProcess, servers: dict[str, FakeHookServer], workdir: Path
+) -> None:
+    server = hook_server(servers, workdir, "koordlet")
+    server.behaviours["PreCreateContainerHook"] = koordlet_cpuset_rule
+    register(workdir / "hookserver.d", "koordlet", server.path, ["PreCreateContainer", "PostStopContainer"])
+    wait_registered(proxy, 1)
+    parent = "/koordrp-docker-besteffort"
+    sandbox = sandbox_body("be")
+    sandbox["HostConfig"]["CgroupParent"] = parent
+    status, created = create(proxy.socket, "k8s_POD_be_default_uid-be_0", sandbox)
+    assert status == 201, created
+    sandbox_id = created["Id"]
+    container_id = ""
+    try:
+        assert post(proxy.socket, f"/containers/{sandbox_id}/start") == 204
+        body = container_body("be", sandbox_id)
+        body["HostConfig"].update({"CgroupParent": parent, "CpusetCpus": "0"})
+        status, created = create(proxy.socket, "k8s_app_be_default_uid-be_0", body)
+        assert status == 201, created
+        container_id = created["Id"]
+        inspect = json.loads(dockerd.docker("inspect", container_id, check=True).stdout)[0]
+        assert inspect["HostConfig"]["CpusetCpus"] == ""
+        assert [request.container_resources.cpuset_cpus for request in server.calls()] == ["0"]
+        assert post(proxy.socket, f"/containers/{container_id}/start") == 204
+        assert post(proxy.socket, f"/containers/{container_id}/stop?t=0") == 204
+        assert post(proxy.socket, f"/containers/{container_id}/stop?t=0") == 304
+        time.sleep(0.3)  # post hooks are sent after the answer
+        assert server.rpcs() == ["PreCreateContainerHook", "PostStopContainerHook"]
+    finally:
+        dockerd.docker("rm", "-f", *[identifier for identifier in (container_id, sandbox_id) if identifier])
+        remove_cgroup(parent)
 
 
 def test_non_kubernetes_containers_and_skipped_pods_get_no_hooks(

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from koordrp.flows import LookupFailed, PodSource
 from koordrp.hooks.messages import HookRequest, HookResponse, PodHookRequest, merge_response
 from koordrp.hooks.types import HookFailure, HookType, StageOutcome, Subscribers
-from koordrp.store import StoredContainer
+from koordrp.store import StoredContainer, StoredPod
 
 
 @dataclass
@@ -25,7 +25,7 @@ class ScriptedStages:
     failures: dict[HookType, str] = field(default_factory=dict)
     ran: list[StageRecord] = field(default_factory=list)
     announced: list[StageRecord] = field(default_factory=list)
-    skips: list[tuple[HookType, list[str]]] = field(default_factory=list)
+    skips: list[tuple[HookType, list[str], str]] = field(default_factory=list)
 
     async def run(self, hook: HookType, servers: Subscribers, request: HookRequest) -> StageOutcome:
         self.ran.append(StageRecord(hook, [server.name for server in servers], copy.deepcopy(request)))
@@ -41,8 +41,8 @@ class ScriptedStages:
     def announce(self, hook: HookType, servers: Subscribers, request: HookRequest) -> None:
         self.announced.append(StageRecord(hook, [server.name for server in servers], copy.deepcopy(request)))
 
-    def skipped(self, hook: HookType, servers: Subscribers) -> None:
-        self.skips.append((hook, [server.name for server in servers]))
+    def skipped(self, hook: HookType, servers: Subscribers, result: str) -> None:
+        self.skips.append((hook, [server.name for server in servers], result))
 
     def hooks_run(self) -> list[HookType]:
         return [record.hook for record in self.ran]
@@ -71,12 +71,12 @@ class RecordingRuntime:
         self.forwarded.append(rewritten)
         return Reply(self.ok, self.created_id)
 
-    async def read_pod(self, sandbox_id: str) -> PodHookRequest | None:
+    async def read_pod(self, sandbox_id: str) -> StoredPod | None:
         self.read_back.append(sandbox_id)
         if self.broken is not None:
             raise LookupFailed(self.broken)
         pod = self.pods.get(sandbox_id)
-        return copy.deepcopy(pod) if pod is not None else None
+        return StoredPod(copy.deepcopy(pod)) if pod is not None else None
 
     async def read_container(self, container_id: str, pods: PodSource) -> StoredContainer | None:
         self.read_back.append(container_id)
@@ -90,7 +90,7 @@ class RecordingRuntime:
         if pod is not None:
             info.pod_labels.update(pod.labels)
             info.pod_cgroup_parent = pod.cgroup_parent
-        return StoredContainer(stored.sandbox_id, info)
+        return StoredContainer(stored.sandbox_id, info, stored.state)
 
     async def listed(self) -> tuple[list[str], list[str]]:
         if self.broken is not None:

@@ -15,12 +15,22 @@ import grpc
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
 from koordrp.api.runtime.v1alpha1 import api_pb2_grpc as hook_grpc
 from koordrp.hooks.types import HookType
+from koordrp.sdk import reply
 from tests.fake import FakeGrpcServer
 
 Behaviour = Callable[[Any], Any]
 
 POD_HOOKS = {hook_type.rpc_name for hook_type in HookType if hook_type.is_pod_hook}
 HOOK_RPCS = {hook_type.rpc_name for hook_type in HookType}
+
+
+def koordlet_cpuset_rule(request: hook.ContainerResourceHookRequest) -> hook.ContainerResourceHookResponse:
+    """koordlet's answer for a pod whose cgroup parent is kubelet's besteffort one: a copy of the request,
+    its cpuset cleared (hooks/cpuset/rule.go)."""
+    response = reply(request)
+    if "besteffort" in request.pod_cgroup_parent:
+        response.container_resources.cpuset_cpus = ""
+    return response
 
 
 def empty_response(rpc: str) -> Any:

@@ -22,6 +22,8 @@ from typing import Any
 import grpc
 from cri_api.v1 import api_pb2, api_pb2_grpc
 
+from koordrp.cri.runtime_lookup import listed_ids
+
 # CleanupError is re-exported: it used to be defined here.
 from .daemons import (
     CleanupError as CleanupError,
@@ -297,39 +299,46 @@ class Containerd(Daemon[ContainerdPaths]):
                 errors.append(f"{what}: {exc.code()}: {exc.details()}")
 
         try:
-            sandboxes = runtime.ListPodSandbox(api_pb2.ListPodSandboxRequest(), timeout=CRI_CALL_TIMEOUT).items
-            containers = runtime.ListContainers(api_pb2.ListContainersRequest(), timeout=CRI_CALL_TIMEOUT).containers
+            sandboxes, containers = self.listed_ids()
         except grpc.RpcError as exc:
             return [f"listing pods: {exc.code()}: {exc.details()}"]
         # Containers first, with timeout 0 (straight SIGKILL): tests' workloads
         # often run as PID 1 without a TERM handler and would burn the grace period.
-        for ctr in containers:
+        for container_id in containers:
             attempt(
-                f"StopContainer {ctr.id}",
+                f"StopContainer {container_id}",
                 lambda: runtime.StopContainer(
-                    api_pb2.StopContainerRequest(container_id=ctr.id, timeout=0), timeout=CRI_CALL_TIMEOUT
+                    api_pb2.StopContainerRequest(container_id=container_id, timeout=0), timeout=CRI_CALL_TIMEOUT
                 ),
             )
             attempt(
-                f"RemoveContainer {ctr.id}",
+                f"RemoveContainer {container_id}",
                 lambda: runtime.RemoveContainer(
-                    api_pb2.RemoveContainerRequest(container_id=ctr.id), timeout=CRI_CALL_TIMEOUT
+                    api_pb2.RemoveContainerRequest(container_id=container_id), timeout=CRI_CALL_TIMEOUT
                 ),
             )
-        for sb in sandboxes:
+        for sandbox_id in sandboxes:
             attempt(
-                f"StopPodSandbox {sb.id}",
+                f"StopPodSandbox {sandbox_id}",
                 lambda: runtime.StopPodSandbox(
-                    api_pb2.StopPodSandboxRequest(pod_sandbox_id=sb.id), timeout=CRI_CALL_TIMEOUT
+                    api_pb2.StopPodSandboxRequest(pod_sandbox_id=sandbox_id), timeout=CRI_CALL_TIMEOUT
                 ),
             )
             attempt(
-                f"RemovePodSandbox {sb.id}",
+                f"RemovePodSandbox {sandbox_id}",
                 lambda: runtime.RemovePodSandbox(
-                    api_pb2.RemovePodSandboxRequest(pod_sandbox_id=sb.id), timeout=CRI_CALL_TIMEOUT
+                    api_pb2.RemovePodSandboxRequest(pod_sandbox_id=sandbox_id), timeout=CRI_CALL_TIMEOUT
                 ),
             )
         return errors
+
+    def listed_ids(self) -> tuple[list[str], list[str]]:
+        """The ids of every pod sandbox and container, read the lenient way koordrp reads them: a pod
+        made with text that is not UTF-8 (containerd takes it) cannot be parsed whole in Python."""
+        channel = self.channel()
+        sandboxes = channel.unary_unary("/runtime.v1.RuntimeService/ListPodSandbox")(b"", timeout=CRI_CALL_TIMEOUT)
+        containers = channel.unary_unary("/runtime.v1.RuntimeService/ListContainers")(b"", timeout=CRI_CALL_TIMEOUT)
+        return listed_ids(sandboxes), listed_ids(containers)
 
     def daemon_pids(self) -> list[int]:
         """Every containerd process running with our config (ours or orphaned)."""

@@ -33,9 +33,9 @@ def create_request() -> cri.CreateContainerRequest:
         config=cri.ContainerConfig(
             metadata=cri.ContainerMetadata(name="app", attempt=1),
             envs=[
-                cri.KeyValue(key="B", value="1"),
-                cri.KeyValue(key="A", value="x=y"),
-                cri.KeyValue(key="B", value="2"),
+                cri.KeyValue(key="B", value=b"1"),
+                cri.KeyValue(key="A", value=b"x=y"),
+                cri.KeyValue(key="B", value=b"2"),
             ],
             annotations={"c": "1"},
             linux=cri.LinuxContainerConfig(
@@ -75,13 +75,50 @@ class BuildTests(SynchronousTestCase):
         self.assertEqual(container.pod_resources.cpu_shares, 1024)
 
 
+class EnvValuesThatAreNotTextTests(SynchronousTestCase):
+    """kubelet 1.35 may send env values that are not UTF-8 (KeyValue.value is bytes since cri-api v0.35.6)."""
+
+    BINARY = b"\xff\xfe\x00abc"
+
+    def envs(self) -> list[cri.KeyValue]:
+        return [
+            cri.KeyValue(key="A", value=b"1"),
+            cri.KeyValue(key="BIN", value=self.BINARY),
+            cri.KeyValue(key="B", value=b"2"),
+        ]
+
+    def test_hooks_see_the_other_variables(self) -> None:
+        config = cri.ContainerConfig(envs=self.envs())
+        self.assertEqual(translate.envs_of(config), {"A": "1", "B": "2"})
+
+    def test_no_answer_can_change_remove_or_move_them(self) -> None:
+        before = {"A": "1", "B": "2"}
+        after = {"A": "9", "BIN": "text", "C": "3"}  # a map cannot remove B; BIN is new to the hooks
+        result = [(env.key, env.value) for env in translate.apply_envs(self.envs(), before, after)]
+        self.assertEqual(
+            result, [("A", b"9"), ("BIN", self.BINARY), ("B", b"2"), ("BIN", b"text"), ("C", b"3")]
+        )
+
+    def test_they_reach_the_runtime_as_kubelet_sent_them(self) -> None:
+        request = create_request()
+        del request.config.envs[:]
+        request.config.envs.extend(self.envs())
+        pod = translate.pod_hook_request(run_pod_request())
+        before = translate.container_hook_request(pod, request)
+        after = copy.deepcopy(before)
+        after.container_envs["ADDED"] = "1"
+        self.assertTrue(translate.apply_to_create_container(request, before, after))
+        sent = cri.CreateContainerRequest.FromString(request.SerializeToString())
+        self.assertEqual([env.value for env in sent.config.envs], [b"1", self.BINARY, b"2", b"1"])
+
+
 class ApplyTests(SynchronousTestCase):
     def test_envs_keep_order_duplicates_and_equals_signs(self) -> None:
         envs = create_request().config.envs
         result = translate.apply_envs(envs, {"B": "2", "A": "x=y"}, {"B": "2", "A": "x=y", "Z": "1", "C": "3"})
-        self.assertEqual([(e.key, e.value) for e in result], [("B", "1"), ("A", "x=y"), ("B", "2"), ("C", "3"), ("Z", "1")])
+        self.assertEqual([(e.key, e.value.decode()) for e in result], [("B", "1"), ("A", "x=y"), ("B", "2"), ("C", "3"), ("Z", "1")])
         result = translate.apply_envs(envs, {"B": "2", "A": "x=y"}, {"B": "9", "A": "x=y"})
-        self.assertEqual([(e.key, e.value) for e in result], [("B", "9"), ("A", "x=y"), ("B", "9")])
+        self.assertEqual([(e.key, e.value.decode()) for e in result], [("B", "9"), ("A", "x=y"), ("B", "9")])
 
     def test_unchanged_hook_request_leaves_the_cri_request_alone(self) -> None:
         request = create_request()
@@ -108,7 +145,7 @@ class ApplyTests(SynchronousTestCase):
         self.assertTrue(translate.apply_to_create_container(request, before, after))
         config = request.config
         self.assertEqual(dict(config.annotations), {"c": "1", "d": "4"})
-        self.assertEqual([(e.key, e.value) for e in config.envs][-1], ("KOORDRP", "1"))
+        self.assertEqual([(e.key, e.value.decode()) for e in config.envs][-1], ("KOORDRP", "1"))
         self.assertEqual(len(config.envs), 4)
         resources = config.linux.resources
         self.assertEqual((resources.cpu_shares, resources.cpuset_cpus, resources.cpu_quota), (512, "0", -1))

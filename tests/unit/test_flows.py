@@ -23,7 +23,7 @@ from koordrp.hooks.client import HookClients
 from koordrp.hooks.dispatcher import Dispatcher
 from koordrp.hooks.messages import ContainerHookRequest, PodHookRequest
 from koordrp.hooks.types import FailurePolicy, HookServerConfig, HookServers, HookType
-from koordrp.store import Store, StoredContainer
+from koordrp.store import ContainerState, Store, StoredContainer
 from tests.fake.flows import RecordingRuntime, Reply, ScriptedStages
 
 SKIP = flows.SkipLabel("runtimeproxy.koordinator.sh/skip-hookserver", "true")
@@ -52,7 +52,7 @@ class CRIWire:
     def container(self, sandbox_id: str, envs: Sequence[tuple[str, str]]) -> flows.CreateContainer:
         config = cri.ContainerConfig(
             metadata=cri.ContainerMetadata(name="app"),
-            envs=[cri.KeyValue(key=key, value=value) for key, value in envs],
+            envs=[cri.KeyValue(key=key, value=value.encode()) for key, value in envs],
             linux=cri.LinuxContainerConfig(resources=cri.LinuxContainerResources(cpu_shares=2, cpuset_cpus="0-3")),
         )
         sandbox = cri.PodSandboxConfig(linux=cri.LinuxPodSandboxConfig(cgroup_parent=POD_PARENT))
@@ -71,7 +71,7 @@ class CRIWire:
     def container_sent(self, sent: bytes) -> tuple[list[tuple[str, str]], str, str]:
         """Environment, cpuset and the cgroup parent the container is placed under."""
         request = cri.CreateContainerRequest.FromString(sent)
-        envs = [(env.key, env.value) for env in request.config.envs]
+        envs = [(env.key, env.value.decode()) for env in request.config.envs]
         return envs, request.config.linux.resources.cpuset_cpus, request.sandbox_config.linux.cgroup_parent
 
     def update_sent(self, sent: bytes) -> tuple[int, str]:
@@ -206,7 +206,7 @@ class RequestRules:
         self.drive(flows.stop_pod_sandbox(self.call(), "created-1"))
         self.assertEqual((self.stages.ran, self.stages.announced), ([], []))
         self.assertEqual(
-            [skipped for skipped, _ in self.stages.skips],
+            [skipped for skipped, _, _ in self.stages.skips],
             [PRE_RUN, PRE_CREATE, PRE_START, POST_START, PRE_UPDATE, POST_STOP, POST_STOP_POD],
         )
         self.assertEqual(self.runtime.forwarded, [None] * 6)
@@ -292,6 +292,38 @@ class IdentityRules(FlowTestCase):
             [(post.hook, post.request) for post in self.stages.announced], [(POST_STOP, stored), (POST_STOP_POD, pod)]
         )
 
+    def announced(self) -> list[tuple[HookType, str]]:
+        return [(post.hook, post.request.container_meta.name or post.request.pod_meta.name) for post in self.stages.announced]
+
+    def test_post_stop_fires_once_per_stop_and_a_start_arms_it_again(self) -> None:
+        self.put_container()
+        self.subscribe(POST_START, POST_STOP)
+        for flow in (flows.start_container, flows.start_container, flows.stop_container, flows.stop_container):
+            self.drive(flow(self.call(), "c-1"))
+        self.assertEqual(self.announced(), [(POST_START, "app"), (POST_STOP, "app")])
+        self.drive(flows.start_container(self.call(), "c-1"))
+        self.drive(flows.stop_container(self.call(), "c-1"))
+        self.assertEqual(self.announced()[2:], [(POST_START, "app"), (POST_STOP, "app")])
+        self.assertEqual(self.runtime.forwarded, [None] * 6)
+
+    def test_stopping_a_pod_stops_its_containers_first_and_once(self) -> None:
+        self.put_pod()
+        for container_id in ("c-1", "c-2"):
+            self.put_container(container_id)
+            self.drive(flows.start_container(self.call(), container_id))
+        self.subscribe(POST_STOP, POST_STOP_POD)
+        self.drive(flows.stop_pod_sandbox(self.call(), "s-1"))
+        self.drive(flows.stop_pod_sandbox(self.call(), "s-1"))
+        self.drive(flows.stop_container(self.call(), "c-1"))
+        self.assertEqual([post.hook for post in self.stages.announced], [POST_STOP, POST_STOP, POST_STOP_POD])
+        self.assertEqual([post.request.container_meta.id for post in self.stages.announced[:2]], ["c-1", "c-2"])
+
+    def test_a_container_the_runtime_says_has_exited_owes_no_post_stop(self) -> None:
+        self.runtime.containers["c-1"] = StoredContainer("s-1", ContainerHookRequest(), ContainerState.STOPPED)
+        self.subscribe(POST_STOP)
+        self.drive(flows.stop_container(self.call(), "c-1"))
+        self.assertEqual((self.stages.announced, self.runtime.read_back), ([], ["c-1", "s-1"]))
+
     def test_stopping_what_nobody_knows_calls_no_hook(self) -> None:
         self.subscribe(POST_STOP, POST_STOP_POD)
         self.drive(flows.stop_container(self.call(), "no-such-container"))
@@ -334,6 +366,29 @@ class IdentityRules(FlowTestCase):
         self.drive(flows.start_container(call, "c-1"))
         self.assertEqual(call.record.subject.container_meta, stored.container_meta)
         self.assertEqual(call.record.hooks, ["PreStartContainer@a.json", "PostStartContainer@a.json"])
+
+    def test_a_request_that_cannot_be_read_goes_as_it_came_without_hooks(self) -> None:
+        self.servers = HookServers(
+            (HookServerConfig("a.json", "/run/a.sock", FailurePolicy.IGNORE, frozenset({PRE_CREATE}), 2.0),)
+        )
+        self.drive(flows.unreadable(self.call(), "CreateContainer", "truncated message"))
+        self.assertEqual((self.runtime.forwarded, self.stages.ran), ([None], []))
+        self.assertEqual(self.stages.skips, [(PRE_CREATE, ["a.json"], flows.UNREADABLE)])
+        [warning] = [event for event in self.events if "cannot read the {method} request" in event["log_format"]]
+        self.assertEqual((warning["method"], warning["reason"]), ("CreateContainer", "truncated message"))
+
+    def test_a_fail_policy_pre_hook_refuses_a_request_it_cannot_be_shown(self) -> None:
+        self.subscribe(PRE_CREATE)
+        with self.assertRaises(flows.UnreadableRequest) as refused:
+            self.drive(flows.unreadable(self.call(), "CreateContainer", "truncated message"))
+        self.assertIn("a.json (Fail policy) must see at PreCreateContainer: truncated message", str(refused.exception))
+        self.assertEqual(self.runtime.forwarded, [])
+
+    def test_post_hooks_never_refuse_a_request(self) -> None:
+        self.subscribe(POST_STOP)
+        self.drive(flows.unreadable(self.call(), "StopContainer", "truncated message"))
+        self.assertEqual(self.runtime.forwarded, [None])
+        self.assertEqual(self.stages.skips, [(POST_STOP, ["a.json"], flows.UNREADABLE)])
 
     def test_a_flow_that_would_wait_for_an_event_loop_cannot_run_in_a_thread(self) -> None:
         async def waits() -> None:

@@ -35,7 +35,7 @@ UNKNOWN_FIELD = b"\xf8\x06\x01"
 
 def create_request_bytes() -> bytes:
     config = cri.ContainerConfig(
-        metadata=cri.ContainerMetadata(name="app"), envs=[cri.KeyValue(key="A", value="1")]
+        metadata=cri.ContainerMetadata(name="app"), envs=[cri.KeyValue(key="A", value=b"1")]
     ).SerializeToString()
     config += UNKNOWN_FIELD
     prefix = cri.CreateContainerRequest(pod_sandbox_id="sandbox-1").SerializeToString()
@@ -85,7 +85,7 @@ class InterceptTests(TestCase):
         self.assertEqual(cri.CreateContainerResponse.FromString(response).container_id, "created-1")
         received = [c for c in self.backend.calls if c.method == CREATE][-1].request
         config = cri.CreateContainerRequest.FromString(received).config
-        self.assertEqual([(e.key, e.value) for e in config.envs], [("A", "1"), ("HOOKED", "1")])
+        self.assertEqual([(e.key, e.value) for e in config.envs], [("A", b"1"), ("HOOKED", b"1")])
         self.assertIn(UNKNOWN_FIELD, config.SerializeToString())
         stored = self.store.container("created-1")
         assert stored is not None
@@ -93,12 +93,21 @@ class InterceptTests(TestCase):
         self.assertEqual(self.hook_server.calls("PreCreateContainerHook")[0].pod_meta.uid, "u")
 
     @inlineCallbacks
-    def test_bytes_that_do_not_parse_are_invalid_argument(self):  # type: ignore[no-untyped-def]
-        for method in ("CreateContainer", "RunPodSandbox", "StartContainer", "StopContainer"):
+    def test_bytes_a_fail_policy_pre_hook_must_see_but_cannot_be_read_are_invalid_argument(self):  # type: ignore[no-untyped-def]
+        for method in ("CreateContainer", "RunPodSandbox", "StartContainer"):
             with self.assertRaises(grpc.RpcError) as error:
                 yield deferToThread(self.call, "/runtime.v1.RuntimeService/" + method, b"\xff\xff\xff")
             self.assertEqual(error.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
-            self.assertIn(method, error.exception.details())
+            self.assertIn(f"cannot read the {method} request", error.exception.details())
+            self.assertIn("hook.json (Fail policy)", error.exception.details())
+        self.assertEqual((self.hook_server.rpcs(), self.backend.calls), ([], []))
+
+    @inlineCallbacks
+    def test_bytes_that_cannot_be_read_otherwise_reach_the_runtime_as_they_came(self):  # type: ignore[no-untyped-def]
+        stop = "/runtime.v1.RuntimeService/StopContainer"  # post hooks only: no Fail policy applies
+        answer = yield deferToThread(self.call, stop, b"\xff\xff\xff")
+        self.assertEqual(answer, b"\xff\xff\xff")  # the stand-in runtime echoes what it does not know
+        self.assertEqual([(call.method, call.request) for call in self.backend.calls], [(stop, b"\xff\xff\xff")])
         self.assertEqual(self.hook_server.rpcs(), [])
 
     @inlineCallbacks

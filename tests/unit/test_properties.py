@@ -436,10 +436,10 @@ class MergePropertyTests(SynchronousTestCase):
         st.dictionaries(st.sampled_from("ABCDE") | proto_text, proto_text, max_size=4),
     )
     def test_apply_envs_keeps_kubelets_order(self, pairs: list[tuple[str, str]], answer: dict[str, str]) -> None:
-        envs = [cri.KeyValue(key=key, value=value) for key, value in pairs]
+        envs = [cri.KeyValue(key=key, value=value.encode()) for key, value in pairs]
         before = {key: value for key, value in pairs}  # what the hook request says: the last value wins
         after = {**before, **answer}
-        result = [(env.key, env.value) for env in translate.apply_envs(envs, before, after)]
+        result = [(env.key, env.value.decode()) for env in translate.apply_envs(envs, before, after)]
         changed = {key for key, value in after.items() if before.get(key) != value}
         # kubelet's entries stay where they were, duplicates included; unchanged keys keep their values.
         self.assertEqual([key for key, _ in result[: len(pairs)]], [key for key, _ in pairs])
@@ -463,7 +463,7 @@ class MergePropertyTests(SynchronousTestCase):
             pod_sandbox_id="sandbox",
             config=cri.ContainerConfig(
                 metadata=cri.ContainerMetadata(name="c"),
-                envs=[cri.KeyValue(key=key, value=value) for key, value in pairs],
+                envs=[cri.KeyValue(key=key, value=value.encode()) for key, value in pairs],
                 annotations=annotations,
                 labels={"keep": "me"},
             ),

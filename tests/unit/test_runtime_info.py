@@ -18,6 +18,7 @@ trimmed of mounts, capabilities and namespaces, the temp dir renamed /var/lib/ko
 
 from __future__ import annotations
 
+import base64
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -158,6 +159,26 @@ class ContainerInfoTests(SynchronousTestCase):
     def test_envs_last_duplicate_wins_and_values_keep_equals(self) -> None:
         envs = container_info_from_status(container_status(), None).container_envs
         self.assertEqual(dict(envs), {"FOO": "2", "EQ": "a=b=c", "EMPTY": ""})
+
+    def test_env_values_a_runtime_writes_as_bytes_are_read_back_as_text(self) -> None:
+        # A runtime whose KeyValue.value is bytes (cri-api v0.35.6 and later) writes base64 into its
+        # verbose info; its runtime spec has the text, which tells the two apart.
+        def as_bytes(info: dict[str, Any]) -> None:
+            for entry in info["config"]["envs"]:
+                entry["value"] = base64.b64encode(entry.get("value", "").encode()).decode()
+            info["config"]["envs"].append({"key": "BINARY", "value": base64.b64encode(b"\xff\xfe").decode()})
+            info["runtimeSpec"]["process"]["env"].append("BINARY=\ufffd\ufffd")
+
+        envs = container_info_from_status(edit_info(container_status(), as_bytes), None).container_envs
+        self.assertEqual(dict(envs), {"FOO": "2", "EQ": "a=b=c", "EMPTY": ""})
+
+    def test_env_values_that_look_like_base64_are_text_when_the_spec_says_so(self) -> None:
+        def plain(info: dict[str, Any]) -> None:
+            info["config"]["envs"] = [{"key": "WORD", "value": "abcd"}]
+            info["runtimeSpec"]["process"]["env"] = ["WORD=abcd"]
+
+        envs = container_info_from_status(edit_info(container_status(), plain), None).container_envs
+        self.assertEqual(dict(envs), {"WORD": "abcd"})
 
     def test_updated_resources_come_from_the_status(self) -> None:
         # The config in the info still holds the creation values; the CRI status has the update.

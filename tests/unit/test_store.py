@@ -5,7 +5,7 @@ import threading
 from twisted.trial.unittest import SynchronousTestCase
 
 from koordrp.hooks.messages import ContainerHookRequest, PodHookRequest
-from koordrp.store import Store, StoredContainer
+from koordrp.store import ContainerState, Store, StoredContainer, StoredPod
 
 
 def pod(name: str) -> PodHookRequest:
@@ -44,7 +44,7 @@ class StoreTests(SynchronousTestCase):
     def test_learn_keeps_what_calls_wrote(self) -> None:
         store = Store()
         store.put_pod("p1", pod("from a call"))
-        store.learn([("p1", pod("from the runtime")), ("p2", pod("new"))], [])
+        store.learn([("p1", StoredPod(pod("from the runtime"))), ("p2", StoredPod(pod("new")))], [])
         self.assertEqual(store.pod("p1"), pod("from a call"))
         self.assertEqual(store.pod("p2"), pod("new"))
 
@@ -56,7 +56,7 @@ class StoreTests(SynchronousTestCase):
         before = store.ids()
         store.put_pod("created-during-listing", pod("new"))
         forgotten, learnt = store.reconcile(
-            [("kept", pod("kept, as the runtime says")), ("appeared", pod("appeared"))],
+            [("kept", StoredPod(pod("kept, as the runtime says"))), ("appeared", StoredPod(pod("appeared")))],
             [("appeared-c", StoredContainer("appeared", container("c")))],
             before,
         )
@@ -66,6 +66,38 @@ class StoreTests(SynchronousTestCase):
         self.assertEqual(store.pod("kept"), pod("kept"))
         self.assertEqual(store.pod("created-during-listing"), pod("new"))
         self.assertEqual(store.pod("appeared"), pod("appeared"))
+
+    def test_a_container_starts_and_stops_once_until_it_starts_again(self) -> None:
+        store = Store()
+        store.put_container("c1", "p1", container("x"))
+        self.assertEqual((store.started("c1"), store.started("c1")), (True, False))
+        self.assertEqual((store.stopped("c1"), store.stopped("c1")), (True, False))
+        self.assertEqual((store.started("c1"), store.stopped("c1")), (True, True))
+        self.assertEqual((store.started("unknown"), store.stopped("unknown")), (False, False))
+
+    def test_a_stopped_pod_stops_its_containers_once(self) -> None:
+        store = Store()
+        store.put_pod("p1", pod("a"))
+        for name in ("c1", "c2", "c3"):
+            store.put_container(name, "p1", container(name))
+        store.put_container("other", "p2", container("other"))
+        store.started("c1")
+        store.stopped("c2")
+        newly, containers = store.pod_stopped("p1")
+        self.assertTrue(newly)
+        self.assertEqual([stored.info.container_meta.name for stored in containers], ["c1", "c3"])
+        self.assertEqual(store.pod_stopped("p1"), (False, []))
+        self.assertEqual(store.container("other").state, ContainerState.CREATED)  # type: ignore[union-attr]
+
+    def test_a_revision_keeps_the_state_and_what_was_forgotten_stays_forgotten(self) -> None:
+        store = Store()
+        store.put_container("c1", "p1", container("x"))
+        store.started("c1")
+        store.revise_container("c1", container("y"))
+        self.assertEqual(store.container("c1"), StoredContainer("p1", container("y"), ContainerState.RUNNING))
+        store.forget_container("c1")
+        store.revise_container("c1", container("z"))
+        self.assertIsNone(store.container("c1"))
 
     def test_safe_from_many_threads(self) -> None:
         store = Store()
