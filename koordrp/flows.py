@@ -45,7 +45,7 @@ from twisted.logger import Logger
 
 from koordrp.calllog import CallRecord
 from koordrp.hooks.messages import ContainerHookRequest, HookRequest, PodHookRequest
-from koordrp.hooks.types import FailurePolicy, HookServers, HookType, StageOutcome, Subscribers
+from koordrp.hooks.types import SENT, FailurePolicy, HookCall, HookServers, HookType, StageOutcome, Subscribers
 from koordrp.store import Store, StoredContainer, StoredPod
 from koordrp.text import shortened
 
@@ -217,13 +217,18 @@ class Call(Generic[AnyReply]):
         """The servers to call: none when nobody subscribed, or when the pod is skipped (counted)."""
         subscribed = self.servers.subscribed(hook)
         if subscribed and self._skipping:
-            self.stages.skipped(hook, subscribed, SKIPPED)
+            self.not_called(hook, subscribed, SKIPPED)
             return ()
         return subscribed
 
+    def not_called(self, hook: HookType, servers: Subscribers, result: str) -> None:
+        """Count and record the calls to ``servers`` that ``result`` (SKIPPED, UNREADABLE) spared."""
+        self.stages.skipped(hook, servers, result)
+        self.record.add(HookCall(server, hook, result) for server in servers)
+
     async def _run(self, hook: HookType, callees: Subscribers, request: HookRequest) -> None:
         outcome = await self.stages.run(hook, callees, request)
-        self.record.ran(hook.value, outcome.called)
+        self.record.add(outcome.calls)
         if outcome.failure is not None:
             raise HookFailed(outcome.failure.message)
 
@@ -254,7 +259,7 @@ class Call(Generic[AnyReply]):
         callees = self._callees(hook)
         if callees:
             self.stages.announce(hook, callees, request)
-            self.record.ran(hook.value, [server.name for server in callees])
+            self.record.add(HookCall(server, hook, SENT) for server in callees)
 
     async def pod(self, sandbox_id: str) -> PodHookRequest | None:
         """The pod from the store, or read back from the runtime (and remembered) if the store lacks it."""
@@ -416,7 +421,7 @@ async def unreadable(call: Call[AnyReply], method: str, reason: str) -> AnyReply
     for hook in hooks:
         subscribed = call.servers.subscribed(hook)
         if subscribed:
-            call.stages.skipped(hook, subscribed, UNREADABLE)
+            call.not_called(hook, subscribed, UNREADABLE)
     call.log.warn(
         "cannot read the {method} request ({reason}); it goes to the runtime as it came, without hooks",
         method=method,

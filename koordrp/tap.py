@@ -11,6 +11,7 @@ from twisted.internet.protocol import Factory
 from twisted.logger import Logger
 from twisted.python import usage
 
+from koordrp import koordrp_version
 from koordrp.cri.server import CRIProxyService, CRIProxySettings
 from koordrp.docker.service import DockerProxyService, DockerProxySettings
 from koordrp.flows import Parts, SkipLabel
@@ -21,6 +22,7 @@ from koordrp.hooks.registry import HookRegistry
 from koordrp.hooks.types import HookServers
 from koordrp.shutdown import OrderlyStopOnSIGTERM
 from koordrp.store import Store
+from koordrp.systemd import SystemdNotifier
 from koordrp.unix import CannotListen, EndpointError, parse_unix_endpoint
 
 if TYPE_CHECKING:
@@ -72,6 +74,11 @@ class Options(usage.Options):
         ["grace-period", None, 10.0, "seconds in-flight CRI calls get to finish on shutdown", float],
         ["max-workers", None, 64, "CRI worker threads (streams hold one each)", int],
     ]
+
+    def opt_version(self) -> None:
+        """Print koordrp's version and exit."""
+        print(f"koordrp {koordrp_version()}")
+        raise SystemExit(0)
 
     def _endpoint(self, flag: str, value: str) -> None:
         try:
@@ -193,7 +200,9 @@ def makeService(config: Options, reactor: IReactorCore | None = None) -> service
     )
     proxy = front_end(config, reactor, parts, metrics)
     top = Koordrp()  # type: ignore[no-untyped-call]
-    children: list[service.IService] = [registry, proxy, OrderlyStopOnSIGTERM(reactor)]
+    # Started in this order, stopped in the reverse: systemd hears READY once the front end serves,
+    # and STOPPING before it drains.
+    children: list[service.IService] = [registry, proxy, SystemdNotifier(clock), OrderlyStopOnSIGTERM(reactor)]
     if metrics is not None:
         from koordrp.web import metrics_service
 

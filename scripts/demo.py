@@ -1,13 +1,19 @@
-"""The demo: a private containerd, ``twistd -n koordrp`` in front of it, the example hook server, a pod.
+"""The demo: a private containerd, ``twistd -n koordrp`` in front of it, a hook server, a pod.
 
-The example hook server (koordrp.examples.cpuset_qos, built on koordrp.sdk) registers itself in
-koordrp's hookserver.d: it pins containers of pods annotated ``demo.koordrp.io/cpuset`` to those CPUs
-and injects ``POD_QOS_CLASS`` from the pod's QoS label. Every CRI call the demo makes goes through
-koordrp's socket and is printed with its answer; the container itself then shows what the hook
-changed (its env, its cgroup's cpuset), followed by koordrp's log and metrics. Nothing is left
-behind: containerd, koordrp, the hook server, the pod and the temporary directory all go.
+    scripts/demo [--hook-server path/to/server.py] [--pod-label K=V] [--pod-annotation K=V]
+                 [--env K=V] [--cpu-shares N] [--cpuset CPUS] [--memory-mib N] [--failure-policy Fail]
+
+The hook server is the example (koordrp/examples/cpuset_qos.py: it pins containers of pods
+annotated ``demo.koordrp.io/cpuset`` to those CPUs and injects ``POD_QOS_CLASS`` from the pod's QoS
+label), or a file of your own defining a ``koordrp.sdk.HookServer``, served as
+``python -m koordrp.sdk`` serves it. Every CRI call the demo makes goes through koordrp's socket and
+is printed with its answer; then what containerd received (the pod's labels, annotations and cgroup
+parent; the container's environment, resources and annotations), what the container itself sees,
+koordrp's log lines and metrics, and the hook server's own output. Nothing is left behind:
+containerd, koordrp, the hook server, the pod and the temporary directory all go.
 """
 
+import argparse
 import json
 import socket
 import subprocess
@@ -15,16 +21,68 @@ import sys
 import tempfile
 import time
 import urllib.request
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 from cri_api.v1 import api_pb2, api_pb2_grpc
+from google.protobuf.json_format import MessageToDict
 
-from tests.support.cri_objects import container_config, pod_sandbox_config
+from tests.support.cri_objects import container_config, linux_resources, pod_sandbox_config
 from tests.support.images import BUSYBOX_REF
 from tests.support.stack import containerd_and_koordrp
 
 Answer = TypeVar("Answer")
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "koordrp" / "examples" / "cpuset_qos.py"
+
+
+@dataclass
+class Pod:
+    """The pod the demo makes, as the command line says."""
+
+    labels: dict[str, str] = field(default_factory=dict)
+    annotations: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
+    cpu_shares: int = 0
+    cpuset: str = ""
+    memory_mib: int = 0
+
+
+# What the example hook server acts on, when the demo runs it and the command line says nothing else.
+EXAMPLE_POD = Pod(
+    labels={"koordinator.sh/qosClass": "LS"}, annotations={"demo.koordrp.io/cpuset": "0"}, env={"GREETING": "hello"}
+)
+
+
+def pairs(values: list[str] | None, what: str) -> dict[str, str] | None:
+    if values is None:
+        return None
+    found = dict(value.split("=", 1) for value in values if "=" in value)
+    if len(found) != len(values):
+        raise SystemExit(f"demo: {what} takes K=V")
+    return found
+
+
+def options(argv: list[str] | None = None) -> tuple[argparse.Namespace, Pod]:
+    parser = argparse.ArgumentParser(prog="scripts/demo", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hook-server", type=Path, default=EXAMPLE, help="a file defining a HookServer [the example]")
+    parser.add_argument("--pod-label", action="append", metavar="K=V")
+    parser.add_argument("--pod-annotation", action="append", metavar="K=V")
+    parser.add_argument("--env", action="append", metavar="K=V", help="the container's environment")
+    parser.add_argument("--cpu-shares", type=int, default=0)
+    parser.add_argument("--cpuset", default="", help="the container's cpuset as kubelet would ask, e.g. 0")
+    parser.add_argument("--memory-mib", type=int, default=0, help="the container's memory limit")
+    parser.add_argument("--failure-policy", choices=("Ignore", "Fail"), default="Ignore")
+    parsed = parser.parse_args(argv)
+    pod = Pod(cpu_shares=parsed.cpu_shares, cpuset=parsed.cpuset, memory_mib=parsed.memory_mib)
+    for name, values in (("labels", parsed.pod_label), ("annotations", parsed.pod_annotation), ("env", parsed.env)):
+        given = pairs(values, name)
+        if given is not None:
+            setattr(pod, name, given)
+        elif parsed.hook_server == EXAMPLE:
+            setattr(pod, name, getattr(EXAMPLE_POD, name))
+    return parsed, pod
 
 
 def step(method: str, call: Callable[[], Answer], show: Callable[[Answer], Any] = lambda answer: "ok") -> Answer:
@@ -34,7 +92,8 @@ def step(method: str, call: Callable[[], Answer], show: Callable[[Answer], Any] 
     return answer
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    parsed, pod = options(argv)
     with tempfile.TemporaryDirectory(prefix="krp-demo-", dir="/tmp") as scratch:
         base = Path(scratch)
         port = free_port()
@@ -43,14 +102,14 @@ def main() -> None:
         with containerd_and_koordrp(base, [f"--metrics-endpoint=tcp:{port}:interface=127.0.0.1"]) as (containerd, proxy):
             print(f"private containerd on {containerd.endpoint}")
             print(f"koordrp (twistd -n koordrp) on {proxy.endpoint}, metrics on {metrics}")
-            hook_server = start_example_hook_server(base)
+            hook_server = start_hook_server(parsed.hook_server, base, parsed.failure_policy)
             try:
-                proxy.wait_for_servers(1)
+                proxy.wait_for_servers(1, timeout=30)
                 registration = next((base / "hookserver.d").glob("*.json"))
-                print(f"example hook server (python -m koordrp.examples.cpuset_qos) registered by {registration}:")
-                print(f"  {registration.read_text().strip()}")
+                print(f"hook server {parsed.hook_server} (served by python -m koordrp.sdk), registered by {registration}:")
+                print("  " + " ".join(registration.read_text().split()))
                 with proxy.channel() as channel:
-                    walk_a_pod(api_pb2_grpc.RuntimeServiceStub(channel), base)
+                    walk_a_pod(api_pb2_grpc.RuntimeServiceStub(channel), base, pod)
                 print("\nkoordrp's log, one line per lifecycle call:")
                 for line in proxy.log().splitlines():
                     if "[koordrp.calls#info]" in line:
@@ -59,6 +118,9 @@ def main() -> None:
             finally:
                 hook_server.terminate()
                 hook_server.wait(10)
+                print("\nthe hook server's own output:")
+                for line in (base / "hook-server.log").read_text(errors="replace").splitlines():
+                    print("  " + line)
     print("\ncleaned up: hook server, koordrp and containerd stopped, their state removed")
 
 
@@ -68,15 +130,14 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def start_example_hook_server(base: Path) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [
-            sys.executable, "-m", "koordrp.examples.cpuset_qos",
-            "--socket", str(base / "cpuset-qos.sock"), "--register-in", str(base / "hookserver.d"),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+def start_hook_server(file: Path, base: Path, policy: str) -> subprocess.Popen[bytes]:
+    """The hook server in ``file``, served on a socket named after it and registered in koordrp's directory."""
+    output = open(base / "hook-server.log", "wb")
+    socket_path = base / f"{file.stem.replace('_', '-')}.sock"
+    command = [sys.executable, "-m", "koordrp.sdk", str(file), "--socket", str(socket_path)]
+    command += ["--register-in", str(base / "hookserver.d"), "--failure-policy", policy]
+    with output:
+        return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=output)
 
 
 def show_metrics(base_url: str) -> None:
@@ -93,23 +154,22 @@ def show_metrics(base_url: str) -> None:
             print("  " + line)
 
 
-def walk_a_pod(runtime: api_pb2_grpc.RuntimeServiceStub, base: Path) -> None:
+def walk_a_pod(runtime: api_pb2_grpc.RuntimeServiceStub, base: Path, wanted: Pod) -> None:
     print("\nCRI calls made through koordrp:")
     step("Version", lambda: runtime.Version(api_pb2.VersionRequest()), lambda v: f"{v.runtime_name} {v.runtime_version}")
     pod = pod_sandbox_config(
-        "demo",
-        namespace="default",
-        labels={"koordinator.sh/qosClass": "LS"},
-        annotations={"demo.koordrp.io/cpuset": "0"},
-        log_directory=base / "pod-logs",
+        "demo", namespace="default", labels=wanted.labels, annotations=wanted.annotations, log_directory=base / "pod-logs"
     )
     sandbox = step(
         "RunPodSandbox",
         lambda: runtime.RunPodSandbox(api_pb2.RunPodSandboxRequest(config=pod), timeout=60),
         lambda answer: f"sandbox {answer.pod_sandbox_id[:13]}",
     )
+    resources = linux_resources(
+        cpu_shares=wanted.cpu_shares, cpuset_cpus=wanted.cpuset, memory_limit_in_bytes=wanted.memory_mib << 20
+    )
     config = container_config(
-        "app", image=BUSYBOX_REF, command=["sleep", "3600"], env={"GREETING": "hello"}, log_path="app.log"
+        "app", image=BUSYBOX_REF, command=["sleep", "3600"], env=wanted.env, log_path="app.log", resources=resources
     )
     created = step(
         "CreateContainer",
@@ -119,8 +179,14 @@ def walk_a_pod(runtime: api_pb2_grpc.RuntimeServiceStub, base: Path) -> None:
         ),
         lambda answer: f"container {answer.container_id[:13]}",
     )
-    cid = created.container_id
+    cid, sid = created.container_id, sandbox.pod_sandbox_id
     step("StartContainer", lambda: runtime.StartContainer(api_pb2.StartContainerRequest(container_id=cid)))
+    # kubelet sends the container's resources again on a resize or a CPU manager update: a server that
+    # changes them at create should answer PreUpdateContainerResources too, or the update undoes it.
+    update = api_pb2.UpdateContainerResourcesRequest(container_id=cid, linux=resources)
+    step("UpdateResources", lambda: runtime.UpdateContainerResources(update, timeout=60))
+    show_received(runtime, sid, cid)
+    print("\nwhat the container sees:")
     step(
         "ExecSync env",
         lambda: runtime.ExecSync(api_pb2.ExecSyncRequest(container_id=cid, cmd=["env"], timeout=10)),
@@ -133,22 +199,31 @@ def walk_a_pod(runtime: api_pb2_grpc.RuntimeServiceStub, base: Path) -> None:
         ),
         lambda answer: f"cpuset.cpus = {answer.stdout.decode().strip() or answer.stderr.decode().strip()}",
     )
-    step(
-        "ContainerStatus",
-        lambda: runtime.ContainerStatus(api_pb2.ContainerStatusRequest(container_id=cid, verbose=True)),
-        lambda answer: f"{api_pb2.ContainerState.Name(answer.status.state)}, runtime spec cpus = "
-        + json.loads(answer.info["info"])["runtimeSpec"]["linux"]["resources"]["cpu"].get("cpus", "?"),
-    )
-    step(
-        "ListPodSandbox",
-        lambda: runtime.ListPodSandbox(api_pb2.ListPodSandboxRequest()),
-        lambda answer: f"{len(answer.items)} pod(s)",
-    )
+    print()
     step("StopContainer", lambda: runtime.StopContainer(api_pb2.StopContainerRequest(container_id=cid, timeout=0)))
     step("RemoveContainer", lambda: runtime.RemoveContainer(api_pb2.RemoveContainerRequest(container_id=cid)))
-    sid = sandbox.pod_sandbox_id
     step("StopPodSandbox", lambda: runtime.StopPodSandbox(api_pb2.StopPodSandboxRequest(pod_sandbox_id=sid)))
     step("RemovePodSandbox", lambda: runtime.RemovePodSandbox(api_pb2.RemovePodSandboxRequest(pod_sandbox_id=sid)))
+
+
+def show_received(runtime: api_pb2_grpc.RuntimeServiceStub, sandbox_id: str, container_id: str) -> None:
+    """What containerd was given, from its verbose statuses: the requests koordrp sent it."""
+    pod_info = json.loads(
+        runtime.PodSandboxStatus(api_pb2.PodSandboxStatusRequest(pod_sandbox_id=sandbox_id, verbose=True)).info["info"]
+    )
+    status = runtime.ContainerStatus(api_pb2.ContainerStatusRequest(container_id=container_id, verbose=True))
+    info = json.loads(status.info["info"])
+    config, spec = info["config"], info["runtimeSpec"]
+    print("\nwhat containerd received:")
+    print(f"  pod labels          {json.dumps(pod_info['config'].get('labels', {}), sort_keys=True)}")
+    print(f"  pod annotations     {json.dumps(pod_info['config'].get('annotations', {}), sort_keys=True)}")
+    print(f"  pod cgroup parent   {pod_info['config'].get('linux', {}).get('cgroup_parent', '') or '(none)'}")
+    print(f"  container env       {' '.join(env['key'] + '=' + env.get('value', '') for env in config.get('envs', []))}")
+    print(f"  container annotations {json.dumps(config.get('annotations', {}), sort_keys=True)}")
+    print(f"  container resources {json.dumps(config.get('linux', {}).get('resources', {}), sort_keys=True)}")
+    print(f"  now, after updates  {json.dumps(MessageToDict(status.status.resources.linux), sort_keys=True)}")
+    print(f"  runtime spec cpu    {json.dumps(spec['linux']['resources'].get('cpu', {}), sort_keys=True)}")
+    print(f"  cgroups path        {spec['linux'].get('cgroupsPath', '')}")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from typing import TYPE_CHECKING
 
 from twisted.internet.defer import CancelledError, Deferred, ensureDeferred, gatherResults
@@ -10,8 +9,19 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
 from koordrp.hooks.client import HookClients, HookTimedOut
-from koordrp.hooks.messages import HookRequest, changed_fields, merge_response
-from koordrp.hooks.types import FailurePolicy, HookFailure, HookServerConfig, HookType, StageOutcome, Subscribers
+from koordrp.hooks.messages import HookRequest, merge_response
+from koordrp.hooks.types import (
+    ERROR,
+    OK,
+    TIMEOUT,
+    FailurePolicy,
+    HookCall,
+    HookFailure,
+    HookServerConfig,
+    HookType,
+    StageOutcome,
+    Subscribers,
+)
 
 if TYPE_CHECKING:
     # Only --metrics-endpoint loads prometheus_client: it costs a node daemon ~6 MB of RSS.
@@ -48,9 +58,11 @@ class Dispatcher:
             for server in servers:
                 self._metrics.hook_call(server.name, hook.value, result, None)
 
-    def _count(self, server: HookServerConfig, hook: HookType, result: str, started: float) -> None:
+    def _count(self, server: HookServerConfig, hook: HookType, result: str, started: float) -> float:
+        seconds = self._reactor.seconds() - started
         if self._metrics is not None:
-            self._metrics.hook_call(server.name, hook.value, result, self._reactor.seconds() - started)
+            self._metrics.hook_call(server.name, hook.value, result, seconds)
+        return seconds
 
     def run(
         self, hook: HookType, servers: Subscribers, request: HookRequest, budget: float | None = None
@@ -71,14 +83,10 @@ class Dispatcher:
         outcome = StageOutcome(request)
         deadline = None if budget is None else self._reactor.seconds() + budget
         changed_by: dict[str, str] = {}
-        # Two servers can only disagree about a field when there are two: spare the single-server
-        # case (the usual one) the copy and the comparison.
-        track_changes = hook.is_pre and len(servers) > 1
         for server in servers:
             timeout = server.timeout
             if deadline is not None:
                 timeout = min(timeout, deadline - self._reactor.seconds())
-            before = copy.deepcopy(request) if track_changes else request
             started = self._reactor.seconds()
             try:
                 if timeout <= 0:
@@ -87,8 +95,10 @@ class Dispatcher:
             except CancelledError:
                 raise  # the call itself was given up (its client went away): not the server's failure
             except Exception as error:
-                self._count(server, hook, "timeout" if isinstance(error, HookTimedOut) else "error", started)
+                result = TIMEOUT if isinstance(error, HookTimedOut) else ERROR
+                seconds = self._count(server, hook, result, started)
                 reason = str(error) or type(error).__name__
+                outcome.calls.append(HookCall(server, hook, result, seconds, reason=reason))
                 if hook.is_pre and server.failure_policy is FailurePolicy.FAIL:
                     outcome.failure = HookFailure(server, hook, reason)
                     self.log.warn(
@@ -105,22 +115,18 @@ class Dispatcher:
                     reason=reason,
                 )
                 continue
-            self._count(server, hook, "ok", started)
-            outcome.called.append(server.name)
-            if not hook.is_pre:
-                continue
-            merge_response(request, response)
-            if not track_changes:
-                continue
-            for path in changed_fields(before, request):
-                earlier = changed_by.get(path)
+            seconds = self._count(server, hook, OK, started)
+            changes = merge_response(request, response) if hook.is_pre else []
+            outcome.calls.append(HookCall(server, hook, OK, seconds, tuple(changes)))
+            for change in changes:
+                earlier = changed_by.get(change.path)
                 if earlier is not None:
                     self.log.debug(
                         "hook {hook}: {field} set by {earlier}, then changed by {server}",
                         hook=hook.value,
-                        field=path,
+                        field=change.path,
                         earlier=earlier,
                         server=server.name,
                     )
-                changed_by[path] = server.name
+                changed_by[change.path] = server.name
         return outcome

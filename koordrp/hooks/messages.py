@@ -6,7 +6,8 @@ request (``koordrp.cri.translate``, ``koordrp.docker.translate``). Nothing here 
 grpc, the reactor or a wire format other than the hook API's.
 """
 
-from typing import Callable, Mapping, Sequence, TypeAlias, TypeVar
+from dataclasses import dataclass
+from typing import Callable, Mapping, MutableMapping, Sequence, TypeAlias, TypeVar
 
 from google.protobuf.message import Message
 
@@ -26,83 +27,116 @@ _NON_ZERO_FIELDS = ("cpu_quota", "oom_score_adj")
 _CPUSET_FIELDS = ("cpuset_cpus", "cpuset_mems")
 
 
-def _merge_numbers_and_maps(target: Resources, source: Resources) -> None:
+@dataclass(frozen=True)
+class Change:
+    """One thing a hook's answer changed in the request, as a call's log line tells it.
+
+    ``path`` names the field (a map entry by its key, ``container_envs[KEY]``). ``before`` and
+    ``after`` are kept only for values that are safe to log: resources and cgroup parents; never
+    for environment variables, labels or annotations, which may hold secrets.
+    """
+
+    path: str
+    before: object = None
+    after: object = None
+    added: bool = False
+    """A map key the request did not have."""
+
+
+Changes = list[Change]
+
+
+def _set(target: Message, name: str, value: object, prefix: str, changes: Changes) -> None:
+    before = getattr(target, name)
+    if before != value:
+        setattr(target, name, value)
+        changes.append(Change(prefix + name, before, value))
+
+
+def _merge_map(
+    target: MutableMapping[str, str], answer: Mapping[str, str], path: str, changes: Changes, shown: bool = False
+) -> None:
+    for key, value in answer.items():
+        before = target.get(key)
+        if before != value:
+            target[key] = value
+            if shown:
+                changes.append(Change(f"{path}[{key}]", before, value, added=before is None))
+            else:
+                changes.append(Change(f"{path}[{key}]", added=before is None))
+
+
+def _merge_numbers_and_maps(target: Resources, source: Resources, prefix: str, changes: Changes) -> None:
     for name in _POSITIVE_FIELDS:
         value = getattr(source, name)
         if value > 0:
-            setattr(target, name, value)
+            _set(target, name, value, prefix, changes)
     for name in _NON_ZERO_FIELDS:
         value = getattr(source, name)
         if value != 0:
-            setattr(target, name, value)
-    target.unified.update(source.unified)
-    if source.hugepage_limits:
+            _set(target, name, value, prefix, changes)
+    _merge_map(target.unified, source.unified, prefix + "unified", changes, shown=True)
+    if source.hugepage_limits and list(source.hugepage_limits) != list(target.hugepage_limits):
+        before = [f"{limit.page_size}:{limit.limit}" for limit in target.hugepage_limits]
         del target.hugepage_limits[:]
         target.hugepage_limits.extend(source.hugepage_limits)
+        after = [f"{limit.page_size}:{limit.limit}" for limit in target.hugepage_limits]
+        changes.append(Change(prefix + "hugepage_limits", before, after))
 
 
-def merge_resources(target: Resources, answer: Resources) -> None:
-    """Merge a hook's resources into ``target``, as Koordinator's proxy does.
+def merge_resources(target: Resources, answer: Resources, prefix: str = "") -> Changes:
+    """Merge a hook's resources into ``target``, as Koordinator's proxy does; say what changed.
 
     Plugins answer a copy of the request with their changes, so the cpuset they send is the one
     they want, the empty string included (koordlet clears kubelet's cpuset that way for best-effort
     pods). Numbers keep their "unset" values: a zero (or, where only positive makes sense, a
     negative) number leaves ``target``'s as it was.
     """
-    _merge_numbers_and_maps(target, answer)
+    changes: Changes = []
+    _merge_numbers_and_maps(target, answer, prefix, changes)
     for name in _CPUSET_FIELDS:
-        setattr(target, name, getattr(answer, name))
+        _set(target, name, getattr(answer, name), prefix, changes)
+    return changes
 
 
 def fold_resources(target: Resources, update: Resources) -> None:
     """Fold kubelet's new resources into the stored ones: what it leaves unset, the empty cpuset included, stays."""
-    _merge_numbers_and_maps(target, update)
+    _merge_numbers_and_maps(target, update, "", [])
     for name in _CPUSET_FIELDS:
         value = getattr(update, name)
         if value:
             setattr(target, name, value)
 
 
-def merge_pod_response(request: PodHookRequest, response: hook.PodSandboxHookResponse) -> None:
-    request.labels.update(response.labels)
-    request.annotations.update(response.annotations)
+def merge_pod_response(request: PodHookRequest, response: hook.PodSandboxHookResponse) -> Changes:
+    changes: Changes = []
+    _merge_map(request.labels, response.labels, "labels", changes)
+    _merge_map(request.annotations, response.annotations, "annotations", changes)
     if response.cgroup_parent:
-        request.cgroup_parent = response.cgroup_parent
+        _set(request, "cgroup_parent", response.cgroup_parent, "", changes)
     if response.HasField("resources"):
-        merge_resources(request.resources, response.resources)
+        changes += merge_resources(request.resources, response.resources, "resources.")
+    return changes
 
 
-def merge_container_response(request: ContainerHookRequest, response: hook.ContainerResourceHookResponse) -> None:
-    request.container_annotations.update(response.container_annotations)
+def merge_container_response(request: ContainerHookRequest, response: hook.ContainerResourceHookResponse) -> Changes:
+    changes: Changes = []
+    _merge_map(request.container_annotations, response.container_annotations, "container_annotations", changes)
     if response.HasField("container_resources"):
-        merge_resources(request.container_resources, response.container_resources)
+        changes += merge_resources(request.container_resources, response.container_resources, "container_resources.")
     if response.pod_cgroup_parent:
-        request.pod_cgroup_parent = response.pod_cgroup_parent
-    request.container_envs.update(response.container_envs)
+        _set(request, "pod_cgroup_parent", response.pod_cgroup_parent, "", changes)
+    _merge_map(request.container_envs, response.container_envs, "container_envs", changes)
+    return changes
 
 
-def merge_response(request: HookRequest, response: HookResponse) -> None:
+def merge_response(request: HookRequest, response: HookResponse) -> Changes:
+    """Merge ``response`` into ``request``, which the next server in the chain then sees; say what changed."""
     if isinstance(request, PodHookRequest):
         assert isinstance(response, hook.PodSandboxHookResponse)
-        merge_pod_response(request, response)
-    else:
-        assert isinstance(response, hook.ContainerResourceHookResponse)
-        merge_container_response(request, response)
-
-
-def changed_fields(before: Message, after: Message, prefix: str = "") -> set[str]:
-    """Dotted paths of the fields (map entries by key) whose value differs between two messages."""
-    changed: set[str] = set()
-    for field in after.DESCRIPTOR.fields:
-        path = prefix + field.name
-        old, new = getattr(before, field.name), getattr(after, field.name)
-        if field.message_type is not None and field.message_type.GetOptions().map_entry:
-            changed.update(f"{path}[{key}]" for key in set(old) | set(new) if old.get(key) != new.get(key))
-        elif field.message_type is not None and not field.is_repeated:
-            changed.update(changed_fields(old, new, path + "."))
-        elif old != new:
-            changed.add(path)
-    return changed
+        return merge_pod_response(request, response)
+    assert isinstance(response, hook.ContainerResourceHookResponse)
+    return merge_container_response(request, response)
 
 
 def with_pod(container: ContainerHookRequest, pod: PodHookRequest) -> ContainerHookRequest:

@@ -3,7 +3,7 @@
 from dataclasses import dataclass, field
 from enum import Enum
 
-from koordrp.hooks.messages import HookRequest
+from koordrp.hooks.messages import Change, HookRequest
 
 
 class HookType(Enum):
@@ -92,10 +92,26 @@ class HookFailure:
         return f"koordrp: hook server {self.server.name} ({self.server.endpoint}) failed {self.hook.value}: {self.reason}"
 
 
+@dataclass(frozen=True)
+class HookCall:
+    """What became of one hook call, for the call's log line."""
+
+    server: HookServerConfig
+    hook: HookType
+    result: str
+    """OK, ERROR, TIMEOUT; or, for calls not made: SENT (a post hook, not waited for), SKIPPED, UNREADABLE."""
+    seconds: float | None = None
+    changes: tuple[Change, ...] = ()
+    reason: str = ""
+
+
+OK, ERROR, TIMEOUT, SENT = "ok", "error", "timeout", "sent"
+
+
 @dataclass
 class StageOutcome:
     """The request after every server had its say, or the failure that stops the call."""
 
     request: HookRequest
     failure: HookFailure | None = None
-    called: list[str] = field(default_factory=list)
+    calls: list[HookCall] = field(default_factory=list)

@@ -31,6 +31,8 @@ answer is awaited is told in ``koordrp.sdk.loops``; how the registration is writ
 from __future__ import annotations
 
 import concurrent.futures
+import difflib
+import logging
 import os
 import signal
 import stat
@@ -104,6 +106,18 @@ def hook_type(hook: HookType | str) -> HookType:
     found = HOOKS_BY_NAME.get(hook)
     if found is None:
         raise ValueError(f"unknown hook {hook!r} (known: {', '.join(HOOKS_BY_NAME)})")
+    return found
+
+
+log = logging.getLogger("koordrp.sdk")
+
+
+def _not_hooks(cls: type) -> list[tuple[str, str]]:
+    """Public methods named like a hook (Pre..., Post...) that are none, each with the hook it most looks like."""
+    found = []
+    for attribute in sorted(dir(cls)):
+        if attribute.startswith(("Pre", "Post")) and attribute not in HOOKS_BY_NAME and callable(getattr(cls, attribute)):
+            found.append((attribute, difflib.get_close_matches(attribute, HOOKS_BY_NAME, n=1, cutoff=0)[0]))
     return found
 
 
@@ -222,6 +236,13 @@ class HookServer:
         """
         if not self._handlers:
             raise ValueError("this hook server has no handlers: define or register at least one")
+        for attribute, closest in _not_hooks(type(self)):
+            log.warning(
+                "%s.%s looks like a handler but is no hook, so it is never called; did you mean %s?",
+                type(self).__name__,
+                attribute,
+                closest,
+            )
         path = registration.socket_path(socket_path)
         written = None
         if register_in is not None:

@@ -15,7 +15,7 @@ from cri_api.v1 import api_pb2
 
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
 from koordrp.unix import grpc_target
-from koordrp.hooks.messages import changed_fields
+from tests.support.compare import changed_fields
 from tests.e2e.conftest import hook_server, wait_registered
 from tests.fake.hook_server import FakeHookServer
 from tests.support.containerd import Containerd

@@ -92,8 +92,9 @@ def test_metrics_health_and_call_log(
     assert not [line for line in lines if " Version " in line]  # pass-through calls log nothing
     created = [line for line in lines if "CreateContainer pod default/watched" in line]
     assert len(created) == 1 and "container watched: OK in" in created[0]
-    assert "hooks: PreCreateContainer@tuner.json" in created[0]
-    assert any("StopContainer pod default/watched" in line and "PostStopContainer@tuner.json" in line for line in lines)
+    assert "hooks: PreCreateContainer@tuner.json: ok " in created[0] and created[0].endswith("ms, changed envs +TUNED")
+    assert any("StopContainer pod default/watched" in line and "PostStopContainer@tuner.json: sent" in line for line in lines)
+    assert any("CreateContainer pod default/observed" in line and "PreCreateContainer@tuner.json: skipped" in line for line in lines)
     relay.cut()
     time.sleep(5.2)  # a success younger than 5 s is trusted without asking again
     status, text = get(f"{base}/healthz")

@@ -37,6 +37,23 @@ def test_demo_walks_a_pod_through_koordrp_and_cleans_up() -> None:
     assert "cleaned up" in output
 
 
+def test_demo_runs_an_authors_own_server_the_one_in_the_docs(tmp_path: Path) -> None:
+    docs = (ROOT / "docs" / "hook-server.md").read_text()
+    server = tmp_path / "pin_me.py"
+    server.write_text(docs.split("```python\n", 1)[1].split("```", 1)[0])
+    output = run_module(
+        "scripts.demo", "--hook-server", str(server), "--pod-label", "pin-me=true", "--cpuset", "0-1", "--env", "A=1"
+    )
+    assert "registered by" in output and "pin-me.json" in output
+    assert "pod annotations     {}" in output  # the example's pod is not the author's
+    assert "container env       A=1 PINNED_TO=0" in output
+    assert 'container resources {"cpuset_cpus": "0"}' in output  # pinned at create, kubelet asked "0-1"
+    # The example has no PreUpdateContainerResources handler: kubelet's update puts its cpuset back.
+    assert 'runtime spec cpu    {"cpus": "0-1"}' in output and "cpuset.cpus = 0-1" in output
+    assert "PreCreateContainer@pin-me.json: ok" in output and 'resources.cpuset_cpus "0-1"→"0"' in output
+    assert "serving PreCreateContainer from" in output
+
+
 def test_passthrough_benchmark_prints_its_table() -> None:
     output = run_module("benchmarks.passthrough", "--calls", "50", "--pods", "2", "--throughput-calls", "100")
     for figure in ("Version", "ListPodSandbox", "ListContainers", "ContainerStatus", "concurrency", "RSS"):

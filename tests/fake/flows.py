@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 from koordrp.flows import LookupFailed, PodSource
 from koordrp.hooks.messages import HookRequest, HookResponse, PodHookRequest, merge_response
-from koordrp.hooks.types import HookFailure, HookType, StageOutcome, Subscribers
+from koordrp.hooks.types import OK, HookCall, HookFailure, HookType, StageOutcome, Subscribers
 from koordrp.store import StoredContainer, StoredPod
 
 
@@ -33,10 +33,11 @@ class ScriptedStages:
         if reason is not None:
             return StageOutcome(request, HookFailure(servers[0], hook, reason))
         answer = self.answers.get(hook)
-        if answer is not None:
-            for _ in servers:
-                merge_response(request, answer)
-        return StageOutcome(request, called=[server.name for server in servers])
+        calls = []
+        for server in servers:
+            changes = merge_response(request, answer) if answer is not None else []
+            calls.append(HookCall(server, hook, OK, 0.001, tuple(changes)))
+        return StageOutcome(request, calls=calls)
 
     def announce(self, hook: HookType, servers: Subscribers, request: HookRequest) -> None:
         self.announced.append(StageRecord(hook, [server.name for server in servers], copy.deepcopy(request)))

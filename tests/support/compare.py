@@ -50,3 +50,18 @@ def _replace(text: str, replacements: Mapping[str, str]) -> str:
     for original in sorted(replacements, key=len, reverse=True):
         text = text.replace(original, replacements[original])
     return text
+
+
+def changed_fields(before: Message, after: Message, prefix: str = "") -> set[str]:
+    """Dotted paths of the fields (map entries by key) whose value differs between two messages."""
+    changed: set[str] = set()
+    for field in after.DESCRIPTOR.fields:
+        path = prefix + field.name
+        old, new = getattr(before, field.name), getattr(after, field.name)
+        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            changed.update(f"{path}[{key}]" for key in set(old) | set(new) if old.get(key) != new.get(key))
+        elif field.message_type is not None and not field.is_repeated:
+            changed.update(changed_fields(old, new, path + "."))
+        elif old != new:
+            changed.add(path)
+    return changed

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import grpc
 from cri_api.v1 import api_pb2, api_pb2_grpc
@@ -23,8 +23,11 @@ def twistd_path() -> str:
 
 
 class KoordrpProcess:
-    def __init__(self, base: Path, runtime_endpoint: str, extra_args: Sequence[str] = ()) -> None:
+    def __init__(
+        self, base: Path, runtime_endpoint: str, extra_args: Sequence[str] = (), environ: Mapping[str, str] | None = None
+    ) -> None:
         self.base = base
+        self.environ = {**os.environ, **(environ or {})}
         self.socket = base / "koordrp" / "koordrp.sock"
         self.logfile = base / "koordrp.log"
         self.runtime_endpoint = runtime_endpoint
@@ -50,7 +53,7 @@ class KoordrpProcess:
 
     def start(self, timeout: float = 20.0) -> None:
         earlier = len(self.log())
-        self.process = subprocess.Popen(self.argv(), cwd=self.base, stdin=subprocess.DEVNULL)
+        self.process = subprocess.Popen(self.argv(), cwd=self.base, stdin=subprocess.DEVNULL, env=self.environ)
         deadline = time.monotonic() + timeout
         # The log line, not the socket file: a stale socket may already be there.
         while "] serving " not in self.log()[earlier:]:

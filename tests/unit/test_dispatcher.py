@@ -59,7 +59,8 @@ class DispatcherTests(TestCase):
             dict(outcome.request.container_envs),
             {"KUBELET": "0", "FIRST": "1|saw:KUBELET", "SECOND": "2|saw:FIRST,KUBELET"},
         )
-        self.assertEqual(outcome.called, ["a.json", "b.json"])
+        self.assertEqual([(call.server.name, call.result) for call in outcome.calls], [("a.json", "ok"), ("b.json", "ok")])
+        self.assertEqual([change.path for change in outcome.calls[1].changes], ["container_envs[SECOND]"])
 
     @inlineCallbacks
     def test_fail_policy_fails_the_stage_naming_server_and_hook(self):  # type: ignore[no-untyped-def]

@@ -365,7 +365,9 @@ class IdentityRules(FlowTestCase):
         call = self.call("StartContainer")
         self.drive(flows.start_container(call, "c-1"))
         self.assertEqual(call.record.subject.container_meta, stored.container_meta)
-        self.assertEqual(call.record.hooks, ["PreStartContainer@a.json", "PostStartContainer@a.json"])
+        self.assertEqual(
+            [(c.hook, c.server.name, c.result) for c in call.record.calls], [(PRE_START, "a.json", "ok"), (POST_START, "a.json", "sent")]
+        )
 
     def test_a_request_that_cannot_be_read_goes_as_it_came_without_hooks(self) -> None:
         self.servers = HookServers(

@@ -7,6 +7,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
 from koordrp.cri import translate
 from koordrp.hooks import messages
+from koordrp.sdk import reply as sdk_reply
 from tests.unit.test_cri_translate import run_pod_request
 
 
@@ -74,12 +75,26 @@ class MergeTests(SynchronousTestCase):
         self.assertEqual(pod.cgroup_parent, "/kubepods/besteffort")
         self.assertEqual((pod.resources.cpu_shares, pod.resources.memory_limit_in_bytes), (2, 1 << 30))
 
-    def test_changed_fields_name_map_keys_and_nested_fields(self) -> None:
-        before = hook.ContainerResourceHookRequest(container_envs={"A": "1"})
-        after = copy.deepcopy(before)
-        after.container_envs["B"] = "2"
-        after.container_resources.cpu_shares = 3
-        self.assertEqual(
-            messages.changed_fields(before, after), {"container_envs[B]", "container_resources.cpu_shares"}
+    def test_a_merge_says_what_it_changed_without_env_values(self) -> None:
+        request = hook.ContainerResourceHookRequest(
+            container_envs={"A": "1", "SECRET": "old"},
+            container_resources=hook.LinuxContainerResources(cpu_shares=2, cpuset_cpus="0-3", unified={"a": "1"}),
+            pod_cgroup_parent="/p",
         )
-        self.assertEqual(messages.changed_fields(before, copy.deepcopy(before)), set())
+        answer = sdk_reply(request)
+        self.assertEqual(messages.merge_response(copy.deepcopy(request), answer), [])  # a copy changes nothing
+        answer.container_envs.update({"B": "2", "SECRET": "new"})
+        answer.container_resources.cpuset_cpus = "2-3"
+        answer.container_resources.unified["b"] = "2"
+        answer.pod_cgroup_parent = "/q"
+        changes = messages.merge_response(request, answer)
+        self.assertEqual(
+            sorted(changes, key=lambda change: change.path),
+            [
+                messages.Change("container_envs[B]", added=True),
+                messages.Change("container_envs[SECRET]"),
+                messages.Change("container_resources.cpuset_cpus", "0-3", "2-3"),
+                messages.Change("container_resources.unified[b]", None, "2", added=True),
+                messages.Change("pod_cgroup_parent", "/p", "/q"),
+            ],
+        )

@@ -310,6 +310,23 @@ class FailureTests(ServingTestCase):
         self.assertTrue(await deferToThread(unwound.wait, 5))
 
 
+class MisnamedHandlerTests(ServingTestCase):
+    def test_a_public_method_named_like_a_hook_but_none_is_warned_about_at_start_up(self) -> None:
+        class Releasing(HookServer):
+            def PostStopContainers(self, request: Any) -> None:  # never called: the hook has no "s"
+                pass
+
+            def PreCreateContainer(self, request: Any) -> None:
+                pass
+
+        self.serve(Releasing())
+        self.assertEqual(
+            [record.getMessage() for record in self.logged],
+            ["Releasing.PostStopContainers looks like a handler but is no hook, so it is never called; "
+             "did you mean PostStopContainer?"],
+        )
+
+
 class ExampleServerTests(ServingTestCase):
     """koordrp.examples.cpuset_qos answers with the request as it came, plus its changes."""
 

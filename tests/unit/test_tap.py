@@ -8,6 +8,7 @@ from koordrp import tap
 from koordrp.cri.server import CRIProxyService
 from koordrp.hooks.registry import HookRegistry
 from koordrp.shutdown import OrderlyStopOnSIGTERM
+from koordrp.systemd import SystemdNotifier
 from tests.fake.reactor import InlineThreadsReactor
 
 
@@ -79,7 +80,9 @@ class MakeServiceTests(SynchronousTestCase):
     def test_builds_a_cri_proxy_without_starting_grpc(self) -> None:
         top = tap.makeService(parse("--koord-runtimeproxy-endpoint=/run/p.sock"), reactor=InlineThreadsReactor())
         services = list(IServiceCollection(top))
-        self.assertEqual([type(s) for s in services], [HookRegistry, CRIProxyService, OrderlyStopOnSIGTERM])
+        self.assertEqual(
+            [type(s) for s in services], [HookRegistry, CRIProxyService, SystemdNotifier, OrderlyStopOnSIGTERM]
+        )
         proxy = services[1]
         assert isinstance(proxy, CRIProxyService)
         self.assertEqual(proxy.settings.listen_path, "/run/p.sock")

@@ -1,15 +1,22 @@
 """The files in tap/ say what koordrp accepts."""
 
 import json
+import os
 import shlex
+import shutil
+import subprocess
 from pathlib import Path
 
-from twisted.trial.unittest import SynchronousTestCase
+from twisted.trial.unittest import SkipTest, SynchronousTestCase
 
 from koordrp import tap
 from koordrp.hooks.config import parse_hook_server_config
+from tests.support.tempdirs import short_tempdir
 
-TAP = Path(__file__).resolve().parents[2] / "tap"
+ROOT = Path(__file__).resolve().parents[2]
+TAP = ROOT / "tap"
+KUBEADM = ROOT / "tests" / "fixtures" / "kubeadm"
+DROP_IN = TAP / "kubeadm" / "20-koordrp.conf"
 
 
 class TapFilesTests(SynchronousTestCase):
@@ -23,10 +30,48 @@ class TapFilesTests(SynchronousTestCase):
         self.assertEqual(options["metrics-endpoint"], "tcp:9316:interface=127.0.0.1")
 
     def test_the_kubelet_drop_in_points_both_endpoints_at_koordrp(self) -> None:
-        drop_in = (TAP / "20-koordrp.conf").read_text()
+        drop_in = DROP_IN.read_text()
         socket = "unix://" + tap.DEFAULT_PROXY_ENDPOINT
         self.assertIn(f"--container-runtime-endpoint={socket}", drop_in)
         self.assertIn(f"--image-service-endpoint={socket}", drop_in)
+
+    def test_the_kubelet_drop_in_runs_kubeadms_command_with_koordrps_flags_last(self) -> None:
+        kubeadm = [line for line in (KUBEADM / "10-kubeadm.conf").read_text().splitlines() if line.startswith("ExecStart=")]
+        ours = [line for line in DROP_IN.read_text().splitlines() if line.startswith("ExecStart=")]
+        self.assertEqual(ours, [kubeadm[0], kubeadm[1] + " $KOORDRP_KUBELET_ARGS"])
+
+    def test_koordrp_and_kubelet_are_ordered_but_not_bound(self) -> None:
+        for text in (DROP_IN.read_text(), (TAP / "koordrp.service").read_text()):
+            settings = [line.split("=", 1)[0] for line in text.splitlines() if "=" in line and not line.startswith("#")]
+            self.assertFalse({"Requires", "RequiredBy", "BindsTo", "PartOf"} & set(settings), settings)
+        unit = (TAP / "koordrp.service").read_text()
+        for setting in ("Type=notify", "WatchdogSec=30", "Before=kubelet.service", "After=containerd.service"):
+            self.assertIn(setting + "\n", unit)
+
+    def test_systemd_finds_nothing_to_say_about_the_unit_and_the_drop_in(self) -> None:
+        verify = shutil.which("systemd-analyze")
+        if verify is None:
+            if os.environ.get("CI") == "true":
+                self.fail("CI must verify the units: systemd-analyze is missing (Debian package systemd)")
+            raise SkipTest("systemd-analyze is not installed")
+        root = Path(short_tempdir(self))
+        units, drop_ins = root / "etc/systemd/system", root / "etc/systemd/system/kubelet.service.d"
+        drop_ins.mkdir(parents=True)
+        shutil.copytree("/usr/lib/systemd/system", root / "usr/lib/systemd/system", symlinks=True)
+        for source, target in (
+            (KUBEADM / "kubelet.service", units), (TAP / "koordrp.service", units),
+            (KUBEADM / "10-kubeadm.conf", drop_ins), (DROP_IN, drop_ins),
+        ):
+            shutil.copy(source, target)
+        for executable in ("usr/bin/kubelet", "opt/koordrp/venv/bin/twistd"):
+            (root / executable).parent.mkdir(parents=True, exist_ok=True)
+            (root / executable).write_text("#!/bin/sh\n")
+            (root / executable).chmod(0o755)
+        result = subprocess.run(
+            [verify, "verify", "--man=no", f"--root={root}", "kubelet.service", "koordrp.service"],
+            capture_output=True, text=True,
+        )
+        self.assertEqual((result.returncode, result.stdout + result.stderr), (0, ""))
 
     def test_example_registrations_parse(self) -> None:
         for path in sorted((TAP / "hookserver.d").glob("*.json")):

@@ -1,0 +1,365 @@
+"""``koordrp check``: is this node set up so that kubelet's calls go through koordrp, and to what effect?
+
+It reads the node as it is and prints one line per finding, ✓ or ✗ with what to do, and exits 1 when
+anything is ✗:
+
+- the running kubelet's runtime and image endpoints, as kubelet itself decides them: from its
+  command line (``/proc/<pid>/cmdline``: the last of a flag given twice wins) over the config file
+  it names (``containerRuntimeEndpoint``, ``imageServiceEndpoint``) over kubelet's default;
+- whether koordrp answers on its socket, and its runtime behind it;
+- each hookserver.d file, read by koordrp's own parser and rules, and whether its socket accepts a
+  connection;
+- containerd's NRI while hook servers are registered: koordlet's hooks would run twice.
+
+Every path it reads is an option. ``python -m koordrp.check`` runs it too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import tomllib
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence
+
+import grpc
+
+from koordrp import koordrp_version
+from koordrp.api.cri.v1 import api_pb2 as cri
+from koordrp.hooks.config import HookConfigError, parse_hook_server_config
+from koordrp.hooks.registry import Content, Refusal, describe, list_registrations, read_registration
+from koordrp.hooks.types import HookServers
+from koordrp.tap import DEFAULT_HOOK_CONFIG_DIR, DEFAULT_PROXY_ENDPOINT
+from koordrp.unix import EndpointError, grpc_target, parse_unix_endpoint
+
+RUNTIME_FLAG = "--container-runtime-endpoint"
+IMAGE_FLAG = "--image-service-endpoint"
+RUNTIME_KEY = "containerRuntimeEndpoint"
+IMAGE_KEY = "imageServiceEndpoint"
+# kubelet's own default since 1.27, when neither flag nor config file says.
+KUBELET_DEFAULT_RUNTIME = "unix:///run/containerd/containerd.sock"
+NRI_PLUGIN = "io.containerd.nri.v1.nri"
+
+OK = "✓"
+NOT_OK = "✗"
+
+
+@dataclass(frozen=True)
+class Finding:
+    ok: bool
+    text: str
+    fix: str = ""
+
+    def line(self) -> str:
+        mark = OK if self.ok else NOT_OK
+        return f"{mark} {self.text}" + (f"\n    → {self.fix}" if self.fix else "")
+
+
+# ---------------------------------------------------------------------------------------------
+# kubelet
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    value: str
+    source: str
+    """Where kubelet took it from, in words an operator can look up."""
+
+
+def flag_value(argv: Sequence[str], flag: str) -> str | None:
+    """The value kubelet takes for ``flag``: the last one given (``--flag=value`` or ``--flag value``)."""
+    found = None
+    for index, argument in enumerate(argv):
+        if argument.startswith(flag + "="):
+            found = argument[len(flag) + 1 :]
+        elif argument == flag and index + 1 < len(argv):
+            found = argv[index + 1]
+    return found
+
+
+def config_values(text: str) -> dict[str, str]:
+    """The top-level scalar settings of a kubelet config file (YAML or JSON) that are plain strings.
+
+    Only ``key: value`` lines at the top level are read: the two endpoints are top-level strings,
+    and no YAML library is needed for them.
+    """
+    if text.lstrip().startswith("{"):
+        document = json.loads(text)
+        return {key: value for key, value in document.items() if isinstance(value, str)}
+    values: dict[str, str] = {}
+    for line in text.splitlines():
+        if not line or line[0] in " \t#-" or ":" not in line:
+            continue
+        key, _, value = line.partition(":")
+        value = value.split(" #", 1)[0].strip()
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+            value = value[1:-1]
+        if value:
+            values[key.strip()] = value
+    return values
+
+
+def kubelet_endpoints(argv: Sequence[str], read: Callable[[str], str]) -> tuple[Endpoint, Endpoint]:
+    """The runtime and image endpoints kubelet uses with this command line (``read`` reads its config file)."""
+    config: dict[str, str] = {}
+    config_path = flag_value(argv, "--config")
+    if config_path:
+        config = config_values(read(config_path))
+
+    def decide(flag: str, key: str, default: Endpoint | None) -> Endpoint | None:
+        value = flag_value(argv, flag)
+        if value:
+            return Endpoint(value, f"its flag {flag}")
+        if config.get(key):
+            return Endpoint(config[key], f"its config file {config_path}, {key}")
+        return default
+
+    runtime = decide(RUNTIME_FLAG, RUNTIME_KEY, Endpoint(KUBELET_DEFAULT_RUNTIME, "kubelet's default"))
+    assert runtime is not None
+    image = decide(IMAGE_FLAG, IMAGE_KEY, None) or Endpoint(runtime.value, f"as the runtime endpoint: {runtime.source}")
+    return runtime, image
+
+
+def same_socket(endpoint: str, socket_path: str) -> bool:
+    try:
+        path = parse_unix_endpoint(endpoint)
+    except EndpointError:
+        return False
+    # /var/run is /run on every systemd distribution.
+    return _canonical(path) == _canonical(socket_path)
+
+
+def _canonical(path: str) -> str:
+    return "/run/" + path[len("/var/run/") :] if path.startswith("/var/run/") else path
+
+
+def kubelet_processes(proc: str) -> Iterator[tuple[int, list[str]]]:
+    for name in sorted(os.listdir(proc)):
+        if not name.isdigit():
+            continue
+        try:
+            with open(os.path.join(proc, name, "cmdline"), "rb") as stream:
+                raw = stream.read()
+        except OSError:
+            continue
+        argv = [part.decode("utf-8", "replace") for part in raw.split(b"\0") if part]
+        if argv and os.path.basename(argv[0]) == "kubelet":
+            yield int(name), argv
+
+
+def kubelet_findings(proc: str, socket_path: str) -> list[Finding]:
+    wanted = "unix://" + socket_path
+    found = list(kubelet_processes(proc))
+    if not found:
+        return [Finding(False, f"no kubelet process found in {proc}", "start kubelet, then check again")]
+    findings = []
+    for pid, argv in found:
+
+        def read(path: str, pid: int = pid) -> str:
+            cwd = os.path.join(proc, str(pid), "cwd")
+            where = path if os.path.isabs(path) else os.path.join(os.readlink(cwd), path)
+            with open(where, encoding="utf-8") as stream:
+                return stream.read()
+
+        try:
+            runtime, image = kubelet_endpoints(argv, read)
+        except (OSError, ValueError) as error:
+            findings.append(Finding(False, f"kubelet (pid {pid}): cannot read its config file: {error}"))
+            continue
+        for what, endpoint in (("runtime", runtime), ("image", image)):
+            kubelet = f"kubelet (pid {pid}) sends {what} calls to"
+            if same_socket(endpoint.value, socket_path):
+                findings.append(Finding(True, f"{kubelet} koordrp, {wanted} ({endpoint.source})"))
+            else:
+                text = f"{kubelet} {endpoint.value} ({endpoint.source}), not to koordrp at {wanted}"
+                findings.append(Finding(False, text, _endpoint_fix(endpoint)))
+    return findings
+
+
+def _endpoint_fix(endpoint: Endpoint) -> str:
+    if "its flag" in endpoint.source:
+        return (
+            "a flag on kubelet's command line decides: on kubeadm nodes install tap/kubeadm/20-koordrp.conf "
+            "(its flags come last and win), elsewhere change the flag in kubelet's unit; then restart kubelet"
+        )
+    if "its config file" in endpoint.source:
+        return "set containerRuntimeEndpoint and imageServiceEndpoint to koordrp's socket there, then restart kubelet"
+    return "set kubelet's endpoints to koordrp's socket (see \"Install on a node\"), then restart kubelet"
+
+
+# ---------------------------------------------------------------------------------------------
+# koordrp and its runtime
+
+
+def koordrp_findings(socket_path: str, timeout: float) -> list[Finding]:
+    target = "unix://" + socket_path
+    if not os.path.exists(socket_path):
+        return [Finding(False, f"nothing listens at {target}: no socket there", "systemctl status koordrp")]
+    with grpc.insecure_channel(grpc_target(socket_path)) as channel:
+        version = channel.unary_unary(
+            "/runtime.v1.RuntimeService/Version",
+            request_serializer=cri.VersionRequest.SerializeToString,
+            response_deserializer=cri.VersionResponse.FromString,
+        )
+        try:
+            answer = version(cri.VersionRequest(), timeout=timeout)
+        except grpc.RpcError as error:
+            call: grpc.Call = error  # type: ignore[assignment]
+            details = call.details() or ""
+            if details.startswith("koordrp: backend"):
+                return [
+                    Finding(True, f"koordrp answers at {target}"),
+                    Finding(False, details.removeprefix("koordrp: "), "systemctl status containerd"),
+                ]
+            answer_problem = f"{target} does not answer: {call.code().name}: {details}"
+            return [Finding(False, answer_problem, "systemctl status koordrp")]
+    runtime = f"{answer.runtime_name} {answer.runtime_version}".strip()
+    return [Finding(True, f"koordrp answers at {target}, and its runtime behind it ({runtime})")]
+
+
+# ---------------------------------------------------------------------------------------------
+# Hook servers
+
+
+def hook_findings(directory: str, default_timeout: float, timeout: float) -> tuple[list[Finding], int]:
+    """A finding per registration, as koordrp reads it; and how many koordrp would register."""
+    listing = list_registrations(directory)
+    if listing is None:
+        return [Finding(True, f"no hook server is registered ({directory} does not exist)")], 0
+    findings: list[Finding] = []
+    registered = 0
+    for name in sorted(listing):
+        path = os.path.join(directory, name)
+        found = listing[name]
+        reading = found if isinstance(found, Refusal) else read_registration(path)
+        if reading is None:
+            continue
+        if not isinstance(reading, Content):
+            findings.append(Finding(False, f"{path} is rejected: {reading.reason}", _FIX_FILE))
+            continue
+        try:
+            config = parse_hook_server_config(name, reading.data, default_timeout)
+        except HookConfigError as error:
+            findings.append(Finding(False, f"{path} is rejected: {error.reason}", _FIX_FILE))
+            continue
+        registered += 1
+        summary = describe(HookServers((config,)))
+        problem = _unreachable(config.endpoint, timeout)
+        if problem is None:
+            findings.append(Finding(True, f"{path} registers {summary}; its socket accepts connections"))
+        else:
+            findings.append(Finding(False, f"{path} registers {summary}; {problem}", _FIX_SERVER))
+    if not findings:
+        findings.append(Finding(True, f"no hook server is registered in {directory}"))
+    return findings, registered
+
+
+_FIX_FILE = "fix the file: koordrp keeps its last good version, or none"
+_FIX_SERVER = "start the hook server, or remove its file"
+
+
+def _unreachable(path: str, timeout: float) -> str | None:
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(timeout)
+    try:
+        probe.connect(path)
+    except OSError as error:
+        return f"its socket does not accept connections: {error.strerror or error}"
+    finally:
+        probe.close()
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# containerd's NRI
+
+
+def nri_enabled(config_text: str) -> bool:
+    """Whether containerd's NRI plugin runs with this config: on by default from config version 3 (containerd 2)."""
+    document = tomllib.loads(config_text)
+    plugins = document.get("plugins", {})
+    nri = plugins.get(NRI_PLUGIN, {}) if isinstance(plugins, dict) else {}
+    disable = nri.get("disable") if isinstance(nri, dict) else None
+    if isinstance(disable, bool):
+        return not disable
+    version = document.get("version", 1)
+    return isinstance(version, int) and version >= 3
+
+
+def nri_findings(config_path: str, hook_servers: int) -> list[Finding]:
+    try:
+        with open(config_path, encoding="utf-8") as stream:
+            enabled = nri_enabled(stream.read())
+    except FileNotFoundError:
+        return [Finding(True, f"no containerd config at {config_path}: NRI is as containerd's defaults leave it")]
+    except (OSError, tomllib.TOMLDecodeError) as error:
+        return [Finding(False, f"cannot read containerd's config {config_path}: {error}")]
+    if not enabled:
+        return [Finding(True, f"containerd's NRI is disabled ({config_path})")]
+    if not hook_servers:
+        return [Finding(True, f"containerd's NRI is enabled ({config_path}); no hook server is registered with koordrp")]
+    return [
+        Finding(
+            False,
+            f"containerd's NRI is enabled ({config_path}) while {hook_servers} hook server(s) are registered with "
+            "koordrp: a plugin such as koordlet would run the same hooks twice, in NRI and through koordrp",
+            'run one or the other: disable NRI ([plugins."io.containerd.nri.v1.nri"] disable = true) or koordlet\'s '
+            "(-enable-nri-runtime-hook=false), or do not use koordrp",
+        )
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# The command
+
+
+def parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="koordrp check", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"koordrp {koordrp_version()}")
+    parser.add_argument("--proc", default="/proc", help="where to look for kubelet's process [%(default)s]")
+    parser.add_argument("--socket", default=DEFAULT_PROXY_ENDPOINT, help="koordrp's socket [%(default)s]")
+    parser.add_argument("--hook-config-dir", default=DEFAULT_HOOK_CONFIG_DIR, help="[%(default)s]")
+    parser.add_argument("--containerd-config", default="/etc/containerd/config.toml", help="[%(default)s]")
+    parser.add_argument("--hook-timeout", type=float, default=2.0, help="koordrp's --hook-timeout [%(default)s]")
+    parser.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for each answer [%(default)s]")
+    return parser
+
+
+def check(options: argparse.Namespace) -> list[Finding]:
+    try:
+        socket_path = parse_unix_endpoint(options.socket)
+    except EndpointError as error:
+        raise SystemExit(f"koordrp check: --socket: {error}") from None
+    hooks, registered = hook_findings(options.hook_config_dir, options.hook_timeout, options.timeout)
+    return [
+        *kubelet_findings(options.proc, socket_path),
+        *koordrp_findings(socket_path, options.timeout),
+        *hooks,
+        *nri_findings(options.containerd_config, registered),
+    ]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    findings = check(parser().parse_args(argv))
+    for finding in findings:
+        print(finding.line())
+    return 0 if all(finding.ok for finding in findings) else 1
+
+
+def command(argv: Sequence[str] | None = None) -> int:
+    """The ``koordrp`` console script: ``koordrp check [options]``, ``koordrp --version``."""
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    if arguments[:1] == ["--version"]:
+        print(f"koordrp {koordrp_version()}")
+        return 0
+    if arguments[:1] != ["check"]:
+        print("usage: koordrp check [options]  (koordrp itself runs as: twistd -n koordrp)", file=sys.stderr)
+        return 2
+    return main(arguments[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""Serve a hook server written in a file, without writing its start-up code:
+
+    python -m koordrp.sdk path/to/server.py --socket /run/mine/mine.sock \\
+        [--register-in /etc/runtime/hookserver.d] [--name mine] [--failure-policy Fail] [--timeout-seconds 1]
+
+The file defines the server: a ``HookServer`` instance at module level, or one ``HookServer``
+subclass (made with no arguments). Its ``if __name__ == "__main__":`` block does not run. The server
+is served until SIGTERM or SIGINT; ``scripts/demo --hook-server path/to/server.py`` runs it this way
+in front of a real containerd.
+"""
+
+import argparse
+import importlib.util
+import logging
+from pathlib import Path
+from types import ModuleType
+
+from koordrp.sdk import HookServer
+
+
+def load(path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location("hook_server_under_test", path)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"{path}: not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def server_in(module: ModuleType, path: Path) -> HookServer:
+    """The one hook server ``module`` defines: an instance, or a subclass it makes one of."""
+    instances = [value for value in vars(module).values() if isinstance(value, HookServer)]
+    classes = [
+        value
+        for value in vars(module).values()
+        if isinstance(value, type) and issubclass(value, HookServer) and value.__module__ == module.__name__
+    ]
+    if len(instances) == 1:
+        return instances[0]
+    if not instances and len(classes) == 1:
+        return classes[0]()
+    found = [type(instance).__name__ + " instance" for instance in instances] + [cls.__name__ for cls in classes]
+    raise SystemExit(f"{path}: define one HookServer (an instance, or a subclass); found {found or 'none'}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m koordrp.sdk", description=__doc__.split("\n\n")[0])
+    parser.add_argument("file", type=Path, help="the Python file that defines the hook server")
+    parser.add_argument("--socket", required=True, help="unix socket to serve on")
+    parser.add_argument("--register-in", metavar="DIR", help="hookserver.d directory to register in")
+    parser.add_argument("--name", help="registration file name, without .json [default: the socket's]")
+    parser.add_argument("--failure-policy", choices=("Ignore", "Fail"), default="Ignore")
+    parser.add_argument("--timeout-seconds", type=float, help="how long koordrp waits for one call")
+    options = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    server = server_in(load(options.file), options.file)
+    with server.serve(
+        options.socket,
+        register_in=options.register_in,
+        name=options.name,
+        failure_policy=options.failure_policy,
+        timeout_seconds=options.timeout_seconds,
+    ) as running:
+        hooks = ", ".join(sorted(hook.value for hook in running.hooks))
+        logging.info("serving %s from %s on %s", hooks, options.file, running.socket_path)
+        print("ready", flush=True)
+        running.wait()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""The call log line: each hook server with its outcome and what its answer changed, env values never."""
+
+import json
+
+from twisted.trial.unittest import SynchronousTestCase
+
+from koordrp.calllog import CallRecord, call_text
+from koordrp.hooks.messages import Change, ContainerHookRequest
+from koordrp.hooks.types import ERROR, OK, SENT, TIMEOUT, FailurePolicy, HookCall, HookServerConfig, HookType
+
+KOORDLET = HookServerConfig("koordlet.json", "/run/k.sock", FailurePolicy.IGNORE, frozenset(HookType), 2.0)
+STRICT = HookServerConfig("strict.json", "/run/s.sock", FailurePolicy.FAIL, frozenset(HookType), 2.0)
+CREATE = HookType.PRE_CREATE_CONTAINER
+
+
+class CallTextTests(SynchronousTestCase):
+    def test_an_answer_that_changed_things(self) -> None:
+        changes = (
+            Change("pod_cgroup_parent", "/kubepods/burstable/pod1", "/kubepods/besteffort/pod1"),
+            Change("container_resources.cpuset_cpus", "0-3", "2-3"),
+            Change("container_resources.cpu_shares", 2, 512),
+            Change("container_envs[KOORDLET_SEEN]", added=True),
+            Change("container_envs[PATH]"),
+            Change("container_annotations[note]", added=True),
+        )
+        self.assertEqual(
+            call_text(HookCall(KOORDLET, CREATE, OK, 0.00061, changes)),
+            'PreCreateContainer@koordlet.json: ok 0.6 ms, changed cgroup_parent "/kubepods/burstable/pod1"→'
+            '"/kubepods/besteffort/pod1", resources.cpuset_cpus "0-3"→"2-3", resources.cpu_shares 2→512, '
+            "envs +KOORDLET_SEEN, envs ~PATH, annotations +note",
+        )
+
+    def test_failures_say_what_the_policy_made_of_them(self) -> None:
+        self.assertEqual(
+            call_text(HookCall(STRICT, HookType.PRE_RUN_POD_SANDBOX, TIMEOUT, 2.0004, reason="no answer within 2s")),
+            "PreRunPodSandbox@strict.json: timeout 2000.4 ms (no answer within 2s; Fail policy: the call failed)",
+        )
+        self.assertEqual(
+            call_text(HookCall(KOORDLET, CREATE, ERROR, 0.0012, reason="UNAVAILABLE: connection refused")),
+            "PreCreateContainer@koordlet.json: error 1.2 ms (UNAVAILABLE: connection refused; went on without it)",
+        )
+
+    def test_calls_not_waited_for_or_not_made(self) -> None:
+        self.assertEqual(call_text(HookCall(KOORDLET, HookType.POST_STOP_CONTAINER, SENT)), "PostStopContainer@koordlet.json: sent")
+        self.assertEqual(call_text(HookCall(KOORDLET, CREATE, "skipped")), "PreCreateContainer@koordlet.json: skipped")
+
+
+class RecordTests(SynchronousTestCase):
+    def test_the_same_facts_as_fields_for_json_logs_and_no_env_value_anywhere(self) -> None:
+        record = CallRecord("CreateContainer", ContainerHookRequest(container_envs={"TOKEN": "s3cr3t"}))
+        record.add([HookCall(KOORDLET, CREATE, OK, 0.0005, (Change("container_envs[TOKEN]"),))])
+        fields = record.fields("OK", 0.0142)
+        self.assertEqual(fields["hooks"], "PreCreateContainer@koordlet.json: ok 0.5 ms, changed envs ~TOKEN")
+        self.assertEqual(
+            fields["hook_calls"],
+            [{"hook": "PreCreateContainer", "server": "koordlet.json", "result": "ok", "duration_ms": 0.5,
+              "changed": ["envs ~TOKEN"], "reason": ""}],
+        )
+        self.assertNotIn("s3cr3t", json.dumps({key: value for key, value in fields.items()}))
+        self.assertEqual(CallRecord("RunPodSandbox").fields("OK", 0.01)["hooks"], "none")

@@ -1,0 +1,103 @@
+"""systemd notifications on a real unix datagram socket: ready, stopping, and a watchdog the reactor feeds."""
+
+import os
+import socket
+import time
+
+from twisted.internet import reactor
+from twisted.internet.defer import inlineCallbacks
+from twisted.internet.task import Clock, deferLater
+from twisted.logger import LogEvent, globalLogPublisher
+from twisted.trial.unittest import SynchronousTestCase, TestCase
+
+from koordrp.systemd import SystemdNotifier, notify_address, watchdog_interval
+from tests.support.tempdirs import short_tempdir
+
+
+class Listener:
+    """What systemd would receive on ``$NOTIFY_SOCKET``, each datagram with the time it came."""
+
+    def __init__(self, address: str) -> None:
+        self.socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.socket.bind(address)
+        self.socket.setblocking(False)
+        self.received: list[tuple[float, bytes]] = []
+
+    def collect(self) -> list[bytes]:
+        while True:
+            try:
+                self.received.append((time.monotonic(), self.socket.recv(4096)))
+            except BlockingIOError:
+                return [message for _, message in self.received]
+
+    def close(self) -> None:
+        self.socket.close()
+
+
+class EnvironmentTests(SynchronousTestCase):
+    def test_addresses_and_intervals(self) -> None:
+        self.assertEqual(notify_address({"NOTIFY_SOCKET": "/run/systemd/notify"}), "/run/systemd/notify")
+        self.assertEqual(notify_address({"NOTIFY_SOCKET": "@abstract"}), "\0abstract")
+        self.assertIsNone(notify_address({}))
+        self.assertEqual(watchdog_interval({"WATCHDOG_USEC": "30000000"}, 7), 15.0)
+        self.assertEqual(watchdog_interval({"WATCHDOG_USEC": "30000000", "WATCHDOG_PID": "7"}, 7), 15.0)
+        self.assertIsNone(watchdog_interval({"WATCHDOG_USEC": "30000000", "WATCHDOG_PID": "8"}, 7))
+        self.assertIsNone(watchdog_interval({"WATCHDOG_USEC": "soon"}, 7))
+        self.assertIsNone(watchdog_interval({}, 7))
+
+    def test_without_systemd_nothing_is_sent_and_nothing_breaks(self) -> None:
+        notifier = SystemdNotifier(Clock(), {})
+        notifier.startService()
+        notifier.stopService()
+
+    def test_a_socket_that_is_gone_costs_one_warning(self) -> None:
+        clock = Clock()
+        address = os.path.join(short_tempdir(self), "nobody")
+        events: list[LogEvent] = []
+        globalLogPublisher.addObserver(events.append)
+        self.addCleanup(globalLogPublisher.removeObserver, events.append)
+        notifier = SystemdNotifier(clock, {"NOTIFY_SOCKET": address, "WATCHDOG_USEC": "1000000"})
+        notifier.startService()
+        clock.pump([0.5] * 10)
+        notifier.stopService()
+        self.assertEqual([event["log_format"] for event in events], ["cannot notify systemd at {address}: {reason}"])
+
+
+class NotifyTests(TestCase):
+    def setUp(self) -> None:
+        self.address = os.path.join(short_tempdir(self), "notify")
+        self.listener = Listener(self.address)
+        self.addCleanup(self.listener.close)
+
+    def test_ready_then_stopping(self) -> None:
+        notifier = SystemdNotifier(reactor, {"NOTIFY_SOCKET": self.address})
+        notifier.startService()
+        self.assertEqual(self.listener.collect(), [b"READY=1"])
+        notifier.stopService()
+        self.assertEqual(self.listener.collect(), [b"READY=1", b"STOPPING=1"])
+
+    def test_an_abstract_socket(self) -> None:
+        name = f"koordrp-test-{os.getpid()}-{time.monotonic_ns()}"
+        abstract = Listener("\0" + name)
+        self.addCleanup(abstract.close)
+        notifier = SystemdNotifier(reactor, {"NOTIFY_SOCKET": "@" + name})
+        notifier.startService()
+        notifier.stopService()
+        self.assertEqual(abstract.collect(), [b"READY=1", b"STOPPING=1"])
+
+    @inlineCallbacks
+    def test_the_watchdog_is_fed_by_the_reactor_and_starves_when_it_stalls(self):  # type: ignore[no-untyped-def]
+        environ = {"NOTIFY_SOCKET": self.address, "WATCHDOG_USEC": "100000", "WATCHDOG_PID": str(os.getpid())}
+        notifier = SystemdNotifier(reactor, environ)
+        notifier.startService()
+        self.addCleanup(notifier.stopService)
+        yield deferLater(reactor, 0.5, lambda: None)
+        before_stall = self.listener.collect().count(b"WATCHDOG=1")
+        self.assertGreaterEqual(before_stall, 5)  # every 50 ms
+        stalled_at = time.monotonic()
+        yield deferLater(reactor, 0, time.sleep, 0.6)  # the reactor thread blocked, as a deadlock would
+        self.listener.collect()
+        during = [at for at, message in self.listener.received if message == b"WATCHDOG=1" and stalled_at < at < stalled_at + 0.6]
+        self.assertEqual(during, [])
+        yield deferLater(reactor, 0.3, lambda: None)
+        self.assertGreater(self.listener.collect().count(b"WATCHDOG=1"), before_stall + 2)  # fed again
