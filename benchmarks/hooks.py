@@ -1,135 +1,371 @@
-"""Cost of runtime hooks: pod start through koordrp with a no-op hook server on every hook vs direct.
+"""koordrp's own cost on the hook path, paired per round with the same calls made without it.
 
-Starts a private containerd and ``twistd -n koordrp`` in front of it, registers one hook server that
-answers every hook with an empty response (it changes nothing), then prints:
+Starts a private containerd, ``twistd -n koordrp`` in front of it, a minimal grpcio pass-through
+(benchmarks/minimal_passthrough.py: what any grpcio proxy pays) and echo hook servers (processes of
+their own answering a copy of each request, as koordlet does) on every hook point. With one server,
+then two chained, it prints:
 
-* RunPodSandbox + CreateContainer + StartContainer latency over ``--pods`` pods, direct and through
-  koordrp (interleaved, so both see the same machine), p50/p90 and the ratio;
-* the dispatch overhead of one hook stage: UpdateContainerResources (one pre hook) on the same
-  container through koordrp with the hook registered and without, p50 difference.
+* **one hook stage**: per round, in random order and each after the same pause, the calls of ``ROWS``:
+  UpdateContainerResources on pod H (hooks run) and pod S (labelled to skip them), directly, through
+  koordrp and through the minimal pass-through; StartContainer of the running containers, which
+  containerd refuses at once (a hooked call whose time is nearly all koordrp's and the hook's);
+  ContainerStatus, passed through; and the hook servers alone, called by a plain client with a
+  request of the same shape. From each round:
 
-    .venv/bin/python -m benchmarks.hooks [--pods 50] [--updates 300]
+  - koordrp's share of a hook stage = hooked - skipped - the servers alone;
+  - koordrp's CPU per hook stage = its CPU (every thread's, /proc schedstat) during the hooked call
+    minus during the skipped one, beside the CPU this process spends calling the servers alone;
+  - a skipped call over a pass-through = the skipped call - the same call through the minimal
+    pass-through; and, as issue 13 first measured it, (skipped - direct) - (ContainerStatus through
+    koordrp - directly), which compares with a different call's pass-through;
+* **pod start**: RunPodSandbox + CreateContainer + StartContainer, directly and through koordrp, one
+  pod each way per round in random order; the ratio of the p50 sums. Twice: back to back, and each
+  pod after a pause (``--pod-pause``), as pods start on a node. containerd's StartContainer takes
+  ~21 ms or ~31 ms on this VM, the slower the longer containerd was idle before it; back to back,
+  every millisecond koordrp adds before Start makes the slow one likelier, so that run's ratio says
+  as much about containerd as about koordrp.
+
+    .venv/bin/python -m benchmarks.hooks [--pods 40] [--rounds 300] [--servers 1 2] [--pod-pause 0.5]
 """
 
 import argparse
+import os
+import random
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import grpc
-from cri_api.v1 import api_pb2
+from cri_api.v1 import api_pb2, api_pb2_grpc
 
-from benchmarks.stats import quantile, timed
-from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
+from benchmarks import minimal_passthrough
+from benchmarks.echo_hook_server import HookServerProcess
+from benchmarks.stats import quantile, thread_cpu_ns
+from koordrp.api.cri.v1 import api_pb2 as koordrp_cri
 from koordrp.api.runtime.v1alpha1 import api_pb2_grpc as hook_grpc
+from koordrp.cri import translate
+from koordrp.hooks.messages import ContainerHookRequest
 from koordrp.hooks.types import HookType
+from koordrp.tap import DEFAULT_SKIP_HOOK_KEY, DEFAULT_SKIP_HOOK_VALUE
 from tests.support.cri_objects import container_config, linux_resources, pod_sandbox_config
 from tests.support.hook_registration import register
 from tests.support.images import BUSYBOX_REF
-from tests.support.pods import TIMEOUT, remove_pod
+from tests.support.koordrp_process import KoordrpProcess
+from tests.support.pods import TIMEOUT, remove_pod, start_container
 from tests.support.stack import containerd_and_koordrp
 
+# A post hook or the call's log line may still be running in koordrp when its caller has the answer:
+# waiting this long before reading koordrp's CPU time charges it to the call that caused it. Every
+# call, whichever way it goes, comes after the same pause: threads that slept longer wake more
+# slowly, and the comparisons must not depend on it.
+SETTLE_SECONDS = 0.003
 
-STEPS = ("RunPodSandbox", "CreateContainer", "StartContainer")
+TARGETS = {
+    "share p50": 0.2e-3,
+    "share p99": 1.5e-3,
+    "cpu": 0.3e-3,
+    "skipped": 0.2e-3,
+    "pod start": 1.08,
+}
 
 
-def pod_start(runtime: Any, name: str, logs: Path) -> tuple[list[float], str]:
-    """Seconds for RunPodSandbox, CreateContainer and StartContainer, and the sandbox id."""
+ROWS = {
+    "update direct H": "UpdateContainerResources, pod H's container, containerd directly",
+    "update hooked": "the same through koordrp: its pre hook stage runs",
+    "update direct S": "UpdateContainerResources, pod S's container (labelled to skip hooks), directly",
+    "update skipped": "the same through koordrp: intercepted, hooks skipped",
+    "update minimal": "the same through the minimal grpcio pass-through",
+    "start hooked": "StartContainer of H's running container through koordrp: its pre hook stage runs, containerd refuses at once",
+    "start skipped": "the same for S's container: intercepted, hooks skipped",
+    "start minimal": "the same through the minimal grpcio pass-through",
+    "status direct": "ContainerStatus of S's container, directly",
+    "status koordrp": "the same through koordrp: passed through",
+    "status minimal": "the same through the minimal grpcio pass-through",
+    "servers alone": "a plain client calling each hook server in turn, with a request of the same shape",
+}
+"""The calls of each round, in random order."""
+
+
+@dataclass(frozen=True)
+class Runtimes:
+    direct: Any
+    koordrp: Any
+    minimal: Any
+
+
+@dataclass
+class Samples:
+    """Per round: seconds of each call, and koordrp's CPU seconds meanwhile."""
+
+    seconds: dict[str, list[float]] = field(default_factory=dict)
+    cpu: dict[str, list[float]] = field(default_factory=dict)
+    client_cpu: list[float] = field(default_factory=list)
+    """The CPU time this process spent calling the hook servers alone: what a plain client pays."""
+
+    def add(self, label: str, seconds: float, cpu: float, _own_cpu: float = 0.0) -> None:
+        self.seconds.setdefault(label, []).append(seconds)
+        self.cpu.setdefault(label, []).append(cpu)
+
+    def paired(self, combine: Callable[..., float], *labels: str, cpu: bool = False) -> list[float]:
+        series = self.cpu if cpu else self.seconds
+        return [combine(*values) for values in zip(*(series[label] for label in labels))]
+
+
+class Measured:
+    """Times a call, and the CPU time koordrp spent meanwhile (about none for a call that bypasses it)."""
+
+    def __init__(self, pid: int) -> None:
+        self._pid = pid
+
+    def __call__(self, call: Callable[[], object], own: bool = False) -> tuple[float, float, float]:
+        """Seconds, koordrp's CPU seconds and, with ``own``, this process's CPU seconds."""
+        time.sleep(SETTLE_SECONDS)
+        cpu_before = thread_cpu_ns(self._pid)
+        own_before = thread_cpu_ns(os.getpid()) if own else 0
+        started = time.perf_counter()
+        call()
+        seconds = time.perf_counter() - started
+        own_cpu = (thread_cpu_ns(os.getpid()) - own_before) / 1e9 if own else 0.0
+        time.sleep(SETTLE_SECONDS)
+        koordrp_cpu = (thread_cpu_ns(self._pid) - cpu_before) / 1e9
+        return seconds, koordrp_cpu, own_cpu
+
+
+def pod_start(runtime: Any, name: str, logs: Path) -> tuple[float, str]:
+    """Seconds for RunPodSandbox + CreateContainer + StartContainer, and the sandbox id."""
     pod = pod_sandbox_config(name, log_directory=logs / name)
     container = container_config(name, image=BUSYBOX_REF, command=["sleep", "3600"], log_path=f"{name}.log")
-    times = [time.perf_counter()]
+    started = time.perf_counter()
     sandbox_id = runtime.RunPodSandbox(api_pb2.RunPodSandboxRequest(config=pod), timeout=TIMEOUT).pod_sandbox_id
-    times.append(time.perf_counter())
-    container_id = runtime.CreateContainer(
-        api_pb2.CreateContainerRequest(pod_sandbox_id=sandbox_id, config=container, sandbox_config=pod), timeout=TIMEOUT
-    ).container_id
-    times.append(time.perf_counter())
-    runtime.StartContainer(api_pb2.StartContainerRequest(container_id=container_id), timeout=TIMEOUT)
-    times.append(time.perf_counter())
-    return [end - start for start, end in zip(times, times[1:])], sandbox_id
+    start_container(runtime, sandbox_id, pod, container)
+    return time.perf_counter() - started, sandbox_id
 
 
-def updates(runtime: Any, container_id: str, count: int) -> list[float]:
-    def update(index: int) -> object:
-        request = api_pb2.UpdateContainerResourcesRequest(
-            container_id=container_id, linux=linux_resources(cpu_shares=1024 + index % 2)
+def pod_starts(
+    direct: Any, proxied: Any, pods: int, logs: Path, label: str, pause: float
+) -> tuple[list[float], list[float]]:
+    """``pods`` pod starts each way, one of each per round in random order, each after ``pause`` seconds;
+    each pod is removed after its round."""
+    times: dict[str, list[float]] = {"direct": [], "koordrp": []}
+    for index in range(pods):
+        ways = [("direct", direct), ("koordrp", proxied)]
+        random.shuffle(ways)
+        started = []
+        for way, runtime in ways:
+            time.sleep(pause)
+            seconds, sandbox_id = pod_start(runtime, f"{label}-{way}-{index}-{pause:g}", logs)
+            times[way].append(seconds)
+            started.append((runtime, sandbox_id))
+        for runtime, sandbox_id in started:
+            remove_pod(runtime, sandbox_id)
+    return times["direct"], times["koordrp"]
+
+
+@dataclass(frozen=True)
+class Pod:
+    """A pod with one running container, made through koordrp (so koordrp's store knows it)."""
+
+    sandbox_id: str
+    container_id: str
+    hook_request: ContainerHookRequest
+    """What koordrp sends the hook servers for an update of this container (its shape, at least)."""
+
+
+def make_pod(proxied: Any, name: str, logs: Path, labels: dict[str, str]) -> Pod:
+    pod = pod_sandbox_config(name, log_directory=logs / name, labels=labels)
+    container = container_config(name, image=BUSYBOX_REF, command=["sleep", "3600"], log_path=f"{name}.log")
+    run = api_pb2.RunPodSandboxRequest(config=pod)
+    sandbox_id = proxied.RunPodSandbox(run, timeout=TIMEOUT).pod_sandbox_id
+    container_id = start_container(proxied, sandbox_id, pod, container)
+    create = api_pb2.CreateContainerRequest(pod_sandbox_id=sandbox_id, config=container, sandbox_config=pod)
+    # The same bytes kubelet would send, read as koordrp reads them.
+    pod_request = translate.pod_hook_request(koordrp_cri.RunPodSandboxRequest.FromString(run.SerializeToString()))
+    created = koordrp_cri.CreateContainerRequest.FromString(create.SerializeToString())
+    update = koordrp_cri.UpdateContainerResourcesRequest.FromString(update_request(container_id, 0).SerializeToString())
+    stored = translate.container_hook_request(pod_request, created)
+    return Pod(sandbox_id, container_id, translate.fold_update_request(stored, update))
+
+
+def update_request(container_id: str, index: int) -> Any:
+    # Alternate the value, so that every update is one the runtime really makes.
+    return api_pb2.UpdateContainerResourcesRequest(
+        container_id=container_id, linux=linux_resources(cpu_shares=1024 + index % 2)
+    )
+
+
+def hook_stage_rounds(
+    runtimes: "Runtimes", hooked: Pod, skipped: Pod, servers: list[str], rounds: int, meter: Measured
+) -> Samples:
+    direct, proxied, minimal = runtimes.direct, runtimes.koordrp, runtimes.minimal
+    stubs = [hook_grpc.RuntimeHookServiceStub(grpc.insecure_channel(f"unix:{socket}")) for socket in servers]
+    samples = Samples()
+
+    def servers_alone() -> None:
+        for stub in stubs:
+            stub.PreUpdateContainerResourcesHook(hooked.hook_request, timeout=TIMEOUT)
+
+    for index in range(rounds):
+        calls: dict[str, Callable[[], object]] = {
+            "update direct H": lambda: direct.UpdateContainerResources(update_request(hooked.container_id, index)),
+            "update hooked": lambda: proxied.UpdateContainerResources(update_request(hooked.container_id, index)),
+            "update direct S": lambda: direct.UpdateContainerResources(update_request(skipped.container_id, index)),
+            "update skipped": lambda: proxied.UpdateContainerResources(update_request(skipped.container_id, index)),
+            "update minimal": lambda: minimal.UpdateContainerResources(update_request(skipped.container_id, index)),
+            "start hooked": lambda: refused_start(proxied, hooked),
+            "start skipped": lambda: refused_start(proxied, skipped),
+            "start minimal": lambda: refused_start(minimal, skipped),
+            "status direct": lambda: direct.ContainerStatus(status_request(skipped)),
+            "status koordrp": lambda: proxied.ContainerStatus(status_request(skipped)),
+            "status minimal": lambda: minimal.ContainerStatus(status_request(skipped)),
+            "servers alone": servers_alone,
+        }
+        labels = list(calls)
+        random.shuffle(labels)
+        for label in labels:
+            samples.add(label, *meter(calls[label]))
+        # What a plain client pays for the same hook calls (this process's CPU: no koordrp in it).
+        _, _, own_cpu = meter(servers_alone, own=True)
+        samples.client_cpu.append(own_cpu)
+    return samples
+
+
+def refused_start(runtime: Any, pod: Pod) -> None:
+    """Start a running container: containerd refuses at once, so the call's time is nearly all koordrp's."""
+    try:
+        runtime.StartContainer(api_pb2.StartContainerRequest(container_id=pod.container_id), timeout=TIMEOUT)
+    except grpc.RpcError as error:
+        if "RUNNING" not in (error.details() or ""):
+            raise
+    else:
+        raise AssertionError("containerd started a running container")
+
+
+def status_request(pod: Pod) -> Any:
+    return api_pb2.ContainerStatusRequest(container_id=pod.container_id)
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f} ms"
+
+
+def verdict(value: float, target_key: str) -> str:
+    target = TARGETS[target_key]
+    shown = f"{target:.2f}x" if target_key == "pod start" else ms(target)
+    return f"(target {shown}: {'met' if value <= target else 'NOT met'})"
+
+
+def report_pod_start(direct: list[float], proxied: list[float], alone: float, passthrough: float, pause: float) -> None:
+    d50, k50 = statistics.median(direct), statistics.median(proxied)
+    when = "back to back" if not pause else f"each after a {pause:g} s pause"
+    print(f"  pod start, {len(direct)} pods each way, {when}: direct p50 {ms(d50)}, koordrp p50 {ms(k50)}, added {ms(k50 - d50)}")
+    print(f"  ratio of the p50 sums: {k50 / d50:.3f} {verdict(k50 / d50, 'pod start')}")
+    floor = 3 * alone + 3 * passthrough
+    print(f"  the floor (3 pre stages' servers alone + 3 pass-through costs): +{ms(floor)}; beyond it: {ms(k50 - d50 - floor)}")
+
+
+def report_rounds(samples: Samples) -> tuple[float, float]:
+    """Prints the figures of one hook stage; returns the servers-alone and pass-through p50s for the floor."""
+    print(f"  {'':<18}{'p50':>11}{'p99':>11}{'koordrp CPU':>13}")
+    for label, what in ROWS.items():
+        seconds, cpu_seconds = samples.seconds[label], samples.cpu[label]
+        print(
+            f"  {label:<18}{ms(statistics.median(seconds)):>11}{ms(quantile(seconds, 0.99)):>11}"
+            f"{ms(statistics.median(cpu_seconds)):>13}   {what}"
         )
-        return runtime.UpdateContainerResources(request, timeout=TIMEOUT)
+    share = samples.paired(lambda hooked, skipped, alone: hooked - skipped - alone, "update hooked", "update skipped", "servers alone")
+    quick_share = samples.paired(lambda hooked, skipped, alone: hooked - skipped - alone, "start hooked", "start skipped", "servers alone")
+    cpu = samples.paired(lambda hooked, skipped: hooked - skipped, "update hooked", "update skipped", cpu=True)
+    quick_cpu = samples.paired(lambda hooked, skipped: hooked - skipped, "start hooked", "start skipped", cpu=True)
+    over_same = samples.paired(lambda skipped, minimal: skipped - minimal, "update skipped", "update minimal")
+    quick_over_same = samples.paired(lambda skipped, minimal: skipped - minimal, "start skipped", "start minimal")
+    over_status = samples.paired(
+        lambda skipped, direct, through, status: (skipped - direct) - (through - status),
+        "update skipped", "update direct S", "status koordrp", "status direct",
+    )
+    passthrough = samples.paired(lambda through, status: through - status, "status koordrp", "status direct")
+    print("  per round (differences of the calls of one round):")
+    figure("koordrp's share of a hook stage", share, "share p50", "update hooked - update skipped - servers alone")
+    figure("", share, "share p99", None, 0.99)
+    figure("  the same, on a quick call", quick_share, "share p50", "start hooked - start skipped - servers alone")
+    figure("", quick_share, "share p99", None, 0.99)
+    figure("koordrp CPU per hook stage", cpu, "cpu", "CPU of update hooked - of update skipped")
+    figure("  the same, on a quick call", quick_cpu, "cpu", "CPU of start hooked - of start skipped")
+    figure("a plain client's CPU, same calls", samples.client_cpu, None, "this process, calling the servers alone")
+    figure("skipped over a pass-through", over_same, "skipped", "update skipped - update minimal")
+    figure("  the same, on a quick call", quick_over_same, "skipped", "start skipped - start minimal")
+    figure("  against ContainerStatus", over_status, None, "(update skipped - direct S) - (status koordrp - status direct)")
+    figure("a pass-through over direct", passthrough, None, "status koordrp - status direct")
+    return statistics.median(samples.seconds["servers alone"]), statistics.median(passthrough)
 
-    return timed(count, update)
 
-
-def hook_round_trips(socket: str, count: int) -> list[float]:
-    """The no-op hook server's own latency: the same hook called directly, without koordrp."""
-    request = hook.ContainerResourceHookRequest(container_meta=hook.ContainerMetadata(name="bench"))
-    with grpc.insecure_channel(f"unix:{socket}") as channel:
-        stub = hook_grpc.RuntimeHookServiceStub(channel)
-        return timed(count, lambda _: stub.PreUpdateContainerResourcesHook(request, timeout=TIMEOUT))
+def figure(name: str, values: list[float], target: str | None, how: str | None, fraction: float = 0.5) -> None:
+    value = statistics.median(values) if fraction == 0.5 else quantile(values, fraction)
+    text = f"    {name:<36}p{round(fraction * 100)} {ms(value):>10}"
+    if target is not None:
+        text += f" {verdict(value, target)}"
+    if how is not None:
+        text += f"   {how}"
+    print(text)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pods", type=int, default=50)
-    parser.add_argument("--updates", type=int, default=300)
+    parser.add_argument("--pods", type=int, default=40, help="pod starts each way, per number of hook servers (0: none)")
+    parser.add_argument("--rounds", type=int, default=300, help="rounds of the hook stage measurement")
+    parser.add_argument(
+        "--pod-pause", type=float, default=0.5, help="seconds before each pod start of the second pod start run"
+    )
+    parser.add_argument("--servers", type=int, nargs="+", default=[1, 2], help="numbers of chained hook servers")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="krp-bench-", dir="/tmp") as scratch:
+    with tempfile.TemporaryDirectory(prefix="krp-bench-", dir="/tmp") as scratch, ExitStack() as stack:
         base = Path(scratch)
-        socket = str(base / "noop.sock")
-        noop = subprocess.Popen([sys.executable, "-m", "benchmarks.noop_hook_server", socket], stdout=subprocess.PIPE)
-        try:
-            assert noop.stdout is not None and noop.stdout.readline().strip() == b"ready"
-            with containerd_and_koordrp(base) as (containerd, proxy):
-                direct = containerd.runtime()
-                with proxy.channel() as channel:
-                    measure(args, base, direct, proxy.runtime(channel), proxy, socket)
-        finally:
-            noop.terminate()
-            noop.wait(10)
+        echo_servers = [stack.enter_context(running(base / f"echo-{n}.sock")) for n in range(max(args.servers))]
+        containerd, proxy = stack.enter_context(containerd_and_koordrp(base))
+        channel = stack.enter_context(proxy.channel())
+        listen = str(base / "minimal.sock")
+        stack.enter_context(minimal_passthrough.running(listen, containerd.endpoint.removeprefix("unix://")))
+        minimal = api_pb2_grpc.RuntimeServiceStub(stack.enter_context(grpc.insecure_channel(f"unix:{listen}")))
+        runtimes = Runtimes(containerd.runtime(), proxy.runtime(channel), minimal)
+        measure(args, base, runtimes, proxy, echo_servers)
 
 
-def measure(args: argparse.Namespace, base: Path, direct: Any, proxied: Any, proxy: Any, socket: str) -> None:
-    registration = register(base / "hookserver.d", "noop", socket, [point.value for point in HookType])
-    proxy.wait_for_servers(1)
-    paths = {"direct": direct, "koordrp, no-op hooks": proxied}
-    samples: dict[str, list[list[float]]] = {label: [] for label in paths}
-    sandboxes = []
-    for index in range(args.pods):
-        for label, runtime in paths.items():
-            steps, sandbox_id = pod_start(runtime, f"{label.split(',')[0]}-{index}", base / "logs")
-            samples[label].append(steps)
-            sandboxes.append(sandbox_id)
-    print(f"pod start, {args.pods} pods each way (interleaved), p50 per call")
-    print(f"{'':<22}" + "".join(f"{step:>17}" for step in STEPS) + f"{'sum of the 3':>15}{'p90 sum':>10}")
-    totals = {}
-    for label, rows in samples.items():
-        columns = [statistics.median(row[i] for row in rows) for i in range(len(STEPS))]
-        totals[label] = [sum(row) for row in rows]
-        print(
-            f"{label:<22}" + "".join(f"{value * 1e3:>15.1f}ms" for value in columns)
-            + f"{statistics.median(totals[label]) * 1e3:>13.1f}ms{quantile(totals[label], 0.9) * 1e3:>8.1f}ms"
-        )
-    ratio = statistics.median(totals["koordrp, no-op hooks"]) / statistics.median(totals["direct"])
-    print(f"ratio koordrp/direct of the p50 sums: {ratio:.3f} (4 hook stages per pod: PreRun, PreCreate, PreStart, PostStart)")
+@contextmanager
+def running(socket: Path) -> Iterator[HookServerProcess]:
+    server = HookServerProcess(socket)
+    try:
+        yield server
+    finally:
+        server.stop()
 
-    container_id = proxied.ListContainers(api_pb2.ListContainersRequest()).containers[0].id
-    hooked = updates(proxied, container_id, args.updates)
-    registration.unlink()
-    proxy.wait_for_servers(0)
-    bare = updates(proxied, container_id, args.updates)
-    overhead = statistics.median(hooked) - statistics.median(bare)
-    round_trip = statistics.median(hook_round_trips(socket, args.updates))
-    print(f"\nUpdateContainerResources through koordrp, {args.updates} calls each")
-    print(f"{'without hooks':<26}{statistics.median(bare) * 1e3:>8.2f}ms")
-    print(f"{'with a no-op pre hook':<26}{statistics.median(hooked) * 1e3:>8.2f}ms")
-    print(f"{'one hook stage adds':<26}{overhead * 1e3:>8.2f}ms (p50)")
-    print(f"{'  of which the hook server':<26}{round_trip * 1e3:>8.2f}ms (p50 of a call made to it directly)")
-    print(f"{'  and koordrp':<26}{(overhead - round_trip) * 1e3:>8.2f}ms")
-    for sandbox_id in sandboxes:
-        remove_pod(direct, sandbox_id)
+
+def measure(
+    args: argparse.Namespace, base: Path, runtimes: Runtimes, proxy: KoordrpProcess, servers: list[HookServerProcess]
+) -> None:
+    direct, proxied = runtimes.direct, runtimes.koordrp
+    logs = base / "logs"
+    hooked = make_pod(proxied, "hooked", logs, {})
+    skipped = make_pod(proxied, "skipped", logs, {DEFAULT_SKIP_HOOK_KEY: DEFAULT_SKIP_HOOK_VALUE})
+    meter = Measured(proxy.pid)
+    every_hook = [hook.value for hook in HookType]
+    for count in args.servers:
+        for index, server in enumerate(servers[:count]):
+            register(base / "hookserver.d", f"echo-{index}", str(server.socket), every_hook)
+        proxy.wait_for_servers(count)
+        print(f"\n== {count} echo hook server{'s' if count > 1 else ''} on every hook point, chained ==")
+        samples = hook_stage_rounds(runtimes, hooked, skipped, [str(s.socket) for s in servers[:count]], args.rounds, meter)
+        print(f"one hook stage: UpdateContainerResources, {args.rounds} rounds")
+        alone, passthrough = report_rounds(samples)
+        if args.pods:
+            print("pod start")
+            for pause in (0.0, args.pod_pause):
+                direct_starts, proxied_starts = pod_starts(direct, proxied, args.pods, logs, f"s{count}", pause)
+                report_pod_start(direct_starts, proxied_starts, alone, passthrough, pause)
+    for pod in (hooked, skipped):
+        remove_pod(proxied, pod.sandbox_id)
 
 
 if __name__ == "__main__":

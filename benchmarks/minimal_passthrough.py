@@ -7,11 +7,13 @@ shared channel with the caller's deadline and metadata: no routing, no status re
 reachability tracking. It answers unary methods only, which is all the benchmark sends it.
 """
 
+import contextlib
 import signal
+import subprocess
 import sys
 import threading
 from concurrent import futures
-from typing import Any
+from typing import Any, Iterator
 
 import grpc
 
@@ -46,6 +48,18 @@ def main() -> None:
     print("ready", flush=True)
     stop.wait()
     server.stop(0)
+
+
+@contextlib.contextmanager
+def running(listen: str, backend: str) -> Iterator["subprocess.Popen[bytes]"]:
+    """This pass-through as a process of its own, listening on ``listen`` until the block ends."""
+    process = subprocess.Popen([sys.executable, "-m", "benchmarks.minimal_passthrough", listen, backend], stdout=subprocess.PIPE)
+    try:
+        assert process.stdout is not None and process.stdout.readline().strip() == b"ready"
+        yield process
+    finally:
+        process.terminate()
+        process.wait(10)
 
 
 if __name__ == "__main__":

@@ -9,8 +9,6 @@ throughput at several concurrencies, koordrp's CPU time per call (from /proc) an
 
 import argparse
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -20,6 +18,7 @@ from typing import Any, Callable
 import grpc
 from cri_api.v1 import api_pb2, api_pb2_grpc
 
+from benchmarks import minimal_passthrough
 from benchmarks.stats import quantile, timed
 from tests.support.cri_objects import container_config, pod_sandbox_config
 from tests.support.images import BUSYBOX_REF
@@ -134,12 +133,7 @@ def compare_with_the_floor(
     own and what part is koordrp's.
     """
     listen = str(proxy.base / "minimal.sock")
-    backend = proxy.runtime_endpoint.removeprefix("unix://")
-    floor = subprocess.Popen(
-        [sys.executable, "-m", "benchmarks.minimal_passthrough", listen, backend], stdout=subprocess.PIPE
-    )
-    try:
-        assert floor.stdout is not None and floor.stdout.readline().strip() == b"ready"
+    with minimal_passthrough.running(listen, proxy.runtime_endpoint.removeprefix("unix://")) as floor:
         with grpc.insecure_channel(f"unix:{listen}") as channel:
             minimal = api_pb2_grpc.RuntimeServiceStub(channel)
             version: Call = lambda stub: stub.Version(api_pb2.VersionRequest())
@@ -149,9 +143,6 @@ def compare_with_the_floor(
                 samples = sequential(stub, version, args.calls)
                 cpu = (cpu_seconds(pid) - cpu_before) / (args.calls + min(100, args.calls)) if pid else 0.0
                 rows.append((label, statistics.median(samples), cpu))
-    finally:
-        floor.terminate()
-        floor.wait(10)
     base = rows[0][1]
     print(f"\nthe floor: Version, {args.calls} sequential calls, with a minimal grpcio pass-through in the same run")
     print(f"{'':<10}{'p50':>10}{'added':>10}{'CPU/call':>10}")

@@ -1,6 +1,6 @@
 """Soak: pods through koordrp for minutes, with two hook servers, kubelet's polling and config reloads.
 
-Starts a private containerd, ``twistd -n koordrp`` in front of it and two no-op hook servers, each a
+Starts a private containerd, ``twistd -n koordrp`` in front of it and two echo hook servers, each a
 process of its own and each registered by its own hookserver.d file for every hook point. Then, until
 ``--pods`` pods are done or ``--seconds`` are up:
 
@@ -25,12 +25,9 @@ containerd 1.6's own ListContainerStats race (see ``containerd_race``) is shown 
 """
 
 import argparse
-import json
 import multiprocessing
 import os
 import queue
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -44,6 +41,7 @@ from typing import Any, Callable, TypeVar
 import grpc
 from cri_api.v1 import api_pb2
 
+from benchmarks.echo_hook_server import HookServerProcess
 from benchmarks.stats import quantile
 from koordrp.hooks.types import HookType
 from tests.support.containerd import Containerd
@@ -56,7 +54,6 @@ from tests.support.stack import containerd_and_koordrp
 
 T = TypeVar("T")
 
-ROOT = Path(__file__).resolve().parents[1]
 CONTAINERS_PER_POD = 2
 LIFECYCLE = (
     "RunPodSandbox",
@@ -83,7 +80,7 @@ CALL_OF_HOOK = {
 """The CRI call each hook point rides on (README, "Hook points"): every server registered for it gets
 one call per successful CRI call. The soak never updates resources, so that hook must stay at 0."""
 
-HOOK_SERVERS = ("a-noop", "b-noop")
+HOOK_SERVERS = ("a-echo", "b-echo")
 REWRITTEN = HOOK_SERVERS[0]
 """The first in file-name order: the server every pre hook stage starts with."""
 REWRITE_PERIOD = 2.0
@@ -255,61 +252,6 @@ def rewrite_forever(path: str, period: float, stop: Any, rewrites: Any) -> None:
 
 
 # -- what runs beside the load ------------------------------------------------------------------------
-
-
-class HookServerProcess:
-    """One benchmarks.noop_hook_server; its counts are asked for with SIGUSR1 and read from its stdout."""
-
-    def __init__(self, socket: Path) -> None:
-        self.socket = socket
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.noop_hook_server", str(socket)],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        assert self.process.stdout is not None
-        if self.process.stdout.readline().strip() != "ready":
-            self.stop()
-            raise RuntimeError(f"hook server on {socket} did not start")
-        self._lines: "queue.Queue[str]" = queue.Queue()
-        self.last = dict.fromkeys(HookType, 0)
-        self.answering = True
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            self._lines.put(line)
-
-    def counts(self, timeout: float = 5.0) -> dict[HookType, int]:
-        """What it received so far; from a server that died or does not answer, the last counts it gave,
-        so that the figures are printed all the same (``answering`` tells)."""
-        # A late answer to an earlier request that timed out must not pass for this one's.
-        while not self._lines.empty():
-            self._take(self._lines.get_nowait())
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGUSR1)
-            try:
-                self._take(self._lines.get(timeout=timeout))
-            except queue.Empty:
-                self.answering = False
-        else:
-            self.answering = False
-        return self.last
-
-    def _take(self, line: str) -> None:
-        received = json.loads(line)
-        self.last = {hook: received.get(hook.rpc_name, 0) for hook in HookType}
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
 
 
 @dataclass
@@ -502,7 +444,7 @@ def report(args: argparse.Namespace, outcome: Outcome, memory: Memory) -> list[s
     """Print the figures; return what failed (empty: the soak passed)."""
     pods_done = outcome.calls.ok["RemovePodSandbox"]
     print(
-        f"soak: {args.workers} workers, {len(HOOK_SERVERS)} no-op hook servers on every hook point, "
+        f"soak: {args.workers} workers, {len(HOOK_SERVERS)} echo hook servers on every hook point, "
         f"limit {args.seconds:g} s"
     )
     rate = pods_done / outcome.load_seconds if outcome.load_seconds else 0.0

@@ -1,5 +1,6 @@
 """The figures benchmarks print, and how their samples are taken."""
 
+import os
 import time
 from typing import Callable
 
@@ -18,3 +19,15 @@ def timed(count: int, call: Callable[[int], object]) -> list[float]:
         call(index)
         samples.append(time.perf_counter() - started)
     return samples
+
+
+def thread_cpu_ns(pid: int) -> int:
+    """Nanoseconds ``pid``'s threads have run so far (schedstat: exact, where /proc/PID/stat counts ticks)."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as schedstat:
+                total += int(schedstat.read().split()[0])
+        except FileNotFoundError:
+            pass  # a thread that ended meanwhile
+    return total

@@ -5,8 +5,9 @@ run, what is written back into the request, when the runtime is called, and what
 forgets. It knows neither threads, nor the reactor, nor a wire format: it is a coroutine driving small
 protocols that each front end implements.
 
-- ``Stages`` run hook stages. CRI mode's are blocking (``koordrp.cri.bridge``: a grpc worker waits
-  for the reactor); Docker mode's are the dispatcher's Deferreds, awaited on the reactor.
+- ``Stages`` run pre hook stages. CRI mode's are blocking (``koordrp.cri.bridge``: a grpc worker
+  waits for the reactor); Docker mode's are the dispatcher's Deferreds, awaited on the reactor. Post
+  stages wait in the ``Call`` until it has answered (``Call.answered``).
 - ``Backend`` is the runtime behind the front end, for one call: forwarding the call (rewritten or as
   received) and reading back what the store lacks.
 - The request protocols (``RunPodSandbox``, ``CreateContainer``, ``UpdateContainerResources``) are
@@ -45,7 +46,18 @@ from twisted.logger import Logger
 
 from koordrp.calllog import CallRecord
 from koordrp.hooks.messages import ContainerHookRequest, HookRequest, PodHookRequest
-from koordrp.hooks.types import SENT, FailurePolicy, HookCall, HookServers, HookType, StageOutcome, Subscribers
+from koordrp.hooks.types import (
+    SENT,
+    SKIPPED,
+    UNREADABLE,
+    FailurePolicy,
+    HookCall,
+    HookServers,
+    HookType,
+    PostStage,
+    StageOutcome,
+    Subscribers,
+)
 from koordrp.store import Store, StoredContainer, StoredPod
 from koordrp.text import shortened
 
@@ -81,15 +93,9 @@ class Unreadable(LookupFailed):
 
 
 class Stages(Protocol):
-    """Running hook stages. A stage changes its request in place, as each server's answer is merged."""
+    """Running pre hook stages. A stage changes its request in place, as each server's answer is merged."""
 
     def run(self, hook: HookType, servers: Subscribers, request: HookRequest) -> Awaitable[StageOutcome]: ...
-
-    def announce(self, hook: HookType, servers: Subscribers, request: HookRequest) -> None:
-        """Start a post stage; nobody waits for it."""
-
-    def skipped(self, hook: HookType, servers: Subscribers, result: str) -> None:
-        """Count a stage not run: ``result`` says why (SKIPPED by the pod's label, UNREADABLE request)."""
 
 
 PodSource = Callable[[str], Awaitable[PodHookRequest | None]]
@@ -157,9 +163,6 @@ class UnreadableRequest(Exception):
     """A request koordrp cannot read, which a Fail-policy server must see: the call fails with this message."""
 
 
-SKIPPED = "skipped"
-UNREADABLE = "unreadable"
-
 # The hook points of each CRI method (Docker calls stand for one of them).
 METHOD_HOOKS: dict[str, tuple[HookType, ...]] = {
     "RunPodSandbox": (HookType.PRE_RUN_POD_SANDBOX,),
@@ -196,17 +199,24 @@ class Parts:
 
 
 class Call(Generic[AnyReply]):
-    """One intercepted call: the hook servers in force when it arrived, its front end's stages and backend."""
+    """One intercepted call: the hook servers in force when it arrived, its front end's stages and backend.
+
+    What a call owes once it has answered (its post stages, counting the hook calls it spared, its
+    log line) waits in the call until the front end calls ``answered`` on the reactor: in CRI mode
+    that is one crossing into the reactor per call, made once the answer has left.
+    """
 
     log = Logger()
 
     def __init__(self, parts: Parts, method: str, stages: Stages, backend: Backend[AnyReply]) -> None:
         self.store = parts.store
         self._skip = parts.skip
+        self._dispatcher = parts.dispatcher
         self.servers = parts.registrations()
         self.stages = stages
         self.backend = backend
         self.record = CallRecord(method)
+        self.posts: list[PostStage] = []
         self._skipping = False
 
     def concerns(self, labels: Mapping[str, str]) -> None:
@@ -222,9 +232,14 @@ class Call(Generic[AnyReply]):
         return subscribed
 
     def not_called(self, hook: HookType, servers: Subscribers, result: str) -> None:
-        """Count and record the calls to ``servers`` that ``result`` (SKIPPED, UNREADABLE) spared."""
-        self.stages.skipped(hook, servers, result)
+        """Record the calls to ``servers`` that ``result`` (SKIPPED, UNREADABLE) spared; ``answered`` counts them."""
         self.record.add(HookCall(server, hook, result) for server in servers)
+
+    def answered(self) -> None:
+        """On the reactor, once the call has answered: its post stages start and the calls it spared are counted."""
+        if self.posts:
+            self._dispatcher.announce(self.posts)
+        self._dispatcher.count_not_made(self.record.calls)
 
     async def _run(self, hook: HookType, callees: Subscribers, request: HookRequest) -> None:
         outcome = await self.stages.run(hook, callees, request)
@@ -258,7 +273,7 @@ class Call(Generic[AnyReply]):
         self.record.subject = request
         callees = self._callees(hook)
         if callees:
-            self.stages.announce(hook, callees, request)
+            self.posts.append(PostStage(hook, callees, request))
             self.record.add(HookCall(server, hook, SENT) for server in callees)
 
     async def pod(self, sandbox_id: str) -> PodHookRequest | None:

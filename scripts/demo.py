@@ -111,9 +111,9 @@ def main(argv: list[str] | None = None) -> None:
                 with proxy.channel() as channel:
                     walk_a_pod(api_pb2_grpc.RuntimeServiceStub(channel), base, pod)
                 print("\nkoordrp's log, one line per lifecycle call:")
-                for line in proxy.log().splitlines():
-                    if "[koordrp.calls#info]" in line:
-                        print("  " + line.split("] ", 1)[1])
+                proxy.log_lines("[koordrp.calls#info] RemovePodSandbox")  # the last call's line, just after its answer
+                for line in proxy.log_lines("[koordrp.calls#info]"):
+                    print("  " + line.split("] ", 1)[1])
                 show_metrics(metrics)
             finally:
                 hook_server.terminate()

@@ -1,4 +1,5 @@
-"""The one way a grpc worker thread reaches the reactor: hook stages, run there and waited for.
+"""How a grpc worker thread reaches the reactor: pre hook stages, run there and waited for; and what a
+call owes once it has answered, handed over without waiting (``in_reactor``).
 
 ``HookBridge.stages(remaining)`` gives one CRI call ``koordrp.flows.Stages`` that block the worker
 instead of suspending: the dispatcher's awaitable stages, crossed into the reactor once each.
@@ -7,7 +8,7 @@ instead of suspending: the dispatcher's awaitable stages, crossed into the react
 import concurrent.futures
 from typing import Callable
 
-from twisted.internet.defer import Deferred, maybeDeferred
+from twisted.internet.defer import maybeDeferred
 from twisted.internet.interfaces import IReactorFromThreads
 from twisted.python.failure import Failure
 
@@ -36,16 +37,6 @@ class HookBridge:
     def stages(self, remaining: Callable[[], float | None]) -> "BlockingStages":
         """The stages of one call, each bounded by what ``remaining()`` says is left of its deadline."""
         return BlockingStages(self, remaining)
-
-    def skipped(self, hook: HookType, servers: Subscribers, result: str) -> None:
-        self._reactor.callFromThread(self._dispatcher.skipped, hook, servers, result)
-
-    def announce(self, hook: HookType, servers: Subscribers, request: HookRequest) -> None:
-        """Start a post hook stage in the reactor and return at once (Dispatcher.announce)."""
-        self._reactor.callFromThread(self._dispatcher.announce, hook, servers, request)
-
-    def drain(self) -> "Deferred[list[StageOutcome]]":
-        return self._dispatcher.drain()
 
     def run(self, hook: HookType, servers: Subscribers, request: HookRequest, budget: float | None) -> StageOutcome:
         """Run a stage in the reactor and wait for it; the request comes back changed by the hooks."""
@@ -76,12 +67,6 @@ class BlockingStages:
 
     async def run(self, hook: HookType, servers: Subscribers, request: HookRequest) -> StageOutcome:
         return self._bridge.run(hook, servers, request, self._remaining())
-
-    def announce(self, hook: HookType, servers: Subscribers, request: HookRequest) -> None:
-        self._bridge.announce(hook, servers, request)
-
-    def skipped(self, hook: HookType, servers: Subscribers, result: str) -> None:
-        self._bridge.skipped(hook, servers, result)
 
 
 def _set_failure(answer: "concurrent.futures.Future[StageOutcome]", failure: Failure) -> None:

@@ -7,6 +7,7 @@ the runtime is called, and read back from, on this thread.
 
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable, Coroutine, Generic, TypeVar
 
 import grpc
@@ -181,7 +182,16 @@ class Interceptor:
                 outcome = code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"
                 raise
             finally:
-                # Written from the reactor, as every other log line is.
-                self._bridge.in_reactor(calllog.write, call.record, outcome, time.monotonic() - started)
+                ended = partial(self._bridge.in_reactor, _answered, call, outcome, time.monotonic() - started)
+                # Once the answer has left (grpc calls back when the RPC ends): the post stages and the
+                # log line do not compete with sending it.
+                if not context.add_callback(ended):
+                    ended()  # the caller is gone already
 
         return handle
+
+
+def _answered(call: "flows.Call[CRIReply]", outcome: str, seconds: float) -> None:
+    """On the reactor, once the call has answered: what it owes (flows.Call.answered), then its log line."""
+    call.answered()
+    calllog.write(call.record, outcome, seconds)

@@ -122,6 +122,7 @@ class DockerInterceptor:
             outcome = "client gone"
             raise
         finally:
+            call.answered()
             if call.record.subject is not None:  # a Kubernetes container: one line, as in CRI mode
                 calllog.write(call.record, outcome, self._clock.seconds() - started)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 from twisted.internet.defer import CancelledError, Deferred, ensureDeferred, gatherResults
 from twisted.internet.interfaces import IReactorTime
@@ -12,6 +12,7 @@ from koordrp.hooks.client import HookClients, HookTimedOut
 from koordrp.hooks.messages import HookRequest, merge_response
 from koordrp.hooks.types import (
     ERROR,
+    NOT_MADE,
     OK,
     TIMEOUT,
     FailurePolicy,
@@ -19,6 +20,7 @@ from koordrp.hooks.types import (
     HookFailure,
     HookServerConfig,
     HookType,
+    PostStage,
     StageOutcome,
     Subscribers,
 )
@@ -35,28 +37,35 @@ class Dispatcher:
         self._clients = clients
         self._reactor = reactor
         self._metrics = metrics
-        self._post_stages: set[Deferred[StageOutcome]] = set()
+        self._announced: set[Deferred[None]] = set()
 
-    def announce(self, hook: HookType, servers: Subscribers, request: HookRequest) -> None:
-        """Start a post hook stage without waiting for it.
+    def announce(self, stages: Sequence[PostStage]) -> None:
+        """Start the post hook stages one call owes, without waiting for them.
 
         The runtime has answered and nothing a post hook says can change that answer, so the caller
-        does not wait. Stages start in the order the calls finished, and stopping waits for the ones
-        still running (drain), so none is lost.
+        does not wait. One call's stages run one after another, so a server hears of a pod's
+        containers stopping before it hears of the pod; the stages of different calls start in the
+        order the calls answered and may overlap. Stopping waits for the ones still running (drain),
+        so none is lost.
         """
-        stage = self.run(hook, servers, request)
-        self._post_stages.add(stage)
-        stage.addBoth(lambda _: self._post_stages.discard(stage))
+        announced = ensureDeferred(self._in_order(stages))
+        self._announced.add(announced)
+        announced.addBoth(lambda _: self._announced.discard(announced))
 
-    def drain(self) -> "Deferred[list[StageOutcome]]":
-        """Fires when every post hook stage started so far has ended (each is bounded by its timeouts)."""
-        return gatherResults(list(self._post_stages), consumeErrors=True)
+    async def _in_order(self, stages: Sequence[PostStage]) -> None:
+        for stage in stages:
+            await self.run(stage.hook, stage.servers, stage.request)
 
-    def skipped(self, hook: HookType, servers: Subscribers, result: str) -> None:
-        """Count the calls not made: ``result`` says why (flows.SKIPPED, flows.UNREADABLE)."""
+    def drain(self) -> "Deferred[list[None]]":
+        """Fires when every post hook stage announced so far has ended (each is bounded by its timeouts)."""
+        return gatherResults(list(self._announced), consumeErrors=True)
+
+    def count_not_made(self, calls: Iterable[HookCall]) -> None:
+        """Count the hook calls a CRI call spared (SKIPPED, UNREADABLE); the others are counted as they are made."""
         if self._metrics is not None:
-            for server in servers:
-                self._metrics.hook_call(server.name, hook.value, result, None)
+            for call in calls:
+                if call.result in NOT_MADE:
+                    self._metrics.hook_call(call.server.name, call.hook.value, call.result, None)
 
     def _count(self, server: HookServerConfig, hook: HookType, result: str, started: float) -> float:
         seconds = self._reactor.seconds() - started

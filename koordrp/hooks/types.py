@@ -80,6 +80,15 @@ Subscribers = tuple[HookServerConfig, ...]
 
 
 @dataclass(frozen=True)
+class PostStage:
+    """A post hook stage a call owes once it has answered."""
+
+    hook: HookType
+    servers: Subscribers
+    request: HookRequest
+
+
+@dataclass(frozen=True)
 class HookFailure:
     """A Fail-policy server that could not be heard: the call must fail with this message."""
 
@@ -99,13 +108,16 @@ class HookCall:
     server: HookServerConfig
     hook: HookType
     result: str
-    """OK, ERROR, TIMEOUT; or, for calls not made: SENT (a post hook, not waited for), SKIPPED, UNREADABLE."""
+    """OK, ERROR, TIMEOUT; or, for calls not made: SENT (a post hook, not waited for), SKIPPED (by the
+    pod's label), UNREADABLE (the CRI request could not be read)."""
     seconds: float | None = None
     changes: tuple[Change, ...] = ()
     reason: str = ""
 
 
-OK, ERROR, TIMEOUT, SENT = "ok", "error", "timeout", "sent"
+OK, ERROR, TIMEOUT, SENT, SKIPPED, UNREADABLE = "ok", "error", "timeout", "sent", "skipped", "unreadable"
+NOT_MADE = (SKIPPED, UNREADABLE)
+"""The results of hook calls a CRI call spared (a post hook SENT is still made, later)."""
 
 
 @dataclass

@@ -78,10 +78,9 @@ def test_pre_hooks_change_what_the_container_gets(
             created = server.calls(CREATE)[0]
             assert created.pod_cgroup_parent == CGROUP_PARENT
             assert created.pod_meta.name == "tuned"
-        calls = [line for line in koordrp.log().splitlines() if "[koordrp.calls#info]" in line]
-        [run] = [line for line in calls if line.split("] ", 1)[1].startswith("RunPodSandbox pod default/tuned")]
+        [run] = koordrp.log_lines("[koordrp.calls#info] RunPodSandbox pod default/tuned")
         assert f'PreRunPodSandbox@tuner.json: ok' in run and f'changed cgroup_parent ""→"{CGROUP_PARENT}"' in run
-        [create] = [line for line in calls if "CreateContainer pod default/tuned" in line]
+        [create] = koordrp.log_lines("[koordrp.calls#info] CreateContainer pod default/tuned")
         for change in ('resources.cpu_shares 0→512', 'resources.cpuset_cpus ""→"0"', "envs +KOORDRP_TEST", "annotations +koordrp.test/tuned"):
             assert change in create, create
     finally:
@@ -142,7 +141,7 @@ def test_a_server_slower_than_its_timeout(
             with pytest.raises(grpc.RpcError) as error:
                 start_container(runtime, sandbox_id, pod, container)
             assert "no answer within 0.5s" in error.value.details()
-            [line] = [line for line in koordrp.log().splitlines() if "] CreateContainer pod default/slow" in line]
+            [line] = koordrp.log_lines("] CreateContainer pod default/slow")
             assert ": UNKNOWN in " in line and "hooks: PreCreateContainer@slow.json: timeout " in line
             assert line.endswith("ms (no answer within 0.5s; Fail policy: the call failed)"), line
         else:

@@ -58,3 +58,10 @@ def test_passthrough_benchmark_prints_its_table() -> None:
     output = run_module("benchmarks.passthrough", "--calls", "50", "--pods", "2", "--throughput-calls", "100")
     for figure in ("Version", "ListPodSandbox", "ListContainers", "ContainerStatus", "concurrency", "RSS"):
         assert figure in output
+
+
+def test_hooks_benchmark_prints_its_figures() -> None:
+    output = run_module("benchmarks.hooks", "--pods", "2", "--rounds", "5", "--servers", "1", "2", "--pod-pause", "0.1")
+    for figure in ("update hooked", "start skipped", "servers alone", "share of a hook stage", "CPU per hook stage"):
+        assert figure in output
+    assert output.count("ratio of the p50 sums") == 4  # one echo server, then two chained; back to back, then paused

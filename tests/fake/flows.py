@@ -24,8 +24,6 @@ class ScriptedStages:
     answers: dict[HookType, HookResponse] = field(default_factory=dict)
     failures: dict[HookType, str] = field(default_factory=dict)
     ran: list[StageRecord] = field(default_factory=list)
-    announced: list[StageRecord] = field(default_factory=list)
-    skips: list[tuple[HookType, list[str], str]] = field(default_factory=list)
 
     async def run(self, hook: HookType, servers: Subscribers, request: HookRequest) -> StageOutcome:
         self.ran.append(StageRecord(hook, [server.name for server in servers], copy.deepcopy(request)))
@@ -38,12 +36,6 @@ class ScriptedStages:
             changes = merge_response(request, answer) if answer is not None else []
             calls.append(HookCall(server, hook, OK, 0.001, tuple(changes)))
         return StageOutcome(request, calls=calls)
-
-    def announce(self, hook: HookType, servers: Subscribers, request: HookRequest) -> None:
-        self.announced.append(StageRecord(hook, [server.name for server in servers], copy.deepcopy(request)))
-
-    def skipped(self, hook: HookType, servers: Subscribers, result: str) -> None:
-        self.skips.append((hook, [server.name for server in servers], result))
 
     def hooks_run(self) -> list[HookType]:
         return [record.hook for record in self.ran]

@@ -80,6 +80,19 @@ class KoordrpProcess:
         """Everything koordrp has logged so far."""
         return self.logfile.read_text(errors="replace") if self.logfile.exists() else ""
 
+    def log_lines(self, containing: str, count: int = 1, timeout: float = 5.0) -> list[str]:
+        """The log lines with ``containing`` in them, once there are ``count`` (or ``timeout`` is up).
+
+        A CRI call's line is written just after the call has answered, so it may not be there yet
+        when the caller has its answer.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            lines = [line for line in self.log().splitlines() if containing in line]
+            if len(lines) >= count or time.monotonic() > deadline:
+                return lines
+            time.sleep(0.02)
+
     def registered_servers(self) -> int | None:
         """How many hook servers koordrp's last "hook servers:" log line names (None before the first)."""
         lines = [line for line in self.log().splitlines() if "] hook servers: " in line]

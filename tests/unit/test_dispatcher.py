@@ -6,13 +6,14 @@ import time
 import grpc
 from twisted.internet import reactor
 from twisted.internet.defer import inlineCallbacks
+from twisted.internet.task import deferLater
 from twisted.logger import LogEvent, LogLevel, globalLogPublisher
 from twisted.trial.unittest import TestCase
 
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
 from koordrp.hooks.client import HookClients
 from koordrp.hooks.dispatcher import Dispatcher
-from koordrp.hooks.types import FailurePolicy, HookServerConfig, HookType
+from koordrp.hooks.types import FailurePolicy, HookServerConfig, HookType, PostStage
 from tests.fake.hook_server import FakeHookServer
 from tests.support.tempdirs import short_tempdir
 
@@ -46,6 +47,33 @@ class DispatcherTests(TestCase):
     ) -> HookServerConfig:
         endpoint = fake.path if fake is not None else os.path.join(self.dir, name + ".sock")
         return HookServerConfig(name + ".json", endpoint, policy, frozenset(HookType), timeout)
+
+    @inlineCallbacks
+    def test_post_stages_are_not_waited_for_and_drain_waits_for_them(self):  # type: ignore[no-untyped-def]
+        slow = self.server("slow")
+        slow.delays["PostStopContainerHook"] = 0.5
+        started = time.monotonic()
+        self.dispatcher.announce([PostStage(HookType.POST_STOP_CONTAINER, (self.config("slow", slow),), hook.ContainerResourceHookRequest())])
+        self.assertLess(time.monotonic() - started, 0.3)
+        yield self.dispatcher.drain()
+        self.assertGreater(time.monotonic() - started, 0.45)
+        self.assertEqual(slow.rpcs(), ["PostStopContainerHook"])
+
+    @inlineCallbacks
+    def test_one_calls_post_stages_reach_a_server_one_after_another(self):  # type: ignore[no-untyped-def]
+        server = self.server("post")
+        server.delays["PostStopContainerHook"] = 0.3
+        subscribers = (self.config("post", server),)
+        self.dispatcher.announce(
+            [
+                PostStage(HookType.POST_STOP_CONTAINER, subscribers, hook.ContainerResourceHookRequest()),
+                PostStage(HookType.POST_STOP_POD_SANDBOX, subscribers, hook.PodSandboxHookRequest()),
+            ]
+        )
+        yield deferLater(reactor, 0.15, lambda: None)
+        self.assertEqual(server.rpcs(), ["PostStopContainerHook"])
+        yield self.dispatcher.drain()
+        self.assertEqual(server.rpcs(), ["PostStopContainerHook", "PostStopPodSandboxHook"])
 
     @inlineCallbacks
     def test_each_server_sees_the_request_as_changed_before_it(self):  # type: ignore[no-untyped-def]

@@ -22,7 +22,8 @@ from koordrp.docker import translate as docker_translate
 from koordrp.hooks.client import HookClients
 from koordrp.hooks.dispatcher import Dispatcher
 from koordrp.hooks.messages import ContainerHookRequest, PodHookRequest
-from koordrp.hooks.types import FailurePolicy, HookServerConfig, HookServers, HookType
+from koordrp.metrics import Metrics
+from koordrp.hooks.types import NOT_MADE, SKIPPED, UNREADABLE, FailurePolicy, HookServerConfig, HookServers, HookType, PostStage
 from koordrp.store import ContainerState, Store, StoredContainer
 from tests.fake.flows import RecordingRuntime, Reply, ScriptedStages
 
@@ -127,6 +128,7 @@ class FlowTestCase(SynchronousTestCase):
         self.servers = HookServers()
         clock = Clock()
         self.parts = flows.Parts(self.store, Dispatcher(HookClients(clock), clock), lambda: self.servers, SKIP)
+        self.calls: list[flows.Call[Reply]] = []
         self.events: list[LogEvent] = []
         globalLogPublisher.addObserver(self.events.append)
         self.addCleanup(globalLogPublisher.removeObserver, self.events.append)
@@ -137,7 +139,19 @@ class FlowTestCase(SynchronousTestCase):
         )
 
     def call(self, method: str = "Method") -> "flows.Call[Reply]":
-        return flows.Call(self.parts, method, self.stages, self.runtime)
+        call = flows.Call(self.parts, method, self.stages, self.runtime)
+        self.calls.append(call)
+        return call
+
+    @property
+    def announced(self) -> list[PostStage]:
+        """The post stages the calls made so far owe, in order."""
+        return [post for call in self.calls for post in call.posts]
+
+    @property
+    def not_made(self) -> list[tuple[HookType, str, str]]:
+        """The hook calls the calls made so far spared: hook, server and why."""
+        return [(c.hook, c.server.name, c.result) for call in self.calls for c in call.record.calls if c.result in NOT_MADE]
 
     def drive(self, flow: Coroutine[Any, Any, Reply]) -> Reply:
         return flows.run_blocking(flow)
@@ -204,10 +218,10 @@ class RequestRules:
         self.drive(flows.update_container_resources(self.call(), self.wire.update("c-1", 512)))
         self.drive(flows.stop_container(self.call(), "c-1"))
         self.drive(flows.stop_pod_sandbox(self.call(), "created-1"))
-        self.assertEqual((self.stages.ran, self.stages.announced), ([], []))
+        self.assertEqual((self.stages.ran, self.announced), ([], []))
         self.assertEqual(
-            [skipped for skipped, _, _ in self.stages.skips],
-            [PRE_RUN, PRE_CREATE, PRE_START, POST_START, PRE_UPDATE, POST_STOP, POST_STOP_POD],
+            self.not_made,
+            [(hook, "a.json", SKIPPED) for hook in (PRE_RUN, PRE_CREATE, PRE_START, POST_START, PRE_UPDATE, POST_STOP, POST_STOP_POD)],
         )
         self.assertEqual(self.runtime.forwarded, [None] * 6)
 
@@ -269,7 +283,7 @@ class IdentityRules(FlowTestCase):
         self.drive(flows.start_container(self.call(), "c-1"))
         self.assertEqual(self.stages.hooks_run(), [PRE_START])
         self.assertEqual(self.runtime.forwarded, [None])
-        [post] = self.stages.announced
+        [post] = self.announced
         self.assertEqual((post.hook, post.request.container_envs["STARTED"]), (POST_START, "1"))
 
     def test_no_post_stage_when_the_runtime_refused(self) -> None:
@@ -280,7 +294,7 @@ class IdentityRules(FlowTestCase):
         for flow in (flows.start_container(self.call(), "c-1"), flows.stop_container(self.call(), "c-1")):
             self.drive(flow)
         self.drive(flows.stop_pod_sandbox(self.call(), "s-1"))
-        self.assertEqual(self.stages.announced, [])
+        self.assertEqual(self.announced, [])
 
     def test_stops_announce_their_post_stage_with_what_is_stored(self) -> None:
         stored = self.put_container()
@@ -289,21 +303,21 @@ class IdentityRules(FlowTestCase):
         self.drive(flows.stop_container(self.call(), "c-1"))
         self.drive(flows.stop_pod_sandbox(self.call(), "s-1"))
         self.assertEqual(
-            [(post.hook, post.request) for post in self.stages.announced], [(POST_STOP, stored), (POST_STOP_POD, pod)]
+            [(post.hook, post.request) for post in self.announced], [(POST_STOP, stored), (POST_STOP_POD, pod)]
         )
 
-    def announced(self) -> list[tuple[HookType, str]]:
-        return [(post.hook, post.request.container_meta.name or post.request.pod_meta.name) for post in self.stages.announced]
+    def posts_by_name(self) -> list[tuple[HookType, str]]:
+        return [(post.hook, post.request.container_meta.name or post.request.pod_meta.name) for post in self.announced]
 
     def test_post_stop_fires_once_per_stop_and_a_start_arms_it_again(self) -> None:
         self.put_container()
         self.subscribe(POST_START, POST_STOP)
         for flow in (flows.start_container, flows.start_container, flows.stop_container, flows.stop_container):
             self.drive(flow(self.call(), "c-1"))
-        self.assertEqual(self.announced(), [(POST_START, "app"), (POST_STOP, "app")])
+        self.assertEqual(self.posts_by_name(), [(POST_START, "app"), (POST_STOP, "app")])
         self.drive(flows.start_container(self.call(), "c-1"))
         self.drive(flows.stop_container(self.call(), "c-1"))
-        self.assertEqual(self.announced()[2:], [(POST_START, "app"), (POST_STOP, "app")])
+        self.assertEqual(self.posts_by_name()[2:], [(POST_START, "app"), (POST_STOP, "app")])
         self.assertEqual(self.runtime.forwarded, [None] * 6)
 
     def test_stopping_a_pod_stops_its_containers_first_and_once(self) -> None:
@@ -315,20 +329,20 @@ class IdentityRules(FlowTestCase):
         self.drive(flows.stop_pod_sandbox(self.call(), "s-1"))
         self.drive(flows.stop_pod_sandbox(self.call(), "s-1"))
         self.drive(flows.stop_container(self.call(), "c-1"))
-        self.assertEqual([post.hook for post in self.stages.announced], [POST_STOP, POST_STOP, POST_STOP_POD])
-        self.assertEqual([post.request.container_meta.id for post in self.stages.announced[:2]], ["c-1", "c-2"])
+        self.assertEqual([post.hook for post in self.announced], [POST_STOP, POST_STOP, POST_STOP_POD])
+        self.assertEqual([post.request.container_meta.id for post in self.announced[:2]], ["c-1", "c-2"])
 
     def test_a_container_the_runtime_says_has_exited_owes_no_post_stop(self) -> None:
         self.runtime.containers["c-1"] = StoredContainer("s-1", ContainerHookRequest(), ContainerState.STOPPED)
         self.subscribe(POST_STOP)
         self.drive(flows.stop_container(self.call(), "c-1"))
-        self.assertEqual((self.stages.announced, self.runtime.read_back), ([], ["c-1", "s-1"]))
+        self.assertEqual((self.announced, self.runtime.read_back), ([], ["c-1", "s-1"]))
 
     def test_stopping_what_nobody_knows_calls_no_hook(self) -> None:
         self.subscribe(POST_STOP, POST_STOP_POD)
         self.drive(flows.stop_container(self.call(), "no-such-container"))
         self.drive(flows.stop_pod_sandbox(self.call(), "no-such-pod"))
-        self.assertEqual((self.stages.announced, self.runtime.forwarded), ([], [None, None]))
+        self.assertEqual((self.announced, self.runtime.forwarded), ([], [None, None]))
 
     def test_removes_forget_a_container_and_a_pod_with_its_containers(self) -> None:
         self.put_pod()
@@ -355,7 +369,7 @@ class IdentityRules(FlowTestCase):
         self.runtime.broken = "UNAVAILABLE: connection refused"
         self.subscribe(PRE_START, POST_START)
         self.drive(flows.start_container(self.call(), "c-1"))
-        self.assertEqual((self.stages.ran, self.stages.announced, self.runtime.forwarded), ([], [], [None]))
+        self.assertEqual((self.stages.ran, self.announced, self.runtime.forwarded), ([], [], [None]))
         [warning] = [event for event in self.events if "could not be read from the runtime" in event["log_format"]]
         self.assertEqual((warning["kind"], warning["id"], warning["error"]), ("container", "c-1", "UNAVAILABLE: connection refused"))
 
@@ -375,7 +389,7 @@ class IdentityRules(FlowTestCase):
         )
         self.drive(flows.unreadable(self.call(), "CreateContainer", "truncated message"))
         self.assertEqual((self.runtime.forwarded, self.stages.ran), ([None], []))
-        self.assertEqual(self.stages.skips, [(PRE_CREATE, ["a.json"], flows.UNREADABLE)])
+        self.assertEqual(self.not_made, [(PRE_CREATE, "a.json", UNREADABLE)])
         [warning] = [event for event in self.events if "cannot read the {method} request" in event["log_format"]]
         self.assertEqual((warning["method"], warning["reason"]), ("CreateContainer", "truncated message"))
 
@@ -390,7 +404,28 @@ class IdentityRules(FlowTestCase):
         self.subscribe(POST_STOP)
         self.drive(flows.unreadable(self.call(), "StopContainer", "truncated message"))
         self.assertEqual(self.runtime.forwarded, [None])
-        self.assertEqual(self.stages.skips, [(POST_STOP, ["a.json"], flows.UNREADABLE)])
+        self.assertEqual(self.not_made, [(POST_STOP, "a.json", UNREADABLE)])
+
+    def test_what_a_call_owes_waits_until_it_has_answered(self) -> None:
+        metrics = Metrics()
+        clock = Clock()
+        self.parts = flows.Parts(self.store, Dispatcher(HookClients(clock), clock, metrics), lambda: self.servers, SKIP)
+        self.put_container("c-1", labels={SKIP.key: SKIP.value})
+        self.put_container("c-2")
+        self.subscribe(PRE_START, POST_START, POST_STOP)
+        start, stop = self.call(), self.call()
+        self.drive(flows.start_container(start, "c-1"))
+        self.drive(flows.stop_container(stop, "c-2"))
+
+        def counted(hook: HookType, result: str) -> float | None:
+            labels = {"server": "a.json", "hook": hook.value, "result": result}
+            return metrics.registry.get_sample_value("koordrp_hook_calls_total", labels)
+
+        self.assertEqual([counted(PRE_START, SKIPPED), counted(POST_STOP, "error")], [None, None])
+        start.answered()
+        stop.answered()
+        # The skipped ones are counted; the post stage was made (a.json has no socket here: it failed).
+        self.assertEqual([counted(PRE_START, SKIPPED), counted(POST_START, SKIPPED), counted(POST_STOP, "error")], [1, 1, 1])
 
     def test_a_flow_that_would_wait_for_an_event_loop_cannot_run_in_a_thread(self) -> None:
         async def waits() -> None:
