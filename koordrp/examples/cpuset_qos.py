@@ -15,12 +15,10 @@ answer is ``reply(request)`` (the request as it came) with this server's changes
 cpuset an answer's resources carry, so an answer built from scratch would clear kubelet's cpuset.
 """
 
-import argparse
-import logging
 import re
 
 from koordrp.api.runtime.v1alpha1 import api_pb2
-from koordrp.sdk import HookServer, reply
+from koordrp.sdk import HookServer, command, reply
 
 CPUSET_ANNOTATION = "demo.koordrp.io/cpuset"
 QOS_LABEL = "koordinator.sh/qosClass"
@@ -48,27 +46,13 @@ class CpusetQoS(HookServer):
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m koordrp.examples.cpuset_qos",
-        description="Pin annotated pods' containers to CPUs and tell containers their pod's QoS class.",
+    options = command.parser(
+        "python -m koordrp.examples.cpuset_qos",
+        "Pin annotated pods' containers to CPUs and tell containers their pod's QoS class.",
+        socket="/run/koordrp-cpuset-qos/cpuset-qos.sock",
+        name="cpuset-qos",
     )
-    parser.add_argument("--socket", default="/run/koordrp-cpuset-qos/cpuset-qos.sock", help="unix socket to serve on")
-    parser.add_argument("--register-in", metavar="DIR", help="hookserver.d directory to register in (default: do not)")
-    parser.add_argument("--name", default="cpuset-qos", help="registration file name, without .json")
-    parser.add_argument("--failure-policy", choices=("Ignore", "Fail"), default="Ignore")
-    parser.add_argument("--timeout-seconds", type=float, help="how long koordrp waits for one call")
-    options = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    with CpusetQoS().serve(
-        options.socket,
-        register_in=options.register_in,
-        name=options.name,
-        failure_policy=options.failure_policy,
-        timeout_seconds=options.timeout_seconds,
-    ) as running:
-        logging.info("serving %s on %s", ", ".join(sorted(h.value for h in running.hooks)), running.socket_path)
-        running.wait()
-        logging.info("stopping")
+    command.serve_until_stopped(CpusetQoS(), command.parse(options, argv))
 
 
 if __name__ == "__main__":

@@ -9,13 +9,11 @@ is served until SIGTERM or SIGINT; ``scripts/demo --hook-server path/to/server.p
 in front of a real containerd.
 """
 
-import argparse
 import importlib.util
-import logging
 from pathlib import Path
 from types import ModuleType
 
-from koordrp.sdk import HookServer
+from koordrp.sdk import HookServer, command
 
 
 def load(path: Path) -> ModuleType:
@@ -44,27 +42,10 @@ def server_in(module: ModuleType, path: Path) -> HookServer:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m koordrp.sdk", description=__doc__.split("\n\n")[0])
-    parser.add_argument("file", type=Path, help="the Python file that defines the hook server")
-    parser.add_argument("--socket", required=True, help="unix socket to serve on")
-    parser.add_argument("--register-in", metavar="DIR", help="hookserver.d directory to register in")
-    parser.add_argument("--name", help="registration file name, without .json [default: the socket's]")
-    parser.add_argument("--failure-policy", choices=("Ignore", "Fail"), default="Ignore")
-    parser.add_argument("--timeout-seconds", type=float, help="how long koordrp waits for one call")
-    options = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    server = server_in(load(options.file), options.file)
-    with server.serve(
-        options.socket,
-        register_in=options.register_in,
-        name=options.name,
-        failure_policy=options.failure_policy,
-        timeout_seconds=options.timeout_seconds,
-    ) as running:
-        hooks = ", ".join(sorted(hook.value for hook in running.hooks))
-        logging.info("serving %s from %s on %s", hooks, options.file, running.socket_path)
-        print("ready", flush=True)
-        running.wait()
+    options = command.parser("python -m koordrp.sdk", __doc__.split("\n\n")[0])
+    options.add_argument("file", type=Path, help="the Python file that defines the hook server")
+    parsed = command.parse(options, argv)
+    command.serve_until_stopped(server_in(load(parsed.file), parsed.file), parsed, source=str(parsed.file))
 
 
 if __name__ == "__main__":

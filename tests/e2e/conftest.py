@@ -3,7 +3,7 @@
 import os
 import tempfile
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -75,6 +75,19 @@ def servers(workdir: Path) -> Iterator[dict[str, FakeHookServer]]:
     yield started
     for server in started.values():
         server.stop()
+
+
+@pytest.fixture
+def hooks_dir(workdir: Path) -> Path:
+    """The hookserver.d directory the koordrp fixture watches."""
+    return workdir / "hookserver.d"
+
+
+@pytest.fixture
+def runtime(koordrp: KoordrpProcess) -> Iterator[Any]:
+    """koordrp's RuntimeService, as kubelet reaches it."""
+    with koordrp.channel() as channel:
+        yield koordrp.runtime(channel)
 
 
 def hook_server(servers: dict[str, FakeHookServer], workdir: Path, name: str) -> FakeHookServer:

@@ -10,7 +10,7 @@ import json
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import grpc
 import pytest
@@ -27,29 +27,12 @@ from tests.support.dockerd import remove_cgroup
 from tests.support.hook_registration import register
 from tests.support.images import BUSYBOX_REF
 from tests.support.koordrp_process import KoordrpProcess
-from tests.support.pods import TIMEOUT, remove_pod, running_container, start_container
+from tests.support.pods import TIMEOUT, remove_pod, running_container, runtime_spec, start_container
 
 RUNTIME = "/runtime.v1.RuntimeService/"
 BEST_EFFORT_PARENT = "/koordrp-e2e-besteffort"
 POST_STOP = "PostStopContainerHook"
 POST_STOP_POD = "PostStopPodSandboxHook"
-
-
-@pytest.fixture
-def hooks_dir(workdir: Path) -> Path:
-    return workdir / "hookserver.d"
-
-
-@pytest.fixture
-def runtime(koordrp: KoordrpProcess) -> Iterator[Any]:
-    with koordrp.channel() as channel:
-        yield koordrp.runtime(channel)
-
-
-def runtime_spec(runtime: Any, container_id: str) -> dict[str, Any]:
-    status = runtime.ContainerStatus(api_pb2.ContainerStatusRequest(container_id=container_id, verbose=True))
-    spec: dict[str, Any] = json.loads(status.info["info"])["runtimeSpec"]
-    return spec
 
 
 # ---------------------------------------------------------------------------------------------

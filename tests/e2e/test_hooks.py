@@ -3,7 +3,7 @@
 import json
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import grpc
 import pytest
@@ -18,27 +18,10 @@ from tests.support.hook_registration import register
 from tests.support.dockerd import remove_cgroup
 from tests.support.images import BUSYBOX_REF
 from tests.support.koordrp_process import KoordrpProcess
-from tests.support.pods import TIMEOUT, remove_pod, running_container, start_container
+from tests.support.pods import TIMEOUT, remove_pod, running_container, runtime_spec, start_container
 
 CGROUP_PARENT = "/koordrp-e2e"
 CREATE = "PreCreateContainerHook"
-
-
-@pytest.fixture
-def hooks_dir(workdir: Path) -> Path:
-    return workdir / "hookserver.d"
-
-
-@pytest.fixture
-def runtime(koordrp: KoordrpProcess) -> Iterator[Any]:
-    with koordrp.channel() as channel:
-        yield koordrp.runtime(channel)
-
-
-def runtime_spec(runtime: Any, container_id: str) -> dict[str, Any]:
-    status = runtime.ContainerStatus(api_pb2.ContainerStatusRequest(container_id=container_id, verbose=True))
-    spec: dict[str, Any] = json.loads(status.info["info"])["runtimeSpec"]
-    return spec
 
 
 def container_env(runtime: Any, container_id: str) -> list[str]:

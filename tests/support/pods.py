@@ -1,6 +1,7 @@
 """Pods with a running container, made and removed through any CRI endpoint."""
 
 import contextlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -11,6 +12,13 @@ from tests.support.cri_objects import container_config, pod_sandbox_config
 from tests.support.images import BUSYBOX_REF
 
 TIMEOUT = 60.0
+
+
+def runtime_spec(runtime: api_pb2_grpc.RuntimeServiceStub, container_id: str) -> dict[str, Any]:
+    """The OCI spec the runtime made the container with (containerd's verbose status)."""
+    status = runtime.ContainerStatus(api_pb2.ContainerStatusRequest(container_id=container_id, verbose=True))
+    spec: dict[str, Any] = json.loads(status.info["info"])["runtimeSpec"]
+    return spec
 
 
 @dataclass(frozen=True)
