@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import tomllib
 from dataclasses import dataclass
@@ -29,11 +28,10 @@ import grpc
 
 from koordrp import koordrp_version
 from koordrp.api.cri.v1 import api_pb2 as cri
-from koordrp.hooks.config import HookConfigError, parse_hook_server_config
-from koordrp.hooks.registry import Content, Refusal, describe, list_registrations, read_registration
+from koordrp.hooks.registry import Refusal, describe, list_registrations, read_registration, understand
 from koordrp.hooks.types import HookServers
 from koordrp.tap import DEFAULT_HOOK_CONFIG_DIR, DEFAULT_PROXY_ENDPOINT
-from koordrp.unix import EndpointError, grpc_target, parse_unix_endpoint
+from koordrp.unix import EndpointError, connect_error, grpc_target, parse_unix_endpoint
 
 RUNTIME_FLAG = "--container-runtime-endpoint"
 IMAGE_FLAG = "--image-service-endpoint"
@@ -234,20 +232,15 @@ def hook_findings(directory: str, default_timeout: float, timeout: float) -> tup
     for name in sorted(listing):
         path = os.path.join(directory, name)
         found = listing[name]
-        reading = found if isinstance(found, Refusal) else read_registration(path)
-        if reading is None:
+        understood = understand(name, found if isinstance(found, Refusal) else read_registration(path), default_timeout)
+        if understood is None:
             continue
-        if not isinstance(reading, Content):
-            findings.append(Finding(False, f"{path} is rejected: {reading.reason}", _FIX_FILE))
-            continue
-        try:
-            config = parse_hook_server_config(name, reading.data, default_timeout)
-        except HookConfigError as error:
-            findings.append(Finding(False, f"{path} is rejected: {error.reason}", _FIX_FILE))
+        if isinstance(understood, Refusal):
+            findings.append(Finding(False, f"{path} is rejected: {understood.reason}", _FIX_FILE))
             continue
         registered += 1
-        summary = describe(HookServers((config,)))
-        problem = _unreachable(config.endpoint, timeout)
+        summary = describe(HookServers((understood.config,)))
+        problem = _unreachable(understood.config.endpoint, timeout)
         if problem is None:
             findings.append(Finding(True, f"{path} registers {summary}; its socket accepts connections"))
         else:
@@ -262,15 +255,8 @@ _FIX_SERVER = "start the hook server, or remove its file"
 
 
 def _unreachable(path: str, timeout: float) -> str | None:
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    probe.settimeout(timeout)
-    try:
-        probe.connect(path)
-    except OSError as error:
-        return f"its socket does not accept connections: {error.strerror or error}"
-    finally:
-        probe.close()
-    return None
+    error = connect_error(path, timeout)
+    return None if error is None else f"its socket does not accept connections: {error.strerror or error}"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -91,18 +91,26 @@ def check_directory(directory: str) -> None:
         raise UnsafeDirectory(f"{directory} is group- or world-writable (mode {stat.S_IMODE(info.st_mode):04o})")
 
 
-def _accepts_connections(path: str) -> bool:
+def connect_error(path: str, timeout: float) -> OSError | None:
+    """Why connecting to the unix socket ``path`` fails, or None when a connection is accepted."""
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(timeout)
     try:
-        probe.settimeout(1.0)
         probe.connect(path)
     except OSError as error:
-        if error.errno in (errno.ECONNREFUSED, errno.ENOENT):
-            return False
-        raise
+        return error
     finally:
         probe.close()
-    return True
+    return None
+
+
+def _accepts_connections(path: str) -> bool:
+    error = connect_error(path, 1.0)
+    if error is None:
+        return True
+    if error.errno in (errno.ECONNREFUSED, errno.ENOENT):
+        return False
+    raise error
 
 
 @contextlib.contextmanager

@@ -193,6 +193,24 @@ def read_registration(path: str) -> Reading:
         os.close(fd)
 
 
+@dataclass(frozen=True)
+class Understood:
+    """A registration koordrp accepts: the hook server it registers, and the version read."""
+
+    config: HookServerConfig
+    seen: StatKey | None
+
+
+def understand(name: str, reading: Reading, default_timeout: float) -> Understood | Refusal | None:
+    """What koordrp makes of one file's reading, as the daemon and ``koordrp check`` both judge it."""
+    if reading is None or isinstance(reading, Refusal):
+        return reading
+    try:
+        return Understood(parse_hook_server_config(name, reading.data, default_timeout), reading.seen)
+    except HookConfigError as error:
+        return Refusal(error.reason, reading.seen, hashlib.sha256(reading.data).digest())
+
+
 def describe(servers: HookServers) -> str:
     """One line naming every server, where it listens, its policy, timeout and hooks."""
     if not servers.servers:
@@ -263,21 +281,17 @@ class RegistrationBook:
             return self._refuse(name, old, found, notices)
         if old is not None and old.seen == found:
             return old
-        reading = read(name)
-        if reading is None:
+        understood = understand(name, read(name), self._default_timeout)
+        if understood is None:
             return None
-        if isinstance(reading, Refusal):
-            return self._refuse(name, old, reading, notices)
-        try:
-            config = parse_hook_server_config(name, reading.data, self._default_timeout)
-        except HookConfigError as error:
-            digest = hashlib.sha256(reading.data).digest()
-            return self._refuse(name, old, Refusal(error.reason, reading.seen, digest), notices)
+        if isinstance(understood, Refusal):
+            return self._refuse(name, old, understood, notices)
+        config = understood.config
         if old is not None and old.complaint is not None:
             notices.append(Notice(LogLevel.info, VALID_AGAIN, {"file": self._path(name)}))
         if old is None or old.good is None or old.good != config or old.good.ignored_stages != config.ignored_stages:
             notices.extend(self._remarks(name, config))
-        return Entry(seen=reading.seen, good=config, complaint=None)
+        return Entry(seen=understood.seen, good=config, complaint=None)
 
     def _remarks(self, name: str, config: HookServerConfig) -> list[Notice]:
         """What a new version of a valid file may still deserve a word about."""
