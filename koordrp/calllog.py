@@ -26,7 +26,7 @@ FORMAT = (
 )
 
 # How the log names a hook message's fields: as an operator thinks of them.
-_NAMES = {"container_resources.": "resources.", "container_annotations": "annotations", "pod_cgroup_parent": "cgroup_parent"}
+_NAMES = {"container_resources.": "resources.", "pod_cgroup_parent": "cgroup_parent"}
 _KEYS_ONLY = ("container_envs[", "labels[", "annotations[", "container_annotations[")
 _SHORT_MAP_NAMES = {"container_envs": "envs", "container_annotations": "annotations"}
 

@@ -345,8 +345,8 @@ async def create_container(call: Call[AnyReply], request: CreateContainer) -> An
     rewritten = await call.pre_rewriting(HookType.PRE_CREATE_CONTAINER, container, request.rewritten)
     reply = await call.backend.forward(rewritten)
     if reply.ok:
-        stored = created_container(container, reply.created_id, request.envs_sent())
-        call.store.put_container(reply.created_id, request.sandbox_id, stored)
+        container_id = reply.created_id  # Docker mode reads it from the JSON answer, so once
+        call.store.put_container(container_id, request.sandbox_id, created_container(container, container_id, request.envs_sent()))
     return reply
 
 
