@@ -106,7 +106,7 @@ class Samples:
     client_cpu: list[float] = field(default_factory=list)
     """The CPU time this process spent calling the hook servers alone: what a plain client pays."""
 
-    def add(self, label: str, seconds: float, cpu: float, _own_cpu: float = 0.0) -> None:
+    def add(self, label: str, seconds: float, cpu: float) -> None:
         self.seconds.setdefault(label, []).append(seconds)
         self.cpu.setdefault(label, []).append(cpu)
 
@@ -226,10 +226,12 @@ def hook_stage_rounds(
         labels = list(calls)
         random.shuffle(labels)
         for label in labels:
-            samples.add(label, *meter(calls[label]))
-        # What a plain client pays for the same hook calls (this process's CPU: no koordrp in it).
-        _, _, own_cpu = meter(servers_alone, own=True)
-        samples.client_cpu.append(own_cpu)
+            alone = calls[label] is servers_alone
+            seconds, cpu, own_cpu = meter(calls[label], own=alone)
+            samples.add(label, seconds, cpu)
+            if alone:
+                # What a plain client pays for the same hook calls (this process's CPU: no koordrp in it).
+                samples.client_cpu.append(own_cpu)
     return samples
 
 
