@@ -48,7 +48,7 @@ from benchmarks.stats import quantile, thread_cpu_ns
 from koordrp.api.cri.v1 import api_pb2 as koordrp_cri
 from koordrp.api.runtime.v1alpha1 import api_pb2_grpc as hook_grpc
 from koordrp.cri import translate
-from koordrp.hooks.messages import ContainerHookRequest
+from koordrp.hooks.messages import ContainerHookRequest, folded_update, placed_in_pod
 from koordrp.hooks.types import HookType
 from koordrp.tap import DEFAULT_SKIP_HOOK_KEY, DEFAULT_SKIP_HOOK_VALUE
 from tests.support.cri_objects import container_config, linux_resources, pod_sandbox_config
@@ -186,8 +186,9 @@ def make_pod(proxied: Any, name: str, logs: Path, labels: dict[str, str]) -> Pod
     pod_request = translate.pod_hook_request(koordrp_cri.RunPodSandboxRequest.FromString(run.SerializeToString()))
     created = koordrp_cri.CreateContainerRequest.FromString(create.SerializeToString())
     update = koordrp_cri.UpdateContainerResourcesRequest.FromString(update_request(container_id, 0).SerializeToString())
-    stored = translate.container_hook_request(pod_request, created)
-    return Pod(sandbox_id, container_id, translate.fold_update_request(stored, update))
+    stored = placed_in_pod(translate.container_hook_request(created), pod_request)
+    updated = translate.UpdateContainerResources(update)
+    return Pod(sandbox_id, container_id, folded_update(stored, container_id, updated.resources(), updated.annotations()))
 
 
 def update_request(container_id: str, index: int) -> Any:

@@ -16,7 +16,7 @@ from typing import Iterable
 from twisted.logger import Logger
 
 from koordrp.hooks.messages import Change, ContainerHookRequest, HookRequest
-from koordrp.hooks.types import ERROR, TIMEOUT, FailurePolicy, HookCall
+from koordrp.hooks.types import ERROR, TIMEOUT, HookCall
 from koordrp.text import shortened
 
 log = Logger(namespace="koordrp.calls")
@@ -54,7 +54,7 @@ def call_text(call: HookCall) -> str:
     if call.seconds is not None:
         text += f" {call.seconds * 1000:.1f} ms"
     if call.result in (ERROR, TIMEOUT):
-        fails = call.hook.is_pre and call.server.failure_policy is FailurePolicy.FAIL
+        fails = call.server.must_be_heard(call.hook)
         return f"{text} ({shortened(call.reason, 120)}; {'Fail policy: the call failed' if fails else 'went on without it'})"
     if call.changes:
         text += ", changed " + ", ".join(change_text(change) for change in call.changes)

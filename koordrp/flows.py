@@ -1,20 +1,20 @@
-"""The lifecycle flows: what each intercepted call does, written once for both front ends.
+"""The lifecycle flows: what each intercepted call does, written once for every front end.
 
 A flow decides, for one lifecycle method, whether hooks are skipped, which pre and post hook stages
 run, what is written back into the request, when the runtime is called, and what the store learns or
-forgets. It knows neither threads, nor the reactor, nor a wire format: it is a coroutine driving small
-protocols that each front end implements.
+forgets. It is a coroutine on the reactor, whichever front end the call came through; it knows no
+wire format and no thread, only small protocols each front end implements:
 
-- ``Stages`` run pre hook stages. CRI mode's are blocking (``koordrp.cri.bridge``: a grpc worker
-  waits for the reactor); Docker mode's are the dispatcher's Deferreds, awaited on the reactor. Post
-  stages wait in the ``Call`` until it has answered (``Call.answered``).
 - ``Backend`` is the runtime behind the front end, for one call: forwarding the call (rewritten or as
-  received) and reading back what the store lacks.
+  received) and reading back what the store lacks. Its answers are Deferreds whose cancellation
+  reaches the runtime.
 - The request protocols (``RunPodSandbox``, ``CreateContainer``, ``UpdateContainerResources``) are
   the call's own request: turned into a hook request, and written back once the hooks changed it.
 
-CRI mode runs a flow to its end on the worker thread (``run_blocking``: nothing it awaits ever
-suspends); Docker mode awaits it on the reactor.
+``Call`` drives one flow: ``run`` starts it and fires with its ``Outcome``, a value (the runtime's
+``Reply``, a ``Refusal``, or ``CALLER_GONE``) that the front end turns into its own answer;
+``cancel`` is the caller giving up; ``ended`` is the answer having left, after which the call's post
+stages start and its line and metrics are written, the same way in every mode.
 
 The rules, method by method (docs/architecture.md tells where each one changes):
 
@@ -23,10 +23,11 @@ method                      pre stage (written back)     post stage             
 ==========================  ===========================  ======================  ==================
 RunPodSandbox               PreRunPodSandbox             —                       the pod
 CreateContainer             PreCreateContainer           —                       the container
-StartContainer              PreStartContainer (nothing)  PostStartContainer      —
+StartContainer              PreStartContainer (nothing)  PostStartContainer      running
 UpdateContainerResources    PreUpdateContainerResources  —                       the container
-StopContainer               —                            PostStopContainer       —
-StopPodSandbox              —                            PostStopPodSandbox      —
+StopContainer               —                            PostStopContainer       stopped
+StopPodSandbox              —                            PostStopContainer,      the pod and its
+                                                         PostStopPodSandbox      containers stopped
 RemoveContainer             —                            —                       forgets it
 RemovePodSandbox            —                            —                       forgets it and its containers
 ==========================  ===========================  ======================  ==================
@@ -40,17 +41,41 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Coroutine, Generic, Mapping, Protocol, TypeVar
+from enum import Enum
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Awaitable,
+    Callable,
+    Coroutine,
+    Generic,
+    Iterable,
+    Mapping,
+    Protocol,
+    Sequence,
+    TypeVar,
+    Union,
+)
 
+from twisted.internet.defer import CancelledError, Deferred, ensureDeferred
+from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 
+from koordrp import calllog
 from koordrp.calllog import CallRecord
-from koordrp.hooks.messages import ContainerHookRequest, HookRequest, PodHookRequest
+from koordrp.hooks.messages import (
+    ContainerHookRequest,
+    HookRequest,
+    PodHookRequest,
+    Resources,
+    folded_update,
+    placed_in_pod,
+)
 from koordrp.hooks.types import (
     SENT,
     SKIPPED,
     UNREADABLE,
-    FailurePolicy,
     HookCall,
     HookServers,
     HookType,
@@ -58,14 +83,18 @@ from koordrp.hooks.types import (
     StageOutcome,
     Subscribers,
 )
-from koordrp.store import Store, StoredContainer, StoredPod
+from koordrp.store import ContainerState, Store, StoredContainer, StoredPod
 from koordrp.text import shortened
 
 if TYPE_CHECKING:
-    from koordrp.hooks.dispatcher import Dispatcher
+    # Only --metrics-endpoint loads prometheus_client: it costs a node daemon ~6 MB of RSS.
+    from koordrp.metrics import Metrics
 
 Result = TypeVar("Result")
 Request = TypeVar("Request", PodHookRequest, ContainerHookRequest)
+
+SETTLE_SECONDS = 2.0
+"""How long koordrp asks the runtime, on its own account, what a call the caller gave up on did."""
 
 
 class Reply(Protocol):
@@ -84,6 +113,33 @@ AnyReply = TypeVar("AnyReply", bound=Reply)
 AnyReply_co = TypeVar("AnyReply_co", bound=Reply, covariant=True)
 
 
+class RefusalKind(Enum):
+    HOOK_FAILED = "a Fail-policy hook server could not be heard"
+    UNREADABLE = "a request a Fail-policy hook server must see cannot be read"
+    INTERNAL = "koordrp failed"
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """koordrp answers the call itself, and the runtime never hears of it; ``message`` says why."""
+
+    kind: RefusalKind
+    message: str
+
+
+class CallerGone:
+    """The caller gave up (cancelled, its deadline passed, its connection closed): nobody to answer."""
+
+    def __repr__(self) -> str:
+        return "CALLER_GONE"
+
+
+CALLER_GONE = CallerGone()
+
+Outcome = Union[AnyReply, Refusal, CallerGone]
+"""How a call ended, for its front end to answer: the runtime's reply, koordrp's refusal, or nobody to answer."""
+
+
 class LookupFailed(Exception):
     """The runtime could not say (unreachable, or an answer koordrp cannot read); the text says why."""
 
@@ -93,9 +149,21 @@ class Unreadable(LookupFailed):
 
 
 class Stages(Protocol):
-    """Running pre hook stages. A stage changes its request in place, as each server's answer is merged."""
+    """The hook stages (``koordrp.hooks.dispatcher.Dispatcher``)."""
 
-    def run(self, hook: HookType, servers: Subscribers, request: HookRequest) -> Awaitable[StageOutcome]: ...
+    def run(
+        self, hook: HookType, servers: Subscribers, request: HookRequest, budget: float | None
+    ) -> Awaitable[StageOutcome]:
+        """Run a pre stage: ``request`` comes back changed by each server's answer in turn."""
+
+    def announce(self, stages: Sequence[PostStage]) -> None:
+        """Start the post stages one call owes, one after another, without waiting for them."""
+
+    def count_not_made(self, calls: Iterable[HookCall]) -> None:
+        """Count the hook calls a call spared."""
+
+    def drain(self) -> Deferred[Any]:
+        """Fires once every post stage announced so far has ended."""
 
 
 PodSource = Callable[[str], Awaitable[PodHookRequest | None]]
@@ -103,43 +171,49 @@ PodSource = Callable[[str], Awaitable[PodHookRequest | None]]
 
 
 class RuntimeReader(Protocol):
-    """Reading pods and containers back from the runtime, as the store keeps them.
+    """Reading pods and containers back from the runtime, as the store keeps them, within ``timeout``.
 
     None: the runtime does not know the id (or it is not a Kubernetes one); LookupFailed: it
     could not say; Unreadable: it answered with something koordrp cannot read.
     """
 
-    def read_pod(self, sandbox_id: str) -> Awaitable[StoredPod | None]: ...
+    def read_pod(self, sandbox_id: str, timeout: float | None) -> Awaitable[StoredPod | None]: ...
 
-    def read_container(self, container_id: str, pods: PodSource) -> Awaitable[StoredContainer | None]: ...
+    def read_container(
+        self, container_id: str, pods: PodSource, timeout: float | None
+    ) -> Awaitable[StoredContainer | None]: ...
 
 
 class RuntimeInventory(RuntimeReader, Protocol):
-    def listed(self) -> Awaitable[tuple[list[str], list[str]]]:
+    def listed(self, timeout: float | None) -> Awaitable[tuple[list[str], list[str]]]:
         """The ids of every Kubernetes pod sandbox and container the runtime has."""
 
 
 class Backend(RuntimeReader, Protocol[AnyReply_co]):
     """The runtime behind the front end, for one call."""
 
-    def forward(self, rewritten: bytes | None) -> Awaitable[AnyReply_co]:
-        """Send the call on: ``rewritten`` as its request, or (None) exactly what the caller sent."""
+    def forward(self, rewritten: bytes | None, timeout: float | None) -> Awaitable[AnyReply_co]:
+        """Send the call on: ``rewritten`` as its request, or (None) exactly what the caller sent.
+
+        Its answer, whatever it is, is a Reply; cancelling the Deferred cancels the runtime's call.
+        """
 
 
 class RunPodSandbox(Protocol):
     def hook_request(self) -> PodHookRequest: ...
 
-    def rewritten(self, before: PodHookRequest, after: PodHookRequest) -> bytes | None:
-        """The request with what the hooks changed between ``before`` and ``after``; None: nothing changed."""
+    def rewritten(self, sent: PodHookRequest, final: PodHookRequest) -> bytes | None:
+        """The request with every field where ``final`` differs from ``sent``; None: they do not differ."""
 
 
 class CreateContainer(Protocol):
     @property
     def sandbox_id(self) -> str: ...
 
-    def hook_request(self, pod: PodHookRequest) -> ContainerHookRequest: ...
+    def hook_request(self) -> ContainerHookRequest:
+        """The container as the request has it; ``pod_cgroup_parent`` is where the request places it."""
 
-    def rewritten(self, before: ContainerHookRequest, after: ContainerHookRequest) -> bytes | None: ...
+    def rewritten(self, sent: ContainerHookRequest, final: ContainerHookRequest) -> bytes | None: ...
 
     def envs_sent(self) -> dict[str, str]:
         """The environment the runtime is given, as a map (after ``rewritten``)."""
@@ -149,21 +223,16 @@ class UpdateContainerResources(Protocol):
     @property
     def container_id(self) -> str: ...
 
-    def hook_request(self, stored: ContainerHookRequest) -> ContainerHookRequest:
-        """The stored container with the update's values on top."""
+    def resources(self) -> Resources | None:
+        """The resources the update names (zero and empty: keep); None: it names none."""
 
-    def rewritten(self, before: ContainerHookRequest, after: ContainerHookRequest) -> bytes | None: ...
+    def annotations(self) -> Mapping[str, str]: ...
 
-
-class HookFailed(Exception):
-    """A Fail-policy hook server could not be heard: the call fails with this message, unforwarded."""
+    def rewritten(self, sent: ContainerHookRequest, final: ContainerHookRequest) -> bytes | None: ...
 
 
-class UnreadableRequest(Exception):
-    """A request koordrp cannot read, which a Fail-policy server must see: the call fails with this message."""
-
-
-# The hook points of each CRI method (Docker calls stand for one of them).
+# The hook points of each CRI method (Docker calls stand for one of them); tests check the flows
+# call exactly these.
 METHOD_HOOKS: dict[str, tuple[HookType, ...]] = {
     "RunPodSandbox": (HookType.PRE_RUN_POD_SANDBOX,),
     "CreateContainer": (HookType.PRE_CREATE_CONTAINER,),
@@ -192,36 +261,127 @@ class Parts:
     """What every intercepted call shares, whichever front end it came through."""
 
     store: Store
-    dispatcher: Dispatcher
+    dispatcher: Stages
     registrations: Callable[[], HookServers]
     """The hook servers in force now."""
     skip: SkipLabel
+    clock: IReactorTime
+    metrics: Metrics | None = None
+
+
+class _Refused(Exception):
+    """How a flow stops where koordrp refuses the call; ``Call.run`` turns it into the Refusal value."""
+
+    def __init__(self, refusal: Refusal) -> None:
+        super().__init__(refusal.message)
+        self.refusal = refusal
 
 
 class Call(Generic[AnyReply]):
-    """One intercepted call: the hook servers in force when it arrived, its front end's stages and backend.
+    """One intercepted call, driven on the reactor: its flow, its answer, and what it owes once answered.
 
-    What a call owes once it has answered (its post stages, counting the hook calls it spared, its
-    log line) waits in the call until the front end calls ``answered`` on the reactor: in CRI mode
-    that is one crossing into the reactor per call, made once the answer has left.
+    It takes the hook servers in force when it arrives and uses them throughout. What it owes once
+    it has answered (its post stages, counting the hook calls it spared, its log line and metrics)
+    waits until the front end says the answer has left (``ended``) and the flow is over.
     """
 
     log = Logger()
 
-    def __init__(self, parts: Parts, method: str, stages: Stages, backend: Backend[AnyReply]) -> None:
+    def __init__(self, parts: Parts, method: str, backend: Backend[AnyReply], timeout: float | None = None) -> None:
+        """``method`` names the call in its log line; ``timeout`` is what is left of the caller's deadline."""
         self.store = parts.store
-        self._skip = parts.skip
-        self._dispatcher = parts.dispatcher
+        self._parts = parts
         self.servers = parts.registrations()
-        self.stages = stages
         self.backend = backend
         self.record = CallRecord(method)
+        self.lifecycle = method
+        """The CRI method the call stands for (its flow says), for metrics."""
+        self.logged = True
+        """Whether the call gets a line and metrics (a Docker call about a container that is not Kubernetes' does not)."""
         self.posts: list[PostStage] = []
         self._skipping = False
+        self._started = parts.clock.seconds()
+        self._deadline = None if timeout is None else self._started + timeout
+        self._answer: Deferred[Outcome[AnyReply]] = Deferred(lambda _: self.cancel())
+        self._running: Deferred[AnyReply] | None = None
+        self._cancelled = False
+        self._flow_over = False
+        self._ended_as: str | None = None
+        self._seconds = 0.0
 
-    def concerns(self, labels: Mapping[str, str]) -> None:
-        """The call is about the pod with these labels: whether its hooks are skipped."""
-        self._skipping = self._skip.skips(labels)
+    # Driving the flow
+
+    def run(self, flow: Coroutine[Any, Any, AnyReply]) -> Deferred[Outcome[AnyReply]]:
+        """Start ``flow``; fires with its outcome as soon as the caller can be answered.
+
+        Cancelling the Deferred is ``cancel()``.
+        """
+        running = ensureDeferred(flow)
+        self._running = running
+        running.addCallbacks(self._answered, self._stopped).addBoth(self._over)
+        return self._answer
+
+    def cancel(self) -> None:
+        """The caller gave up: what the flow waits for (a hook, the runtime) is cancelled at once.
+
+        The answer is CALLER_GONE at once; a flow that gave up on the runtime may still ask it what
+        happened (``_forward_changing``) before it is over.
+        """
+        if self._cancelled:
+            return
+        self._cancelled = True
+        if self._running is not None and not self._running.called:
+            self._running.cancel()
+        self._answered(CALLER_GONE)
+
+    def ended(self, outcome: str) -> None:
+        """The answer has left (or nobody is left to take it), as ``outcome`` names it (a status, "CANCELLED")."""
+        if self._ended_as is None:
+            self._ended_as = outcome
+            self._finish_if_over()
+
+    def remaining(self) -> float | None:
+        """What is left of the caller's deadline, in seconds (None: it set none)."""
+        return None if self._deadline is None else self._deadline - self._parts.clock.seconds()
+
+    def _answered(self, outcome: Outcome[AnyReply]) -> None:
+        if not self._answer.called:
+            self._seconds = self._parts.clock.seconds() - self._started
+            self._answer.callback(outcome)
+
+    def _stopped(self, failure: Failure) -> None:
+        if isinstance(failure.value, _Refused):
+            self._answered(failure.value.refusal)
+        elif isinstance(failure.value, CancelledError):
+            self._answered(CALLER_GONE)
+        else:
+            self.log.failure("{method} failed inside koordrp", failure, method=self.record.method)
+            self._answered(Refusal(RefusalKind.INTERNAL, f"koordrp: {shortened(failure.getErrorMessage())}"))
+
+    def _over(self, _: object) -> None:
+        self._flow_over = True
+        self._finish_if_over()
+
+    def _finish_if_over(self) -> None:
+        outcome = self._ended_as
+        if outcome is None or not self._flow_over:
+            return
+        dispatcher = self._parts.dispatcher
+        if self.posts:
+            dispatcher.announce(self.posts)
+        dispatcher.count_not_made(self.record.calls)
+        if self.logged:
+            calllog.write(self.record, outcome, self._seconds)
+            if self._parts.metrics is not None:
+                self._parts.metrics.cri_call(self.lifecycle, outcome, self._seconds)
+
+    # What flows do
+
+    def concerns(self, subject: HookRequest) -> None:
+        """The call is about this pod or container: its line names it, and its pod's labels say whether hooks are skipped."""
+        self.record.subject = subject
+        labels = subject.labels if isinstance(subject, PodHookRequest) else subject.pod_labels
+        self._skipping = self._parts.skip.skips(labels)
 
     def _callees(self, hook: HookType) -> Subscribers:
         """The servers to call: none when nobody subscribed, or when the pod is skipped (counted)."""
@@ -232,55 +392,55 @@ class Call(Generic[AnyReply]):
         return subscribed
 
     def not_called(self, hook: HookType, servers: Subscribers, result: str) -> None:
-        """Record the calls to ``servers`` that ``result`` (SKIPPED, UNREADABLE) spared; ``answered`` counts them."""
+        """Record the calls to ``servers`` that ``result`` (SKIPPED, UNREADABLE) spared; they are counted at the end."""
         self.record.add(HookCall(server, hook, result) for server in servers)
 
-    def answered(self) -> None:
-        """On the reactor, once the call has answered: its post stages start and the calls it spared are counted."""
-        if self.posts:
-            self._dispatcher.announce(self.posts)
-        self._dispatcher.count_not_made(self.record.calls)
-
     async def _run(self, hook: HookType, callees: Subscribers, request: HookRequest) -> None:
-        outcome = await self.stages.run(hook, callees, request)
+        outcome = await self._parts.dispatcher.run(hook, callees, request, self.remaining())
         self.record.add(outcome.calls)
         if outcome.failure is not None:
-            raise HookFailed(outcome.failure.message)
+            raise _Refused(Refusal(RefusalKind.HOOK_FAILED, outcome.failure.message))
 
     async def pre(self, hook: HookType, request: HookRequest) -> None:
         """Run a pre stage on ``request``, which comes back changed by the hooks."""
-        self.record.subject = request
         callees = self._callees(hook)
         if callees:
             await self._run(hook, callees, request)
 
     async def pre_rewriting(
-        self, hook: HookType, request: Request, rewritten: Callable[[Request, Request], bytes | None]
+        self,
+        hook: HookType,
+        request: Request,
+        rewritten: Callable[[Request, Request], bytes | None],
+        sent: Request | None = None,
     ) -> bytes | None:
         """Run a pre stage and write what it changed into the call's request; None: forward it as received.
 
-        ``rewritten`` runs even when no hook is called: what the store knows may still differ
-        from what the caller sent (a pod's cgroup parent, set by hooks when it ran).
+        ``sent`` is the hook request as the call's request has it (default: ``request`` before the
+        stage); ``rewritten`` runs even when no hook is called, since what the store knows may
+        differ from what the caller sent (a pod's cgroup parent, set by hooks when it ran).
         """
-        self.record.subject = request
         callees = self._callees(hook)
-        before = copy.deepcopy(request) if callees else request
+        if sent is None:
+            sent = copy.deepcopy(request) if callees else request
         if callees:
             await self._run(hook, callees, request)
-        return rewritten(before, request)
+        return rewritten(sent, request)
 
     def post(self, hook: HookType, request: HookRequest) -> None:
-        self.record.subject = request
         callees = self._callees(hook)
         if callees:
             self.posts.append(PostStage(hook, callees, request))
             self.record.add(HookCall(server, hook, SENT) for server in callees)
 
+    async def forward(self, rewritten: bytes | None = None) -> AnyReply:
+        return await self.backend.forward(rewritten, self.remaining())
+
     async def pod(self, sandbox_id: str) -> PodHookRequest | None:
         """The pod from the store, or read back from the runtime (and remembered) if the store lacks it."""
         pod = self.store.pod(sandbox_id)
         if pod is None and sandbox_id:
-            stored = await self._read_back("pod", sandbox_id, self.backend.read_pod)
+            stored = await self._read_back("pod", sandbox_id, lambda: self.backend.read_pod(sandbox_id, self.remaining()))
             if stored is not None:
                 self.store.learn([(sandbox_id, stored)], [])
                 pod = stored.info
@@ -291,17 +451,15 @@ class Call(Generic[AnyReply]):
         stored = self.store.container(container_id)
         if stored is None and container_id:
             stored = await self._read_back(
-                "container", container_id, lambda identifier: self.backend.read_container(identifier, self.pod)
+                "container", container_id, lambda: self.backend.read_container(container_id, self.pod, self.remaining())
             )
             if stored is not None:
                 self.store.learn([], [(container_id, stored)])
         return stored
 
-    async def _read_back(
-        self, kind: str, identifier: str, read: Callable[[str], Awaitable[Result | None]]
-    ) -> Result | None:
+    async def _read_back(self, kind: str, identifier: str, read: Callable[[], Awaitable[Result | None]]) -> Result | None:
         try:
-            return await read(identifier)
+            return await read()
         except LookupFailed as error:
             self.log.warn(
                 "{kind} {id} is not in the store and could not be read from the runtime: {error}",
@@ -310,6 +468,49 @@ class Call(Generic[AnyReply]):
                 error=shortened(str(error)),
             )
             return None
+
+    async def container_now(self, container_id: str, state: ContainerState) -> bool:
+        """Whether the runtime says, on koordrp's own account (the caller is gone), the container is in ``state``."""
+
+        async def stored_pod(sandbox_id: str) -> PodHookRequest | None:
+            return self.store.pod(sandbox_id)
+
+        try:
+            found = await self.backend.read_container(container_id, stored_pod, SETTLE_SECONDS)
+        except LookupFailed:
+            return False
+        return found is not None and found.state is state
+
+    async def pod_now_stopped(self, sandbox_id: str) -> bool:
+        """Whether the runtime says, on koordrp's own account (the caller is gone), the pod is stopped."""
+        try:
+            found = await self.backend.read_pod(sandbox_id, SETTLE_SECONDS)
+        except LookupFailed:
+            return False
+        return found is not None and found.stopped
+
+
+async def _forward_changing(
+    call: Call[AnyReply], happened: Callable[[], None], done_all_the_same: Callable[[], Awaitable[bool]]
+) -> AnyReply:
+    """Forward a call that starts or stops something; ``happened()`` once the runtime has done it.
+
+    This is where a call the caller gives up on (kubelet cancels, its deadline passes) is settled:
+    the runtime's call is cancelled with it, but may have done its work all the same. koordrp then
+    asks the runtime (``done_all_the_same``, on a bound of its own) and ``happened()`` runs only if
+    it says so: a cancelled StopContainer owes PostStopContainer only if the container did stop.
+    Otherwise the store keeps the state it had, and kubelet's repeat of the call owes what this one
+    would have.
+    """
+    try:
+        reply = await call.forward()
+    except CancelledError:
+        if await done_all_the_same():
+            happened()
+        raise
+    if reply.ok:
+        happened()
+    return reply
 
 
 def created_container(
@@ -327,23 +528,26 @@ def created_container(
 
 
 async def run_pod_sandbox(call: Call[AnyReply], request: RunPodSandbox) -> AnyReply:
+    call.lifecycle = "RunPodSandbox"
     pod = request.hook_request()
-    call.concerns(pod.labels)
+    call.concerns(pod)
     rewritten = await call.pre_rewriting(HookType.PRE_RUN_POD_SANDBOX, pod, request.rewritten)
-    reply = await call.backend.forward(rewritten)
+    reply = await call.forward(rewritten)
     if reply.ok:
         call.store.put_pod(reply.created_id, pod)
     return reply
 
 
 async def create_container(call: Call[AnyReply], request: CreateContainer) -> AnyReply:
+    call.lifecycle = "CreateContainer"
     pod = await call.pod(request.sandbox_id)
     if pod is None:
-        return await call.backend.forward(None)
-    call.concerns(pod.labels)
-    container = request.hook_request(pod)
-    rewritten = await call.pre_rewriting(HookType.PRE_CREATE_CONTAINER, container, request.rewritten)
-    reply = await call.backend.forward(rewritten)
+        return await call.forward()
+    sent = request.hook_request()
+    container = placed_in_pod(copy.deepcopy(sent), pod)
+    call.concerns(container)
+    rewritten = await call.pre_rewriting(HookType.PRE_CREATE_CONTAINER, container, request.rewritten, sent)
+    reply = await call.forward(rewritten)
     if reply.ok:
         container_id = reply.created_id  # Docker mode reads it from the JSON answer, so once
         call.store.put_container(container_id, request.sandbox_id, created_container(container, container_id, request.envs_sent()))
@@ -351,68 +555,85 @@ async def create_container(call: Call[AnyReply], request: CreateContainer) -> An
 
 
 async def start_container(call: Call[AnyReply], container_id: str) -> AnyReply:
+    call.lifecycle = "StartContainer"
     stored = await call.container(container_id)
     if stored is None:
-        return await call.backend.forward(None)
+        return await call.forward()
     container = stored.info
-    call.concerns(container.pod_labels)
+    call.concerns(container)
     await call.pre(HookType.PRE_START_CONTAINER, container)
-    reply = await call.backend.forward(None)
-    if reply.ok and call.store.started(container_id):
-        call.post(HookType.POST_START_CONTAINER, container)
-    return reply
+
+    def started() -> None:
+        if call.store.started(container_id):
+            call.post(HookType.POST_START_CONTAINER, container)
+
+    return await _forward_changing(call, started, lambda: call.container_now(container_id, ContainerState.RUNNING))
 
 
 async def update_container_resources(call: Call[AnyReply], request: UpdateContainerResources) -> AnyReply:
+    call.lifecycle = "UpdateContainerResources"
     stored = await call.container(request.container_id)
     if stored is None:
-        return await call.backend.forward(None)
-    container = request.hook_request(stored.info)
-    call.concerns(container.pod_labels)
-    hook = HookType.PRE_UPDATE_CONTAINER_RESOURCES
-    rewritten = await call.pre_rewriting(hook, container, request.rewritten)
-    reply = await call.backend.forward(rewritten)
+        return await call.forward()
+    container = folded_update(stored.info, request.container_id, request.resources(), request.annotations())
+    call.concerns(container)
+    rewritten = await call.pre_rewriting(HookType.PRE_UPDATE_CONTAINER_RESOURCES, container, request.rewritten)
+    reply = await call.forward(rewritten)
     if reply.ok:
         call.store.revise_container(request.container_id, container)
     return reply
 
 
 async def stop_container(call: Call[AnyReply], container_id: str) -> AnyReply:
+    call.lifecycle = "StopContainer"
     stored = await call.container(container_id)
-    reply = await call.backend.forward(None)
-    # kubelet stops again what is stopped already (retries, garbage collection): once per stop.
-    if reply.ok and stored is not None and call.store.stopped(container_id):
-        call.concerns(stored.info.pod_labels)
-        call.post(HookType.POST_STOP_CONTAINER, stored.info)
-    return reply
+    if stored is None:
+        return await call.forward()
+    call.concerns(stored.info)
+
+    def stopped() -> None:
+        # kubelet stops again what is stopped already (retries, garbage collection): once per stop.
+        if call.store.stopped(container_id):
+            call.post(HookType.POST_STOP_CONTAINER, stored.info)
+
+    return await _forward_changing(call, stopped, lambda: call.container_now(container_id, ContainerState.STOPPED))
 
 
 async def stop_pod_sandbox(call: Call[AnyReply], sandbox_id: str) -> AnyReply:
+    call.lifecycle = "StopPodSandbox"
     pod = await call.pod(sandbox_id)
-    reply = await call.backend.forward(None)
-    if reply.ok and pod is not None:
+    if pod is None:
+        return await call.forward()
+    call.concerns(pod)
+
+    def stopped() -> None:
         pod_was_up, containers = call.store.pod_stopped(sandbox_id)
-        call.concerns(pod.labels)
         # The runtime stopped the pod's containers too: a plugin sees every stop that went through koordrp.
         for container in containers:
             call.post(HookType.POST_STOP_CONTAINER, container.info)
         if pod_was_up:
             call.post(HookType.POST_STOP_POD_SANDBOX, pod)
-    return reply
+
+    return await _forward_changing(call, stopped, lambda: call.pod_now_stopped(sandbox_id))
 
 
 async def remove_container(call: Call[AnyReply], container_id: str) -> AnyReply:
+    call.lifecycle = "RemoveContainer"
     stored = call.store.container(container_id)
-    call.record.subject = stored.info if stored is not None else None
-    reply = await call.backend.forward(None)
+    if stored is not None:
+        call.concerns(stored.info)
+    reply = await call.forward()
     if reply.ok:
         call.store.forget_container(container_id)
     return reply
 
 
 async def remove_pod_sandbox(call: Call[AnyReply], sandbox_id: str) -> AnyReply:
-    call.record.subject = call.store.pod(sandbox_id)
-    reply = await call.backend.forward(None)
+    call.lifecycle = "RemovePodSandbox"
+    pod = call.store.pod(sandbox_id)
+    if pod is not None:
+        call.concerns(pod)
+    reply = await call.forward()
     if reply.ok:
         call.store.forget_pod(sandbox_id)
     return reply
@@ -422,16 +643,20 @@ async def unreadable(call: Call[AnyReply], method: str, reason: str) -> AnyReply
     """A ``method`` request koordrp cannot read goes to the runtime as it came, for the runtime's own answer.
 
     koordrp never refuses what the runtime accepts, so its hooks are skipped (counted, with one
-    warning), unless a Fail-policy server is subscribed to its pre hook: that server must see
-    every such call, so the call fails (UnreadableRequest), naming why.
+    warning), unless a server that must be heard is subscribed to its pre hook: that server must
+    see every such call, so the call is refused (UNREADABLE), naming why.
     """
+    call.lifecycle = method
     hooks = METHOD_HOOKS[method]
-    for hook in (hook for hook in hooks if hook.is_pre):
-        strict = [server for server in call.servers.subscribed(hook) if server.failure_policy is FailurePolicy.FAIL]
+    for hook in hooks:
+        strict = [server for server in call.servers.subscribed(hook) if server.must_be_heard(hook)]
         if strict:
-            raise UnreadableRequest(
-                f"koordrp: cannot read the {method} request, which hook server {strict[0].name} "
-                f"(Fail policy) must see at {hook.value}: {shortened(reason)}"
+            raise _Refused(
+                Refusal(
+                    RefusalKind.UNREADABLE,
+                    f"koordrp: cannot read the {method} request, which hook server {strict[0].name} "
+                    f"(Fail policy) must see at {hook.value}: {shortened(reason)}",
+                )
             )
     for hook in hooks:
         subscribed = call.servers.subscribed(hook)
@@ -442,7 +667,7 @@ async def unreadable(call: Call[AnyReply], method: str, reason: str) -> AnyReply
         method=method,
         reason=shortened(reason),
     )
-    return await call.backend.forward(None)
+    return await call.forward()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -453,16 +678,16 @@ log = Logger()
 Inventory = tuple[list[tuple[str, StoredPod]], list[tuple[str, StoredContainer]]]
 
 
-async def read_everything(runtime: RuntimeInventory) -> Inventory:
-    """Every Kubernetes pod and container the runtime has, as the store keeps them.
+async def read_everything(runtime: RuntimeInventory, timeout: float | None) -> Inventory:
+    """Every Kubernetes pod and container the runtime has, as the store keeps them; each question bounded by ``timeout``.
 
     One that cannot be read is left out with a warning; one the runtime no longer knows is left
     out; if the runtime cannot be asked, LookupFailed says why.
     """
-    sandbox_ids, container_ids = await runtime.listed()
+    sandbox_ids, container_ids = await runtime.listed(timeout)
     pods: dict[str, StoredPod] = {}
     for sandbox_id in sandbox_ids:
-        pod = await _readable("pod", sandbox_id, runtime.read_pod(sandbox_id))
+        pod = await _readable("pod", sandbox_id, runtime.read_pod(sandbox_id, timeout))
         if pod is not None:
             pods[sandbox_id] = pod
 
@@ -472,7 +697,7 @@ async def read_everything(runtime: RuntimeInventory) -> Inventory:
 
     containers: list[tuple[str, StoredContainer]] = []
     for container_id in container_ids:
-        stored = await _readable("container", container_id, runtime.read_container(container_id, listed_pod))
+        stored = await _readable("container", container_id, runtime.read_container(container_id, listed_pod, timeout))
         if stored is not None:
             containers.append((container_id, stored))
     return list(pods.items()), containers
@@ -489,18 +714,3 @@ async def _readable(kind: str, identifier: str, reading: Awaitable[Result | None
             error=shortened(str(error)),
         )
         return None
-
-
-# ---------------------------------------------------------------------------------------------
-# Driving a flow where nothing suspends
-
-
-def run_blocking(flow: Coroutine[Any, Any, Result]) -> Result:
-    """Run ``flow`` to its end in this thread: for stages and backends that block instead of suspending."""
-    try:
-        flow.send(None)
-    except StopIteration as done:
-        result: Result = done.value
-        return result
-    flow.close()
-    raise RuntimeError("a flow run in a thread waited on something that only an event loop can finish")

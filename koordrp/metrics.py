@@ -51,12 +51,16 @@ class Metrics:
         if seconds is not None:
             self.hook_seconds.labels(server, hook).observe(seconds)
 
+    def cri_call(self, method: str, code: str, seconds: float) -> None:
+        """One call answered: ``method`` is the CRI method (a Docker call, the one it stands for), ``code`` its status."""
+        self.cri_calls.labels(method, code).inc()
+        self.cri_seconds.labels(method).observe(seconds)
+
     def unary(
         self, method: str, behaviour: Callable[[Request, grpc.ServicerContext], Answer]
     ) -> Callable[[Request, grpc.ServicerContext], Answer]:
         """``behaviour`` counted and timed; the code is the one the caller gets."""
         short = method.rsplit("/", 1)[-1]
-        seconds = self.cri_seconds.labels(short)
 
         def counted(request: Request, context: grpc.ServicerContext) -> Answer:
             started = time.perf_counter()
@@ -67,8 +71,7 @@ class Metrics:
                 code = _code_name(context)
                 raise
             finally:
-                seconds.observe(time.perf_counter() - started)
-                self.cri_calls.labels(short, code).inc()
+                self.cri_call(short, code, time.perf_counter() - started)
 
         return counted
 

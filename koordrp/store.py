@@ -19,6 +19,26 @@ class ContainerState(Enum):
     STOPPED = "stopped"
 
 
+# What the runtimes koordrp fronts call a container's (or a pod sandbox's) state, as the store counts
+# its life: one table, so that "stopped" means the same in every mode. CRI's CONTAINER_UNKNOWN and
+# dockerd's paused or restarting may well be running: a later stop still owes its PostStopContainer.
+_RUNTIME_STATES = {
+    # CRI v1 (containerd): ContainerState and PodSandboxState
+    "CONTAINER_CREATED": ContainerState.CREATED,
+    "CONTAINER_EXITED": ContainerState.STOPPED,
+    "SANDBOX_NOTREADY": ContainerState.STOPPED,
+    # dockerd: State.Status
+    "created": ContainerState.CREATED,
+    "exited": ContainerState.STOPPED,
+    "dead": ContainerState.STOPPED,
+}
+
+
+def runtime_state(name: str) -> ContainerState:
+    """The state the store keeps for a container (or a pod's sandbox) the runtime says is in state ``name``."""
+    return _RUNTIME_STATES.get(name, ContainerState.RUNNING)
+
+
 def _copy_pod(pod: PodHookRequest) -> PodHookRequest:
     copied = PodHookRequest()
     copied.CopyFrom(pod)
@@ -35,6 +55,7 @@ def _copy_container(container: ContainerHookRequest) -> ContainerHookRequest:
 class StoredPod:
     info: PodHookRequest
     stopped: bool = False
+    """Its sandbox is stopped (``runtime_state`` says STOPPED), and its containers with it."""
 
     def copy(self) -> "StoredPod":
         return StoredPod(_copy_pod(self.info), self.stopped)

@@ -197,6 +197,8 @@ def makeService(config: Options, reactor: IReactorCore | None = None) -> service
         dispatcher=Dispatcher(clients, clock, metrics),
         registrations=lambda: registry.current,
         skip=SkipLabel(config["runtime-hook-server-key"], config["runtime-hook-server-val"]),
+        clock=clock,
+        metrics=metrics,
     )
     proxy = front_end(config, reactor, parts, metrics)
     top = Koordrp()  # type: ignore[no-untyped-call]

@@ -1,10 +1,15 @@
-"""The shared channel to one backend socket, and what koordrp says when the backend is away."""
+"""The shared channel to one backend socket, what koordrp says when the backend is away, and unary calls
+to it as Deferreds."""
 
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, cast
 
 import grpc
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IReactorFromThreads
 
 from koordrp.cri.reachability import Reachability, ReachabilityTracker
+from koordrp.grpcdefer import failed_call, when_done
 from koordrp.unix import grpc_target
 
 # A backend that comes back must be used again within about a second, so grpc's reconnect backoff
@@ -48,3 +53,46 @@ class BackendChannel:
     def close(self) -> None:
         self.channel.unsubscribe(self._on_connectivity)
         self.channel.close()
+
+
+Metadata = tuple[tuple[str, str | bytes], ...]
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What the runtime answered one unary call: its bytes, or its status; its trailing metadata either way."""
+
+    code: grpc.StatusCode
+    raw: bytes = b""
+    details: str = ""
+    trailing: Metadata = ()
+
+    @property
+    def ok(self) -> bool:
+        return self.code is grpc.StatusCode.OK
+
+
+def call_unary(
+    reactor: IReactorFromThreads,
+    method: "grpc.UnaryUnaryMultiCallable[bytes, bytes]",
+    request: bytes,
+    timeout: float | None,
+    metadata: Metadata | None = None,
+) -> "Deferred[Answer]":
+    """Call ``method`` with ``request``; fires on the reactor with the Answer, whatever it is.
+
+    Cancelling the Deferred cancels the call upstream at once.
+    """
+    future = method.future(request, timeout=timeout, metadata=metadata)
+    return when_done(future, reactor).addCallback(_answer)
+
+
+def _answer(done: "grpc.Future[bytes]") -> Answer:
+    error = done.exception()
+    if error is None:
+        call = cast(grpc.Call, done)
+        return Answer(grpc.StatusCode.OK, bytes(done.result()), trailing=tuple(call.trailing_metadata() or ()))
+    failed = failed_call(error)
+    if failed is None:
+        return Answer(grpc.StatusCode.UNKNOWN, details=str(error))
+    return Answer(failed.code(), details=failed.details() or "", trailing=tuple(failed.trailing_metadata() or ()))

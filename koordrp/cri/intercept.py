@@ -1,28 +1,34 @@
-"""The lifecycle calls in CRI mode: kubelet's requests parsed and run through ``koordrp.flows``.
+"""The lifecycle calls in CRI mode: kubelet's requests parsed and run through ``koordrp.flows`` on the reactor.
 
-Each handler runs on a grpc worker thread and drives its flow to the end there
-(``flows.run_blocking``): hook stages cross into the reactor through the HookBridge, once per stage;
-the runtime is called, and read back from, on this thread.
+A handler runs on a grpc worker thread: it parses kubelet's bytes, crosses into the reactor once to
+start the flow (``flows.Call``), and waits for its outcome, which it turns into the grpc answer
+(``answer``: the one place an outcome becomes a status). Hook calls, the runtime's call and read-backs
+are Deferreds on the reactor. When grpc says the RPC has ended (answered, cancelled by kubelet, or
+past its deadline), the reactor hears of it once: an unfinished flow is cancelled, which cancels
+what it waits for upstream, and the call's end (post stages, log line, metrics) follows.
 """
 
-import time
+import concurrent.futures
 from dataclasses import dataclass
-from functools import partial
-from typing import Any, Callable, Coroutine, Generic, TypeVar
+from typing import Any, Awaitable, Callable, Coroutine, Generic, NoReturn, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError
+from twisted.internet.interfaces import IReactorFromThreads
 
-from koordrp import calllog, flows
+from koordrp import flows
 from koordrp.api.cri.v1 import api_pb2 as cri
 from koordrp.cri import translate
-from koordrp.cri.backend import BackendChannel
-from koordrp.cri.bridge import HookBridge, HookStageTimeout
-from koordrp.cri.passthrough import relay_failure, remaining_timeout
-from koordrp.cri.runtime_lookup import RuntimeLookup, stored_container
+from koordrp.cri.backend import Answer, BackendChannel, Metadata, call_unary
+from koordrp.cri.passthrough import relay_status, remaining_timeout
+from koordrp.cri.runtime_lookup import RuntimeLookup
 from koordrp.store import StoredContainer, StoredPod
 
 RUNTIME_SERVICE = "/runtime.v1.RuntimeService/"
+
+# Beyond the caller's deadline: the reactor may be busy for a moment. Past it the worker stops
+# waiting for a reactor that is no longer running.
+_SLACK_SECONDS = 1.0
 
 Request = TypeVar("Request")
 Flow = Coroutine[Any, Any, "CRIReply"]
@@ -30,11 +36,14 @@ Flow = Coroutine[Any, Any, "CRIReply"]
 
 @dataclass(frozen=True)
 class CRIReply:
-    """The runtime's answer: a failed call never comes back as one, it has ended the RPC already."""
+    """The runtime's answer to a forwarded call (``flows.Reply``)."""
 
-    raw: bytes
+    answer: Answer
     created_id: str = ""
-    ok: bool = True
+
+    @property
+    def ok(self) -> bool:
+        return self.answer.ok
 
 
 @dataclass(frozen=True)
@@ -90,56 +99,91 @@ _METHODS: dict[str, _Method[Any]] = {
 
 
 class CRIBackend:
-    """``flows.Backend`` for one CRI call: forwarded from its worker, read back within its deadline."""
+    """``flows.Backend`` for one CRI call: its bytes forwarded with kubelet's metadata, read-backs from containerd."""
 
     def __init__(
-        self,
-        interceptor: "Interceptor",
-        method: str,
-        context: grpc.ServicerContext,
-        raw: bytes,
-        created_id: Callable[[bytes], str] | None,
+        self, interceptor: "Interceptor", method: str, raw: bytes, metadata: Metadata, created_id: Callable[[bytes], str] | None
     ) -> None:
         self._interceptor = interceptor
         self._method = method
-        self._context = context
         self._raw = raw
+        self._metadata = metadata
         self._created_id = created_id
 
-    async def forward(self, rewritten: bytes | None) -> CRIReply:
-        context, backend = self._context, self._interceptor.backend
-        upstream = self._interceptor.upstream(self._method)
-        try:
-            response, call = upstream.with_call(
-                self._raw if rewritten is None else rewritten,
-                timeout=remaining_timeout(context),
-                metadata=context.invocation_metadata(),
-            )
-        except grpc.RpcError as error:
-            relay_failure(error, context, backend)
-            raise
-        trailing = call.trailing_metadata()
-        if trailing:
-            context.set_trailing_metadata(trailing)
-        raw = bytes(response)
-        return CRIReply(raw, self._created_id(raw) if self._created_id is not None else "")
+    async def forward(self, rewritten: bytes | None, timeout: float | None) -> CRIReply:
+        interceptor = self._interceptor
+        answer = await call_unary(
+            interceptor.reactor,
+            interceptor.upstream(self._method),
+            self._raw if rewritten is None else rewritten,
+            timeout,
+            self._metadata,
+        )
+        if answer.ok and self._created_id is not None:
+            return CRIReply(answer, self._created_id(answer.raw))
+        return CRIReply(answer)
 
-    async def read_pod(self, sandbox_id: str) -> StoredPod | None:
-        return self._interceptor.lookup.pod(sandbox_id, remaining_timeout(self._context))
+    def read_pod(self, sandbox_id: str, timeout: float | None) -> Awaitable[StoredPod | None]:
+        return self._interceptor.lookup.read_pod(sandbox_id, timeout)
 
-    async def read_container(self, container_id: str, pods: flows.PodSource) -> StoredContainer | None:
-        status = self._interceptor.lookup.container_status(container_id, remaining_timeout(self._context))
-        return await stored_container(status, pods)
+    def read_container(
+        self, container_id: str, pods: flows.PodSource, timeout: float | None
+    ) -> Awaitable[StoredContainer | None]:
+        return self._interceptor.lookup.read_container(container_id, pods, timeout)
+
+
+def status(outcome: "flows.Outcome[CRIReply]") -> grpc.StatusCode:
+    """The status the caller gets for ``outcome`` (and the call's line and metrics name)."""
+    if isinstance(outcome, CRIReply):
+        return outcome.answer.code
+    if isinstance(outcome, flows.Refusal):
+        return grpc.StatusCode.INVALID_ARGUMENT if outcome.kind is flows.RefusalKind.UNREADABLE else grpc.StatusCode.UNKNOWN
+    return grpc.StatusCode.CANCELLED
+
+
+def answer(outcome: "flows.Outcome[CRIReply]", context: grpc.ServicerContext, backend: BackendChannel) -> bytes:
+    """Answer the caller with ``outcome``: the runtime's answer as it came, or koordrp's own status."""
+    if isinstance(outcome, CRIReply):
+        reply = outcome.answer
+        if reply.ok:
+            if reply.trailing:
+                context.set_trailing_metadata(reply.trailing)
+            return reply.raw
+        relay_status(context, backend, reply.code, reply.details, reply.trailing)
+    message = outcome.message if isinstance(outcome, flows.Refusal) else "koordrp: the call was given up"
+    context.abort(status(outcome), message)
+
+
+class _Exchange:
+    """One intercepted call between its grpc worker and the reactor."""
+
+    def __init__(self) -> None:
+        self.outcome: concurrent.futures.Future[flows.Outcome[CRIReply]] = concurrent.futures.Future()
+        self.call: flows.Call[CRIReply] | None = None
+
+    def start(self, call: "flows.Call[CRIReply]", flow: Flow) -> None:
+        """On the reactor: the flow runs; its outcome is handed to the waiting worker."""
+        self.call = call
+        call.run(flow).addCallback(self.outcome.set_result)
+
+    def rpc_ended(self) -> None:
+        """On the reactor, once grpc says the RPC is over: an unfinished flow is given up, then the call ends."""
+        call = self.call
+        assert call is not None
+        call.cancel()
+        call.ended(status(self.outcome.result(0)).name)
 
 
 class Interceptor:
     """Handlers for the CRI methods that have hooks or change the store."""
 
-    def __init__(self, backend: BackendChannel, parts: flows.Parts, bridge: HookBridge, lookup: RuntimeLookup) -> None:
+    def __init__(
+        self, reactor: IReactorFromThreads, backend: BackendChannel, parts: flows.Parts, lookup: RuntimeLookup
+    ) -> None:
+        self.reactor = reactor
         self.backend = backend
         self.lookup = lookup
         self._parts = parts
-        self._bridge = bridge
         self._upstreams: dict[str, grpc.UnaryUnaryMultiCallable[bytes, bytes]] = {}
         self.handlers: dict[str, Callable[[bytes, grpc.ServicerContext], bytes]] = {
             RUNTIME_SERVICE + name: self._handler(name, method) for name, method in _METHODS.items()
@@ -157,41 +201,28 @@ class Interceptor:
         path = RUNTIME_SERVICE + name
 
         def handle(raw: bytes, context: grpc.ServicerContext) -> bytes:
-            backend = CRIBackend(self, path, context, raw, method.created_id)
-            stages = self._bridge.stages(lambda: remaining_timeout(context))
-            call = flows.Call(self._parts, name, stages, backend)
-            started = time.monotonic()
-            outcome = "OK"
+            timeout = remaining_timeout(context)
+            backend = CRIBackend(self, path, raw, tuple(context.invocation_metadata()), method.created_id)
+            call = flows.Call(self._parts, name, backend, timeout)
             try:
-                try:
-                    flow = method.flow(call, method.parse(raw))
-                except DecodeError as error:
-                    flow = flows.unreadable(call, name, str(error))
-                return flows.run_blocking(flow).raw
-            except flows.UnreadableRequest as refusal:
-                outcome = grpc.StatusCode.INVALID_ARGUMENT.name
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(refusal))
-            except flows.HookFailed as failure:
-                outcome = grpc.StatusCode.UNKNOWN.name
-                context.abort(grpc.StatusCode.UNKNOWN, str(failure))
-            except HookStageTimeout as error:
-                outcome = grpc.StatusCode.UNAVAILABLE.name
-                context.abort(grpc.StatusCode.UNAVAILABLE, f"koordrp: {error}")
-            except Exception:
-                code = context.code()  # type: ignore[attr-defined]
-                outcome = code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"
-                raise
-            finally:
-                ended = partial(self._bridge.in_reactor, _answered, call, outcome, time.monotonic() - started)
-                # Once the answer has left (grpc calls back when the RPC ends): the post stages and the
-                # log line do not compete with sending it.
-                if not context.add_callback(ended):
-                    ended()  # the caller is gone already
+                flow = method.flow(call, method.parse(raw))
+            except DecodeError as error:
+                flow = flows.unreadable(call, name, str(error))
+            exchange = _Exchange()
+            self.reactor.callFromThread(exchange.start, call, flow)
+            ended = exchange.rpc_ended
+            # Once grpc says the RPC is over (answered, cancelled, past its deadline); the reactor
+            # runs these in the order they were handed over, so the flow has started by then.
+            if not context.add_callback(lambda: self.reactor.callFromThread(ended)):
+                self.reactor.callFromThread(ended)  # the caller is gone already
+            try:
+                outcome = exchange.outcome.result(None if timeout is None else timeout + _SLACK_SECONDS)
+            except concurrent.futures.TimeoutError:
+                _reactor_stuck(context, name)
+            return answer(outcome, context, self.backend)
 
         return handle
 
 
-def _answered(call: "flows.Call[CRIReply]", outcome: str, seconds: float) -> None:
-    """On the reactor, once the call has answered: what it owes (flows.Call.answered), then its log line."""
-    call.answered()
-    calllog.write(call.record, outcome, seconds)
+def _reactor_stuck(context: grpc.ServicerContext, name: str) -> NoReturn:
+    context.abort(grpc.StatusCode.UNAVAILABLE, f"koordrp: {name} did not finish within the call's deadline")

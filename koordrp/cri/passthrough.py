@@ -8,7 +8,7 @@ and the backend's status, details and trailing metadata come back as they were.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Callable, Iterator, TypeVar, cast
+from typing import TYPE_CHECKING, Callable, Iterator, NoReturn, Sequence, TypeVar, cast
 
 import grpc
 
@@ -39,17 +39,24 @@ def remaining_timeout(context: grpc.ServicerContext) -> float | None:
     return None if remaining is None or remaining > _NO_DEADLINE_THRESHOLD else remaining
 
 
-def relay_failure(error: grpc.RpcError, context: grpc.ServicerContext, backend: BackendChannel) -> None:
+def relay_status(
+    context: grpc.ServicerContext,
+    backend: BackendChannel,
+    code: grpc.StatusCode,
+    details: str | None,
+    trailing: Sequence[tuple[str, str | bytes]] | None,
+) -> NoReturn:
     """End the caller's RPC with the backend's status, or with a clear outage message."""
-    call = cast(grpc.Call, error)
-    trailing = call.trailing_metadata()
     if trailing:
-        context.set_trailing_metadata(trailing)
-    code = call.code()
-    details = call.details()
+        context.set_trailing_metadata(tuple(trailing))
     if code is grpc.StatusCode.UNAVAILABLE and not backend.reachable:
         details = backend.outage_details(details)
     context.abort(code, details or "")
+
+
+def relay_failure(error: grpc.RpcError, context: grpc.ServicerContext, backend: BackendChannel) -> NoReturn:
+    call = cast(grpc.Call, error)
+    relay_status(context, backend, call.code(), call.details(), call.trailing_metadata())
 
 
 def cancel_with_caller(context: grpc.ServicerContext, call: "grpc.Future[bytes]") -> None:
@@ -120,7 +127,6 @@ def unary_unary_forwarder(method: str, backend: BackendChannel) -> Callable[[byt
             )
         except grpc.RpcError as error:
             relay_failure(error, context, backend)
-            raise  # relay_failure aborts; this line only satisfies the type checker
         trailing = call.trailing_metadata()
         if trailing:
             context.set_trailing_metadata(trailing)
@@ -141,7 +147,6 @@ def cancellable_unary_unary_forwarder(
             response = call.result()
         except grpc.RpcError as error:
             relay_failure(error, context, backend)
-            raise
         trailing = cast(grpc.Call, call).trailing_metadata()
         if trailing:
             context.set_trailing_metadata(trailing)
@@ -185,10 +190,10 @@ class PassThroughHandler(_BytesHandler):
     ) -> None:
         self._backends = backends
         self._metrics = metrics
-        # Intercepted methods are answered by their own handlers; everything else is forwarded.
+        # Intercepted methods are answered (and counted, at their end) by their own handlers;
+        # everything else is forwarded.
         self._handlers: dict[str, grpc.RpcMethodHandler[bytes, bytes]] = {
-            method: grpc.unary_unary_rpc_method_handler(self._counted(method, behaviour))
-            for method, behaviour in (intercepted or {}).items()
+            method: grpc.unary_unary_rpc_method_handler(behaviour) for method, behaviour in (intercepted or {}).items()
         }
         self.streams = StreamRegistry()
 

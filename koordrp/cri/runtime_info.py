@@ -39,7 +39,7 @@ from google.protobuf.message import Message
 from koordrp.api.cri.v1 import api_pb2 as cri
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
 from koordrp.cri.translate import as_hook_resources, pod_hook_request
-from koordrp.hooks.messages import with_pod
+from koordrp.hooks.messages import placed_in_pod
 from koordrp.text import json_type
 
 __all__ = [
@@ -135,7 +135,7 @@ def container_info_from_status(
     )
     container.container_resources.CopyFrom(_container_resources(status, config, info, what))
     if pod is not None:
-        with_pod(container, pod)
+        placed_in_pod(container, pod)
     else:
         annotations = _spec_annotations(info, what)
         container.pod_meta.name = annotations.get(SANDBOX_NAME_ANNOTATION, "")

@@ -1,18 +1,20 @@
 """Reading pods and containers back from containerd, for store misses and for the store's rebuild.
 
-The reads block their thread (a grpc worker, or the reactor's pool for the rebuild); they are
-``async`` only to fit ``koordrp.flows``' reader protocols, and never suspend. Answers are parsed
+Each question is a grpc call on the reactor (``call_unary``), bounded by the timeout it is given and
+cancelled with the flow that asked it. Answers are parsed
 here rather than by grpc: containerd 1.6 takes text that is not UTF-8 (its generated code checks
 none) and answers with it, which Python's protobuf refuses. Such a pod or container is unreadable,
 and it must not hide the others, nor look like a runtime that is away.
 """
 
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 import grpc
 from google.protobuf import empty_pb2
+from google.protobuf.internal.enum_type_wrapper import EnumTypeWrapper
 from google.protobuf.message import DecodeError, Message
 from google.protobuf.unknown_fields import UnknownFieldSet
+from twisted.internet.interfaces import IReactorFromThreads
 
 from koordrp.api.cri.v1 import api_pb2 as cri
 from koordrp.cri.runtime_info import (
@@ -21,27 +23,14 @@ from koordrp.cri.runtime_info import (
     container_sandbox_id,
     pod_info_from_status,
 )
+from koordrp.cri.backend import call_unary
 from koordrp.flows import LookupFailed, PodSource, Unreadable
-from koordrp.store import ContainerState, StoredContainer, StoredPod
+from koordrp.store import ContainerState, StoredContainer, StoredPod, runtime_state
 
-Found = TypeVar("Found")
 Parsed = TypeVar("Parsed", bound=Message)
 
 _RUNTIME_SERVICE = "/runtime.v1.RuntimeService/"
 _LENGTH_DELIMITED = 2
-
-
-def _ask(what: str, read: Callable[[], Found]) -> Found | None:
-    """``read()``, None when the runtime says it does not know the id, LookupFailed when it cannot say."""
-    try:
-        return read()
-    except grpc.RpcError as error:
-        call: grpc.Call = error  # type: ignore[assignment]
-        if call.code() is grpc.StatusCode.NOT_FOUND:
-            return None
-        raise LookupFailed(f"{what}: {call.code().name}: {call.details()}") from None
-    except RuntimeInfoError as error:
-        raise Unreadable(f"{what}: {error}") from None
 
 
 def _parsed(kind: type[Parsed], raw: bytes) -> Parsed:
@@ -67,75 +56,65 @@ def listed_ids(raw: bytes) -> list[str]:
 
 
 class RuntimeLookup:
-    """containerd's answers about pods and containers, as the store keeps them."""
+    """containerd's answers about pods and containers, as the store keeps them (``flows.RuntimeInventory``)."""
 
-    def __init__(self, channel: grpc.Channel) -> None:
+    def __init__(self, reactor: IReactorFromThreads, channel: grpc.Channel) -> None:
         def method(name: str) -> "grpc.UnaryUnaryMultiCallable[bytes, bytes]":
             return channel.unary_unary(_RUNTIME_SERVICE + name, _registered_method=True)  # type: ignore[call-arg]
 
+        self._reactor = reactor
         self._pod_status = method("PodSandboxStatus")
         self._container_status = method("ContainerStatus")
         self._list_pods = method("ListPodSandbox")
         self._list_containers = method("ListContainers")
 
-    def pod(self, sandbox_id: str, timeout: float | None) -> StoredPod | None:
-        """The pod as the runtime has it, or None when the runtime does not know it."""
+    async def _ask(
+        self, what: str, method: "grpc.UnaryUnaryMultiCallable[bytes, bytes]", request: bytes, timeout: float | None
+    ) -> bytes | None:
+        """The answer's bytes; None when the runtime says it does not know the id; LookupFailed when it cannot say."""
+        answer = await call_unary(self._reactor, method, request, timeout)
+        if answer.ok:
+            return answer.raw
+        if answer.code is grpc.StatusCode.NOT_FOUND:
+            return None
+        raise LookupFailed(f"{what}: {answer.code.name}: {answer.details}")
 
-        def read() -> StoredPod:
-            request = cri.PodSandboxStatusRequest(pod_sandbox_id=sandbox_id, verbose=True).SerializeToString()
-            status = _parsed(cri.PodSandboxStatusResponse, self._pod_status(request, timeout=timeout))
-            return StoredPod(pod_info_from_status(status), stopped=status.status.state != cri.SANDBOX_READY)
-
-        return _ask(f"PodSandboxStatus of {sandbox_id}", read)
-
-    def container_status(self, container_id: str, timeout: float | None) -> cri.ContainerStatusResponse | None:
-        request = cri.ContainerStatusRequest(container_id=container_id, verbose=True).SerializeToString()
-        return _ask(
-            f"ContainerStatus of {container_id}",
-            lambda: _parsed(cri.ContainerStatusResponse, self._container_status(request, timeout=timeout)),
-        )
-
-    def listed(self, timeout: float | None) -> tuple[list[str], list[str]]:
+    async def read_pod(self, sandbox_id: str, timeout: float | None) -> StoredPod | None:
+        what = f"PodSandboxStatus of {sandbox_id}"
+        request = cri.PodSandboxStatusRequest(pod_sandbox_id=sandbox_id, verbose=True).SerializeToString()
+        raw = await self._ask(what, self._pod_status, request, timeout)
+        if raw is None:
+            return None
         try:
-            sandboxes = self._list_pods(cri.ListPodSandboxRequest().SerializeToString(), timeout=timeout)
-            containers = self._list_containers(cri.ListContainersRequest().SerializeToString(), timeout=timeout)
-        except grpc.RpcError as error:
-            call: grpc.Call = error  # type: ignore[assignment]
-            raise LookupFailed(f"{call.code().name}: {call.details()}") from None
-        return listed_ids(sandboxes), listed_ids(containers)
+            status = _parsed(cri.PodSandboxStatusResponse, raw)
+            stopped = runtime_state(_name(cri.PodSandboxState, status.status.state)) is ContainerState.STOPPED
+            return StoredPod(pod_info_from_status(status), stopped)
+        except RuntimeInfoError as error:
+            raise Unreadable(f"{what}: {error}") from None
 
-    def within(self, timeout: float | None) -> "BoundedLookup":
-        return BoundedLookup(self, timeout)
+    async def read_container(self, container_id: str, pods: PodSource, timeout: float | None) -> StoredContainer | None:
+        what = f"ContainerStatus of {container_id}"
+        request = cri.ContainerStatusRequest(container_id=container_id, verbose=True).SerializeToString()
+        raw = await self._ask(what, self._container_status, request, timeout)
+        if raw is None:
+            return None
+        try:
+            status = _parsed(cri.ContainerStatusResponse, raw)
+            sandbox_id = container_sandbox_id(status)
+            info = container_info_from_status(status, await pods(sandbox_id))
+            return StoredContainer(sandbox_id, info, runtime_state(_name(cri.ContainerState, status.status.state)))
+        except RuntimeInfoError as error:
+            raise Unreadable(f"{what}: {error}") from None
+
+    async def listed(self, timeout: float | None) -> tuple[list[str], list[str]]:
+        sandboxes = await self._ask("ListPodSandbox", self._list_pods, b"", timeout)
+        containers = await self._ask("ListContainers", self._list_containers, b"", timeout)
+        return listed_ids(sandboxes or b""), listed_ids(containers or b"")
 
 
-# CONTAINER_UNKNOWN may well be running: a later Stop still owes its PostStopContainer.
-_RUNTIME_STATES = {cri.CONTAINER_CREATED: ContainerState.CREATED, cri.CONTAINER_EXITED: ContainerState.STOPPED}
-
-
-async def stored_container(status: cri.ContainerStatusResponse | None, pods: PodSource) -> StoredContainer | None:
-    """The container a verbose ContainerStatus describes, its pod from ``pods``."""
-    if status is None:
-        return None
+def _name(enum: "EnumTypeWrapper", value: int) -> str:
+    """The name CRI gives an enum value ("" for a value newer than koordrp's schema)."""
     try:
-        sandbox_id = container_sandbox_id(status)
-        info = container_info_from_status(status, await pods(sandbox_id))
-        return StoredContainer(sandbox_id, info, _RUNTIME_STATES.get(status.status.state, ContainerState.RUNNING))
-    except RuntimeInfoError as error:
-        raise Unreadable(f"ContainerStatus of {status.status.id}: {error}") from None
-
-
-class BoundedLookup:
-    """``koordrp.flows.RuntimeInventory`` over containerd, every question bounded by ``timeout``."""
-
-    def __init__(self, lookup: RuntimeLookup, timeout: float | None) -> None:
-        self._lookup = lookup
-        self._timeout = timeout
-
-    async def read_pod(self, sandbox_id: str) -> StoredPod | None:
-        return self._lookup.pod(sandbox_id, self._timeout)
-
-    async def read_container(self, container_id: str, pods: PodSource) -> StoredContainer | None:
-        return await stored_container(self._lookup.container_status(container_id, self._timeout), pods)
-
-    async def listed(self) -> tuple[list[str], list[str]]:
-        return self._lookup.listed(self._timeout)
+        return enum.Name(value)
+    except ValueError:
+        return ""

@@ -8,15 +8,14 @@ from typing import TYPE_CHECKING
 
 import grpc
 from twisted.application import service
-from twisted.internet.defer import Deferred, fail
+from twisted.internet.defer import Deferred, ensureDeferred, fail
 from twisted.internet.interfaces import IReactorThreads, IReactorTime
 from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 from zope.interface import implementer
 
 from koordrp import flows
-from koordrp.cri.backend import CHANNEL_OPTIONS, BackendChannel
-from koordrp.cri.bridge import HookBridge
+from koordrp.cri.backend import CHANNEL_OPTIONS, Answer, BackendChannel, call_unary
 from koordrp.cri.intercept import Interceptor
 from koordrp.cri.methods import BackendRole
 from koordrp.cri.passthrough import PassThroughHandler
@@ -69,7 +68,6 @@ class CRIProxyService(service.Service):
         self.settings = settings
         self._parts = parts
         self._reactor = reactor
-        self._bridge = HookBridge(reactor, parts.dispatcher)
         self._server: grpc.Server | None = None
         self._handler: PassThroughHandler | None = None
         self._backends: list[BackendChannel] = []
@@ -83,8 +81,8 @@ class CRIProxyService(service.Service):
         if settings.image_path != settings.runtime_path:
             image = BackendChannel(settings.image_path, self._report_reachability)
         self._backends = list({id(b): b for b in (runtime, image)}.values())
-        lookup = RuntimeLookup(runtime.channel)
-        interceptor = Interceptor(runtime, self._parts, self._bridge, lookup)
+        lookup = RuntimeLookup(self._reactor, runtime.channel)
+        interceptor = Interceptor(self._reactor, runtime, self._parts, lookup)
         backends = {BackendRole.RUNTIME: runtime, BackendRole.IMAGE: image}
         self._handler = PassThroughHandler(backends, interceptor.handlers, self._metrics)
         server = grpc.server(
@@ -105,11 +103,9 @@ class CRIProxyService(service.Service):
             image=settings.image_path,
         )
         # CRI calls are served throughout: a call about something not learnt yet reads it back itself.
-        everything = lookup.within(_REBUILD_TIMEOUT)
-        pool = self._reactor.getThreadPool()
         self._sync = StoreSync(
             self._parts.store,
-            lambda: deferToThreadPool(self._reactor, pool, flows.run_blocking, flows.read_everything(everything)),
+            lambda: ensureDeferred(flows.read_everything(lookup, _REBUILD_TIMEOUT)),
             IReactorTime(self._reactor),
             "the runtime",
         )
@@ -142,15 +138,16 @@ class CRIProxyService(service.Service):
         backends = self._backends
         if not backends:
             return fail(RuntimeError("koordrp is not serving"))
-        version = backends[0].channel.unary_unary("/runtime.v1.RuntimeService/Version", None, None)
+        backend = backends[0]
+        version = backend.channel.unary_unary("/runtime.v1.RuntimeService/Version", None, None)
+        asked = call_unary(self._reactor, version, b"", _PROBE_TIMEOUT)
 
-        def ask() -> object:
-            try:
-                return version(b"", timeout=_PROBE_TIMEOUT)
-            except grpc.RpcError as error:
-                raise RuntimeError(f"backend unix://{backends[0].path}: {error.code().name}: {error.details()}") from None
+        def answered(answer: Answer) -> object:
+            if not answer.ok:
+                raise RuntimeError(f"backend unix://{backend.path}: {answer.code.name}: {answer.details}")
+            return None
 
-        return deferToThreadPool(self._reactor, self._reactor.getThreadPool(), ask)
+        return asked.addCallback(answered)
 
     def _report_reachability(self, change: Reachability, endpoint: str) -> None:
         if self._metrics is not None:

@@ -6,11 +6,11 @@ unknown fields included, reaches the runtime untouched, and a request no hook ch
 as the very bytes kubelet sent. Nothing here does I/O.
 """
 
-from typing import Iterable, MutableMapping
+from typing import Iterable, Mapping, MutableMapping
 
 from koordrp.api.cri.v1 import api_pb2 as cri
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
-from koordrp.hooks.messages import ContainerHookRequest, PodHookRequest, fold_resources, merged_envs, with_pod
+from koordrp.hooks.messages import ContainerHookRequest, PodHookRequest, merged_envs
 
 
 def as_hook_resources(resources: cri.LinuxContainerResources) -> hook.LinuxContainerResources:
@@ -66,32 +66,18 @@ def envs_of(config: cri.ContainerConfig) -> dict[str, str]:
     return dict(variable for variable in variables if variable is not None)
 
 
-def container_hook_request(pod: PodHookRequest, request: cri.CreateContainerRequest) -> ContainerHookRequest:
-    """The PreCreateContainer request: the container from the CRI request, its pod from ``pod``.
-
-    ``pod`` is what koordrp stored when the sandbox ran, so it carries the hooks' changes (its
-    cgroup parent above all), which kubelet's copy in ``request.sandbox_config`` does not.
-    """
+def container_hook_request(request: cri.CreateContainerRequest) -> ContainerHookRequest:
+    """The container of a CreateContainer request, placed under the pod's cgroup parent its sandbox config names."""
     config = request.config
     container = ContainerHookRequest(
         container_meta=hook.ContainerMetadata(name=config.metadata.name, attempt=config.metadata.attempt),
         container_annotations=dict(config.annotations),
         container_envs=envs_of(config),
+        pod_cgroup_parent=request.sandbox_config.linux.cgroup_parent,
     )
     if config.linux.HasField("resources"):
         container.container_resources.CopyFrom(as_hook_resources(config.linux.resources))
-    return with_pod(container, pod)
-
-
-def fold_update_request(stored: ContainerHookRequest, request: cri.UpdateContainerResourcesRequest) -> ContainerHookRequest:
-    """The PreUpdateContainerResources request: what is stored, with kubelet's new values on top."""
-    folded = ContainerHookRequest()
-    folded.CopyFrom(stored)
-    folded.container_meta.id = request.container_id
-    if request.HasField("linux"):
-        fold_resources(folded.container_resources, as_hook_resources(request.linux))
-    folded.container_annotations.update(request.annotations)
-    return folded
+    return container
 
 
 # ---------------------------------------------------------------------------------------------
@@ -134,8 +120,8 @@ def apply_envs(
     return merged_envs(list(envs), _env_variable, _env_entry, before, after)
 
 
-# Each apply_to_* writes into a CRI request what the hooks changed between ``before`` and ``after``
-# (the stage's hook request as it went in and as it came out), and says whether it changed anything.
+# Each apply_to_* writes into a CRI request every field where ``after`` (the stage's hook request as
+# it came out) differs from ``before`` (as the CRI request has it), and says whether it changed anything.
 
 
 def apply_to_run_pod_sandbox(request: cri.RunPodSandboxRequest, before: PodHookRequest, after: PodHookRequest) -> bool:
@@ -159,10 +145,8 @@ def apply_to_create_container(
         del config.envs[:]
         config.envs.extend(envs)
         changed = True
-    # containerd derives the container's cgroup from the sandbox config in this request, which is
-    # kubelet's original: the pod's actual parent (as hooks set it) must win even when no
-    # container hook touched it.
-    if after.pod_cgroup_parent and after.pod_cgroup_parent != request.sandbox_config.linux.cgroup_parent:
+    # containerd places the container's cgroup under the parent this sandbox config names.
+    if after.pod_cgroup_parent != before.pod_cgroup_parent:
         request.sandbox_config.linux.cgroup_parent = after.pod_cgroup_parent
         changed = True
     return changed
@@ -195,8 +179,8 @@ class CreateContainer:
         self.request = request
         self.sandbox_id = request.pod_sandbox_id
 
-    def hook_request(self, pod: PodHookRequest) -> ContainerHookRequest:
-        return container_hook_request(pod, self.request)
+    def hook_request(self) -> ContainerHookRequest:
+        return container_hook_request(self.request)
 
     def rewritten(self, before: ContainerHookRequest, after: ContainerHookRequest) -> bytes | None:
         return self.request.SerializeToString() if apply_to_create_container(self.request, before, after) else None
@@ -210,8 +194,11 @@ class UpdateContainerResources:
         self.request = request
         self.container_id = request.container_id
 
-    def hook_request(self, stored: ContainerHookRequest) -> ContainerHookRequest:
-        return fold_update_request(stored, self.request)
+    def resources(self) -> hook.LinuxContainerResources | None:
+        return as_hook_resources(self.request.linux) if self.request.HasField("linux") else None
+
+    def annotations(self) -> Mapping[str, str]:
+        return self.request.annotations
 
     def rewritten(self, before: ContainerHookRequest, after: ContainerHookRequest) -> bytes | None:
         changed = apply_to_update_container_resources(self.request, before, after)

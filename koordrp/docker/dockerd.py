@@ -17,7 +17,7 @@ from twisted.python.failure import Failure
 from koordrp.docker import translate
 from koordrp.docker.http import HTTPError, parse_response
 from koordrp.flows import LookupFailed, PodSource, Unreadable
-from koordrp.store import ContainerState, StoredContainer, StoredPod
+from koordrp.store import ContainerState, StoredContainer, StoredPod, runtime_state
 
 CONNECT_SECONDS = 10.0
 QUESTION_SECONDS = 10.0
@@ -110,10 +110,14 @@ class Dockerd:
     def exchange(self, request: bytes, timeout: float | None = None) -> "Deferred[bytes]":
         return exchange(self._reactor, self.path, request, timeout)
 
-    async def get_json(self, path: str) -> Any:
-        """The JSON dockerd answers ``GET path`` with, None unless it answers 200; LookupFailed if it cannot say."""
+    async def get_json(self, path: str, timeout: float | None = None) -> Any:
+        """The JSON dockerd answers ``GET path`` with, None unless it answers 200; LookupFailed if it cannot say.
+
+        Bounded by koordrp's own bound for its questions, or ``timeout`` if that is shorter.
+        """
+        bound = self._question_seconds if timeout is None else min(timeout, self._question_seconds)
         try:
-            response = parse_response(await self.exchange(_get(path), self._question_seconds))
+            response = parse_response(await self.exchange(_get(path), bound))
             return response.json() if response.status == 200 else None
         except (HTTPError, ValueError) as error:
             raise LookupFailed(f"GET {path}: dockerd's answer cannot be read: {error}") from None
@@ -141,21 +145,21 @@ class Dockerd:
             self._cgroup_driver = str((info or {}).get("CgroupDriver") or "cgroupfs")
         return self._cgroup_driver
 
-    async def inspect(self, identifier: str) -> dict[str, Any] | None:
+    async def inspect(self, identifier: str, timeout: float | None = None) -> dict[str, Any] | None:
         """``GET /containers/{id}/json``: None when dockerd does not know ``identifier`` (an id or a name)."""
-        found = await self.get_json(f"/containers/{identifier}/json")
+        found = await self.get_json(f"/containers/{identifier}/json", timeout)
         return found if isinstance(found, dict) else None
 
     # flows.RuntimeInventory
 
-    async def read_pod(self, sandbox_id: str) -> StoredPod | None:
-        return await self.pod_from(await self.inspect(sandbox_id))
+    async def read_pod(self, sandbox_id: str, timeout: float | None) -> StoredPod | None:
+        return await self.pod_from(await self.inspect(sandbox_id, timeout))
 
-    async def read_container(self, container_id: str, pods: PodSource) -> StoredContainer | None:
-        return await self.container_from(await self.inspect(container_id), pods)
+    async def read_container(self, container_id: str, pods: PodSource, timeout: float | None) -> StoredContainer | None:
+        return await self.container_from(await self.inspect(container_id, timeout), pods)
 
-    async def listed(self) -> tuple[list[str], list[str]]:
-        listing = await self.get_json(_LISTING)
+    async def listed(self, timeout: float | None) -> tuple[list[str], list[str]]:
+        listing = await self.get_json(_LISTING, timeout)
         if not isinstance(listing, list):
             raise LookupFailed("dockerd did not list its containers")
         kinds = {
@@ -187,14 +191,10 @@ class Dockerd:
             raise Unreadable(str(error)) from None
 
 
-# dockerd's State.Status, as the store counts a container's life: paused or restarting is not stopped.
-_STATES = {"created": ContainerState.CREATED, "exited": ContainerState.STOPPED, "dead": ContainerState.STOPPED}
-
-
 def _state(inspect: dict[str, Any]) -> ContainerState:
     state = inspect.get("State")
     status = state.get("Status") if isinstance(state, dict) else None
-    return _STATES.get(status, ContainerState.RUNNING) if isinstance(status, str) else ContainerState.RUNNING
+    return runtime_state(status if isinstance(status, str) else "")
 
 
 def _reason(error: BaseException) -> str:

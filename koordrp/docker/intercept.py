@@ -4,6 +4,7 @@ cri-dockerd makes a pod's sandbox and its containers with ``POST /containers/cre
 apart by labels; each such call runs through the lifecycle flow of the CRI method it stands for
 (``koordrp.flows``), with the JSON body as its request (``koordrp.docker.translate``). Everything
 runs on the reactor; a client that goes away cancels its call, and the exchange with dockerd with it.
+``answer`` is the one place an outcome becomes an HTTP answer.
 """
 
 import json
@@ -11,15 +12,14 @@ import re
 from dataclasses import dataclass
 from typing import Any, Coroutine
 
-from twisted.internet.defer import CancelledError, Deferred, ensureDeferred
-from twisted.internet.interfaces import IReactorTime
+from twisted.internet.defer import Deferred
 from zope.interface import implementer
 
-from koordrp import calllog, flows
+from koordrp import flows
 from koordrp.docker import translate
 from koordrp.docker.dockerd import Dockerd
 from koordrp.docker.http import HTTPError, RequestHead, Response, json_response, parse_response
-from koordrp.docker.proxy import IDockerInterceptor
+from koordrp.docker.proxy import IDockerInterceptor, Intercepted
 from koordrp.store import StoredContainer, StoredPod
 
 _VERSION = r"(?:/v[0-9.]+)?"
@@ -61,7 +61,8 @@ class DockerBackend:
         self._done = _DONE[action]
         self._inspected: dict[str, dict[str, Any]] = {}
 
-    async def forward(self, rewritten: bytes | None) -> DockerReply:
+    async def forward(self, rewritten: bytes | None, timeout: float | None) -> DockerReply:
+        """Sent to dockerd, bounded by the client alone (``timeout`` is None): it may wait for a long stop."""
         body = self._body if rewritten is None else rewritten
         raw = await self._dockerd.exchange(self._head.serialize(len(body)) + body)
         try:
@@ -77,60 +78,53 @@ class DockerBackend:
             self._inspected[str(found.get("Id", identifier))] = found
         return found
 
-    async def _inspect_once(self, identifier: str) -> dict[str, Any] | None:
+    async def _inspect_once(self, identifier: str, timeout: float | None) -> dict[str, Any] | None:
         found = self._inspected.pop(identifier, None)
-        return found if found is not None else await self._dockerd.inspect(identifier)
+        return found if found is not None else await self._dockerd.inspect(identifier, timeout)
 
-    async def read_pod(self, sandbox_id: str) -> StoredPod | None:
-        return await self._dockerd.pod_from(await self._inspect_once(sandbox_id))
+    async def read_pod(self, sandbox_id: str, timeout: float | None) -> StoredPod | None:
+        return await self._dockerd.pod_from(await self._inspect_once(sandbox_id, timeout))
 
-    async def read_container(self, container_id: str, pods: flows.PodSource) -> StoredContainer | None:
-        return await self._dockerd.container_from(await self._inspect_once(container_id), pods)
+    async def read_container(self, container_id: str, pods: flows.PodSource, timeout: float | None) -> StoredContainer | None:
+        return await self._dockerd.container_from(await self._inspect_once(container_id, timeout), pods)
+
+
+def answer(outcome: "flows.Outcome[DockerReply]") -> tuple[bytes | None, str]:
+    """What the client is sent for ``outcome`` (None: it is gone), and how the call's line and metrics name it."""
+    if isinstance(outcome, DockerReply):
+        return outcome.raw, outcome.status
+    if isinstance(outcome, flows.Refusal):
+        if outcome.kind is flows.RefusalKind.UNREADABLE:
+            return json_response(400, "Bad Request", outcome.message), "400"
+        return json_response(500, "Internal Server Error", outcome.message), "500"
+    return None, "client gone"
 
 
 @implementer(IDockerInterceptor)
 class DockerInterceptor:
-    def __init__(self, dockerd: Dockerd, clock: IReactorTime, parts: flows.Parts) -> None:
+    def __init__(self, dockerd: Dockerd, parts: flows.Parts) -> None:
         self._dockerd = dockerd
-        self._clock = clock
         self._parts = parts
 
     def wants(self, head: RequestHead) -> bool:
         return _action(head) is not None
 
-    def handle(self, head: RequestHead, body: bytes) -> "Deferred[bytes]":
-        return ensureDeferred(self._handle(head, body))
-
-    async def _handle(self, head: RequestHead, body: bytes) -> bytes:
+    def handle(self, head: RequestHead, body: bytes) -> "Deferred[Intercepted]":
         action = _action(head)
         assert action is not None
         backend = DockerBackend(self._dockerd, head, body, action)
-        call = flows.Call(self._parts, f"{head.method} {head.path}", self._parts.dispatcher, backend)
-        started = self._clock.seconds()
-        outcome = "error"
-        try:
-            reply = await self._answer(action, head, body, call, backend)
-            outcome = reply.status
-            return reply.raw
-        except flows.UnreadableRequest as refusal:
-            outcome = "400"
-            return json_response(400, "Bad Request", str(refusal))
-        except flows.HookFailed as failure:
-            outcome = "500"
-            return json_response(500, "Internal Server Error", str(failure))
-        except CancelledError:
-            outcome = "client gone"
-            raise
-        finally:
-            call.answered()
-            if call.record.subject is not None:  # a Kubernetes container: one line, as in CRI mode
-                calllog.write(call.record, outcome, self._clock.seconds() - started)
+        call = flows.Call(self._parts, f"{head.method} {head.path}", backend)
+        running = call.run(self._answer(action, head, body, call, backend))
+        return running.addCallback(_intercepted, call)
 
     async def _answer(
         self, action: str, head: RequestHead, body: bytes, call: "flows.Call[DockerReply]", backend: DockerBackend
     ) -> DockerReply:
         flow = await self._flow(action, head, body, call, backend)
-        return await (flow if flow is not None else backend.forward(None))
+        if flow is None:
+            call.logged = False  # not a Kubernetes container: dockerd's own business
+            return await call.forward()
+        return await flow
 
     async def _flow(
         self, action: str, head: RequestHead, body: bytes, call: "flows.Call[DockerReply]", backend: DockerBackend
@@ -189,6 +183,11 @@ class DockerInterceptor:
         if inspect is None or kind is None:
             return None
         return kind, str(inspect.get("Id", identifier))
+
+
+def _intercepted(outcome: "flows.Outcome[DockerReply]", call: "flows.Call[DockerReply]") -> Intercepted:
+    response, label = answer(outcome)
+    return Intercepted(response, lambda: call.ended(label))
 
 
 def _action(head: RequestHead) -> str | None:

@@ -7,10 +7,11 @@ does and the next request on a client's keep-alive connection never slips past t
 the client reconnects for it, as HTTP/1.1 clients do when told ``Connection: close``.
 """
 
+from dataclasses import dataclass
 from typing import Callable
 
 from twisted.internet import protocol
-from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IAddress, IConnector, IHalfCloseableProtocol, IReactorUNIX, ITransport
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -28,12 +29,21 @@ from koordrp.docker.http import (
 )
 
 
+@dataclass(frozen=True)
+class Intercepted:
+    """An intercepted call's answer: the whole response (None: the client is gone), and what follows it."""
+
+    response: bytes | None
+    delivered: Callable[[], None]
+    """Called once the response has been handed to the client's connection (or the client is gone)."""
+
+
 class IDockerInterceptor(Interface):
     def wants(head: RequestHead) -> bool:
         """Whether this request goes through hooks (its body is then read whole)."""
 
     def handle(head: RequestHead, body: bytes) -> Deferred:  # type: ignore[type-arg]
-        """The whole response to send the client, as bytes."""
+        """Fires with the call's ``Intercepted`` answer; cancelling it is the client going away."""
 
 
 class _Upstream(protocol.Protocol):
@@ -76,7 +86,7 @@ class DockerClientConnection(protocol.Protocol):
         self._upstream: _Upstream | None = None
         self._client_done_writing = False
         self._intercepting = False
-        self._handling: Deferred[bytes] | None = None
+        self._handling: Deferred[Intercepted] | None = None
         self._gone = False
 
     def dataReceived(self, data: bytes) -> None:
@@ -131,22 +141,25 @@ class DockerClientConnection(protocol.Protocol):
         self._buffer = b""
         interceptor = self.proxy.interceptor
         assert interceptor is not None
-        handled: Deferred[bytes] = interceptor.handle(head, body)
+        handled: Deferred[Intercepted] = interceptor.handle(head, body)
         self._handling = handled
-        handled.addErrback(self._interceptor_failed)
-        handled.addCallback(self._answer)
+        handled.addCallbacks(self._deliver, self._interceptor_failed)
 
-    def _interceptor_failed(self, failure: Failure) -> bytes | None:
-        if isinstance(failure.value, CancelledError):
-            return None  # the client went away: nobody to answer
+    def _deliver(self, intercepted: Intercepted) -> None:
+        self._handling = None
+        if intercepted.response is not None:
+            self._answer(intercepted.response)
+        intercepted.delivered()
+
+    def _interceptor_failed(self, failure: Failure) -> None:
+        self._handling = None
         head = self._head
         assert head is not None
         self.log.failure("intercepting {method} {path} failed", failure, method=head.method, path=head.path)
-        return json_response(500, "Internal Server Error", f"koordrp: {failure.getErrorMessage()}")
+        self._answer(json_response(500, "Internal Server Error", f"koordrp: {failure.getErrorMessage()}"))
 
-    def _answer(self, response: bytes | None) -> None:
-        self._handling = None
-        if response is None or self._gone:
+    def _answer(self, response: bytes) -> None:
+        if self._gone:
             return
         transport: ITransport = self.transport  # type: ignore[assignment]
         transport.write(response)

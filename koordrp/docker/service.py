@@ -38,9 +38,10 @@ class DockerProxyService(service.Service):
         self._parts = parts
         self._dockerd = dockerd if dockerd is not None else Dockerd(reactor, settings.backend_path)
         clock = IReactorTime(reactor)
-        self._interceptor = DockerInterceptor(self._dockerd, clock, parts)
+        self._interceptor = DockerInterceptor(self._dockerd, parts)
+        # Each question to dockerd has koordrp's own bound (koordrp.docker.dockerd).
         self._sync = StoreSync(
-            parts.store, lambda: ensureDeferred(flows.read_everything(self._dockerd)), clock, "dockerd"
+            parts.store, lambda: ensureDeferred(flows.read_everything(self._dockerd, None)), clock, "dockerd"
         )
         self._port: IListeningPort | None = None
 

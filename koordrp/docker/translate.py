@@ -25,7 +25,7 @@ import re
 from typing import Any, Literal, Mapping, MutableMapping
 
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
-from koordrp.hooks.messages import ContainerHookRequest, PodHookRequest, fold_resources, merged_envs, with_pod
+from koordrp.hooks.messages import ContainerHookRequest, PodHookRequest, merged_envs, placed_in_pod
 from koordrp.text import json_type
 
 Kind = Literal["sandbox", "container"]
@@ -322,14 +322,6 @@ def _container_request(
     return container
 
 
-def _with_stored_pod(container: ContainerHookRequest, pod: PodHookRequest) -> ContainerHookRequest:
-    """The pod fields from the store; the container's own cgroup parent stands in when the pod has none."""
-    own_parent = container.pod_cgroup_parent
-    with_pod(container, pod)
-    container.pod_cgroup_parent = container.pod_cgroup_parent or own_parent
-    return container
-
-
 def sandbox_hook_request(name: str, body: object, cgroup_driver: str) -> PodHookRequest:
     """The PreRunPodSandbox request for ``POST /containers/create?name=<name>`` of a sandbox."""
     create = _require_object(body, "create body")
@@ -348,35 +340,9 @@ def _container_create(name: str, body: object, cgroup_driver: str) -> ContainerH
     return _container_request(_Name(name, "container"), labels, env, host, "create body", cgroup_driver)
 
 
-def container_hook_request(
-    name: str, body: object, pod: PodHookRequest, cgroup_driver: str
-) -> ContainerHookRequest:
-    """The PreCreateContainer request for a container's create; its pod as the store keeps it.
-
-    The pod's cgroup parent is the stored one (hooks may have moved the pod); the container's own
-    HostConfig.CgroupParent only stands in when the stored pod has none.
-    """
-    return _with_stored_pod(_container_create(name, body, cgroup_driver), pod)
-
-
-def _update_resources(body: object) -> hook.LinuxContainerResources:
+def update_resources(body: object) -> hook.LinuxContainerResources:
+    """The resources ``POST /containers/{id}/update`` names; it names only what it changes (zero or empty: keep)."""
     return _resources(_require_object(body, "update body"), "update body", _UPDATE_KEYS)
-
-
-def _folded(stored: ContainerHookRequest, update: hook.LinuxContainerResources) -> ContainerHookRequest:
-    folded = ContainerHookRequest()
-    folded.CopyFrom(stored)
-    fold_resources(folded.container_resources, update)
-    return folded
-
-
-def fold_update(stored: ContainerHookRequest, body: object) -> ContainerHookRequest:
-    """The PreUpdateContainerResources request: the stored container with the update's values on top.
-
-    An update names only what it changes (zero or empty means "keep"), which is exactly how
-    ``fold_resources`` reads a set of resources.
-    """
-    return _folded(stored, _update_resources(body))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -420,7 +386,7 @@ def stored_container_from_inspect(
     name = _Name(found.get("Name"), "container")
     container = _container_request(name, labels, env, host, "inspect", cgroup_driver)
     container.container_meta.id = container_id
-    return container if pod is None else _with_stored_pod(container, pod)
+    return container if pod is None else placed_in_pod(container, pod)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -515,8 +481,7 @@ def apply_to_container_create(
 
     Annotations (as ``annotation.`` labels), HostConfig resources, Env (order kept), and the pod's
     cgroup parent: the container's cgroup is HostConfig.CgroupParent, which cri-dockerd filled
-    from kubelet's sandbox config, so the pod's parent as hooks left it wins even when no
-    container hook touched it (as ``koordrp.cri.translate.apply_to_create_container`` does for containerd).
+    from kubelet's sandbox config.
     """
     changed = _write_labels(
         body, before.container_annotations, after.container_annotations, ANNOTATION_PREFIX, _SHIM_LABELS
@@ -525,11 +490,9 @@ def apply_to_container_create(
         body, "HostConfig", before.container_resources, after.container_resources, _RESOURCE_KEYS
     )
     changed |= _write_env(body, before.container_envs, after.container_envs)
-    if after.pod_cgroup_parent:
+    if after.pod_cgroup_parent != before.pod_cgroup_parent:
         wanted = to_docker_cgroup_parent(after.pod_cgroup_parent, cgroup_driver)
-        host = body.get("HostConfig")
-        if not isinstance(host, dict) or host.get("CgroupParent") != wanted:
-            changed |= _set(_section(body, "HostConfig", "body"), "CgroupParent", wanted)
+        changed |= _set(_section(body, "HostConfig", "body"), "CgroupParent", wanted)
     return changed
 
 
@@ -579,8 +542,8 @@ class ContainerCreate:
         self.sandbox_id = sandbox_id_of(body)
         self._container = _container_create(name, body, cgroup_driver)
 
-    def hook_request(self, pod: PodHookRequest) -> ContainerHookRequest:
-        return _with_stored_pod(self._container, pod)
+    def hook_request(self) -> ContainerHookRequest:
+        return self._container
 
     def rewritten(self, before: ContainerHookRequest, after: ContainerHookRequest) -> bytes | None:
         return _encoded(self._body) if apply_to_container_create(self._body, before, after, self._driver) else None
@@ -595,12 +558,15 @@ class ContainerUpdate:
     def __init__(self, container_id: str, body: object) -> None:
         """DockerShapeError: a body koordrp cannot read."""
         self.container_id = container_id
-        self._update = _update_resources(body)
+        self._update = update_resources(body)
         assert isinstance(body, dict)
         self._body: JSONObject = body
 
-    def hook_request(self, stored: ContainerHookRequest) -> ContainerHookRequest:
-        return _folded(stored, self._update)
+    def resources(self) -> hook.LinuxContainerResources:
+        return self._update
+
+    def annotations(self) -> Mapping[str, str]:
+        return {}  # an update has no labels
 
     def rewritten(self, before: ContainerHookRequest, after: ContainerHookRequest) -> bytes | None:
         return _encoded(self._body) if apply_to_update(self._body, before, after) else None

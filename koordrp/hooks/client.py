@@ -9,6 +9,7 @@ from twisted.internet.defer import Deferred, fail
 from twisted.internet.interfaces import IReactorFromThreads, IReactorTime
 
 from koordrp.api.runtime.v1alpha1 import api_pb2_grpc
+from koordrp.grpcdefer import failed_call, when_done
 from koordrp.hooks.messages import HookRequest, HookResponse
 from koordrp.hooks.types import HookType
 from koordrp.text import shortened
@@ -79,29 +80,23 @@ class HookClient:
             self._channel.close()
             self._connect()
         future = getattr(self._stub, hook.rpc_name).future(request, timeout=timeout)
-        answered: Deferred[HookResponse] = Deferred(lambda _: future.cancel())
-
-        def settle(done: grpc.Future) -> None:  # type: ignore[type-arg]
-            if answered.called:
-                return
-            error = done.exception()
-            if error is None:
-                answered.callback(done.result())
-            elif isinstance(error, grpc.RpcError):
-                call: grpc.Call = error  # type: ignore[assignment]  # grpc's RpcError raised by a call is also a Call
-                if call.code() is grpc.StatusCode.UNAVAILABLE:
-                    self._lost = True
-                if call.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
-                    answered.errback(HookTimedOut(_timed_out(timeout)))
-                else:
-                    answered.errback(HookCallError(f"{call.code().name}: {shortened(call.details() or '')}"))
-            else:
-                answered.errback(HookCallError(shortened(str(error))))
-
-        future.add_done_callback(lambda done: self._from_threads.callFromThread(settle, done))
+        answered: Deferred[HookResponse] = when_done(future, self._from_threads).addCallback(self._answer, timeout)
         # The reactor's clock bounds the call too, so a hook that never answers cannot hold a CRI call.
         answered.addTimeout(timeout, self._clock, _raise_timed_out)
         return answered
+
+    def _answer(self, done: "grpc.Future[HookResponse]", timeout: float) -> HookResponse:
+        error = done.exception()
+        if error is None:
+            return done.result()
+        call = failed_call(error)
+        if call is None:
+            raise HookCallError(shortened(str(error)))
+        if call.code() is grpc.StatusCode.UNAVAILABLE:
+            self._lost = True
+        if call.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+            raise HookTimedOut(_timed_out(timeout))
+        raise HookCallError(f"{call.code().name}: {shortened(call.details() or '')}")
 
     def close(self) -> None:
         self._channel.close()

@@ -15,7 +15,6 @@ from koordrp.hooks.types import (
     NOT_MADE,
     OK,
     TIMEOUT,
-    FailurePolicy,
     HookCall,
     HookFailure,
     HookServerConfig,
@@ -78,8 +77,8 @@ class Dispatcher:
     ) -> "Deferred[StageOutcome]":
         """Run ``hook`` on ``servers`` in order; ``budget`` is what is left of the CRI call's deadline.
 
-        These are the awaitable stages of ``koordrp.flows`` (Docker mode awaits them on the reactor;
-        CRI mode's ``HookBridge`` waits for them from its worker threads).
+        The flows (``koordrp.flows``) await them on the reactor, whichever front end the call came
+        through; cancelling the stage (the caller went away) cancels the hook call in flight.
 
         Pre hooks chain: each response is merged into ``request`` before the next server is called.
         Post hook answers are not used, and their failures never fail the CRI call.
@@ -108,7 +107,7 @@ class Dispatcher:
                 seconds = self._count(server, hook, result, started)
                 reason = str(error) or type(error).__name__
                 outcome.calls.append(HookCall(server, hook, result, seconds, reason=reason))
-                if hook.is_pre and server.failure_policy is FailurePolicy.FAIL:
+                if server.must_be_heard(hook):
                     outcome.failure = HookFailure(server, hook, reason)
                     self.log.warn(
                         "hook {hook} on {server} failed: {reason}; policy Fail, the CRI call fails",

@@ -99,13 +99,30 @@ def merge_resources(target: Resources, answer: Resources, prefix: str = "") -> C
     return changes
 
 
-def fold_resources(target: Resources, update: Resources) -> None:
+def _fold_resources(target: Resources, update: Resources) -> None:
     """Fold kubelet's new resources into the stored ones: what it leaves unset, the empty cpuset included, stays."""
     _merge_numbers_and_maps(target, update, "", [])
     for name in _CPUSET_FIELDS:
         value = getattr(update, name)
         if value:
             setattr(target, name, value)
+
+
+def folded_update(
+    stored: ContainerHookRequest, container_id: str, resources: Resources | None, annotations: Mapping[str, str]
+) -> ContainerHookRequest:
+    """The PreUpdateContainerResources request: the stored container with an update folded in.
+
+    An update names only what it changes (a zero or an empty string means "keep"), whichever front
+    end it came through; its annotations are added to the container's.
+    """
+    folded = ContainerHookRequest()
+    folded.CopyFrom(stored)
+    folded.container_meta.id = container_id
+    if resources is not None:
+        _fold_resources(folded.container_resources, resources)
+    folded.container_annotations.update(annotations)
+    return folded
 
 
 def merge_pod_response(request: PodHookRequest, response: hook.PodSandboxHookResponse) -> Changes:
@@ -139,14 +156,21 @@ def merge_response(request: HookRequest, response: HookResponse) -> Changes:
     return merge_container_response(request, response)
 
 
-def with_pod(container: ContainerHookRequest, pod: PodHookRequest) -> ContainerHookRequest:
-    """Fill the pod fields of a container hook request from the pod's stored information."""
+def placed_in_pod(container: ContainerHookRequest, pod: PodHookRequest) -> ContainerHookRequest:
+    """``container`` (changed in place) with its pod's fields from ``pod``, as the store keeps it.
+
+    ``container.pod_cgroup_parent`` comes in as the container's own request (or the runtime) places
+    the container: that is kubelet's copy of the pod's parent. The pod's parent as the store has it
+    wins (hooks may have moved the pod at RunPodSandbox, and the runtime puts the container's cgroup
+    under the parent its request names); kubelet's stands in when the store has none.
+    """
+    own_parent = container.pod_cgroup_parent
     container.pod_meta.CopyFrom(pod.pod_meta)
     container.pod_labels.clear()
     container.pod_labels.update(pod.labels)
     container.pod_annotations.clear()
     container.pod_annotations.update(pod.annotations)
-    container.pod_cgroup_parent = pod.cgroup_parent
+    container.pod_cgroup_parent = pod.cgroup_parent or own_parent
     if pod.HasField("resources"):
         container.pod_resources.CopyFrom(pod.resources)
     else:

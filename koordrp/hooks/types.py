@@ -56,6 +56,13 @@ class HookServerConfig:
     ignored_stages: tuple[str, ...] = field(default=(), compare=False)
     """Stage names the file lists that koordrp has no hook point for (koordlet's PreRemoveRunPodSandbox)."""
 
+    def must_be_heard(self, hook: HookType) -> bool:
+        """Whether a call must fail when this server cannot be heard at ``hook``: the Fail policy, at a pre hook.
+
+        A post hook is told what happened already; nothing it says can undo that.
+        """
+        return hook.is_pre and self.failure_policy is FailurePolicy.FAIL
+
 
 @dataclass(frozen=True)
 class HookServers:

@@ -40,6 +40,10 @@ class FakeCRIBackend(FakeGrpcServer):
     calls: list[ReceivedCall] = field(default_factory=list)
     stream_cancelled: threading.Event = field(default_factory=threading.Event)
     slow_call_ended: threading.Event = field(default_factory=threading.Event)
+    stop_arrived: threading.Event = field(default_factory=threading.Event)
+    stop_ended: threading.Event = field(default_factory=threading.Event)
+    stop_ended_at: float | None = None
+    """When (time.monotonic) the runtime's StopContainer ended: answered, or given up by its caller."""
 
     def start(self) -> "FakeCRIBackend":
         self._serve(lambda server: None, handlers=[_Handler(self)])
@@ -74,6 +78,20 @@ class FakeCRIBackend(FakeGrpcServer):
         ended.wait(self.slow_call_seconds)
         return api_pb2.ExecSyncResponse(stdout=b"late").SerializeToString()
 
+    def stop_container(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        """A stop that takes ``slow_call_seconds`` (a container slow to die), unless its caller gives up first."""
+
+        def ended() -> None:
+            self.stop_ended_at = time.monotonic()
+            self.stop_ended.set()
+
+        context.add_callback(ended)
+        self.stop_arrived.set()
+        gone = threading.Event()
+        context.add_callback(gone.set)
+        gone.wait(self.slow_call_seconds)
+        return api_pb2.StopContainerResponse().SerializeToString()
+
     def create_container(self, request: bytes, context: grpc.ServicerContext) -> bytes:
         return api_pb2.CreateContainerResponse(container_id="created-1").SerializeToString()
 
@@ -100,6 +118,7 @@ class _Handler(grpc.GenericRpcHandler):
             RUNTIME + "ContainerStatus": backend.container_status,
             RUNTIME + "ExecSync": backend.exec_sync,
             RUNTIME + "CreateContainer": backend.create_container,
+            RUNTIME + "StopContainer": backend.stop_container,
             IMAGE + "ListImages": backend.list_images,
         }
         self._unary = unary

@@ -2,10 +2,13 @@
 
 import copy
 from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+from twisted.internet.defer import Deferred, succeed
 
 from koordrp.flows import LookupFailed, PodSource
 from koordrp.hooks.messages import HookRequest, HookResponse, PodHookRequest, merge_response
-from koordrp.hooks.types import OK, HookCall, HookFailure, HookType, StageOutcome, Subscribers
+from koordrp.hooks.types import OK, HookCall, HookFailure, HookType, PostStage, StageOutcome, Subscribers
 from koordrp.store import StoredContainer, StoredPod
 
 
@@ -24,8 +27,24 @@ class ScriptedStages:
     answers: dict[HookType, HookResponse] = field(default_factory=dict)
     failures: dict[HookType, str] = field(default_factory=dict)
     ran: list[StageRecord] = field(default_factory=list)
+    announced: list[PostStage] = field(default_factory=list)
+    not_made: list[HookCall] = field(default_factory=list)
+    pending: dict[HookType, "Deferred[None]"] = field(default_factory=dict)
+    """A stage of these hooks waits until its Deferred fires (or is cancelled with the call)."""
 
-    async def run(self, hook: HookType, servers: Subscribers, request: HookRequest) -> StageOutcome:
+    def announce(self, stages: Sequence[PostStage]) -> None:
+        self.announced.extend(stages)
+
+    def count_not_made(self, calls: Iterable[HookCall]) -> None:
+        self.not_made.extend(calls)
+
+    def drain(self) -> "Deferred[Any]":
+        return succeed(None)
+
+    async def run(self, hook: HookType, servers: Subscribers, request: HookRequest, budget: float | None) -> StageOutcome:
+        waiting = self.pending.get(hook)
+        if waiting is not None:
+            await waiting
         self.ran.append(StageRecord(hook, [server.name for server in servers], copy.deepcopy(request)))
         reason = self.failures.get(hook)
         if reason is not None:
@@ -59,19 +78,33 @@ class RecordingRuntime:
     """Set: every read-back fails with this reason."""
     forwarded: list[bytes | None] = field(default_factory=list)
     read_back: list[str] = field(default_factory=list)
+    timeouts: list[float | None] = field(default_factory=list)
+    """The timeout each forwarded call and read-back was given, in order."""
+    answering: "Deferred[None] | None" = None
+    """Set: forwarded calls wait until it fires (or is cancelled with the call)."""
+    cancelled: int = 0
 
-    async def forward(self, rewritten: bytes | None) -> Reply:
+    async def forward(self, rewritten: bytes | None, timeout: float | None) -> Reply:
         self.forwarded.append(rewritten)
+        self.timeouts.append(timeout)
+        if self.answering is not None:
+            try:
+                await self.answering
+            except Exception:
+                self.cancelled += 1
+                raise
         return Reply(self.ok, self.created_id)
 
-    async def read_pod(self, sandbox_id: str) -> StoredPod | None:
+    async def read_pod(self, sandbox_id: str, timeout: float | None) -> StoredPod | None:
+        self.timeouts.append(timeout)
         self.read_back.append(sandbox_id)
         if self.broken is not None:
             raise LookupFailed(self.broken)
         pod = self.pods.get(sandbox_id)
         return StoredPod(copy.deepcopy(pod)) if pod is not None else None
 
-    async def read_container(self, container_id: str, pods: PodSource) -> StoredContainer | None:
+    async def read_container(self, container_id: str, pods: PodSource, timeout: float | None) -> StoredContainer | None:
+        self.timeouts.append(timeout)
         self.read_back.append(container_id)
         if self.broken is not None:
             raise LookupFailed(self.broken)
@@ -85,7 +118,7 @@ class RecordingRuntime:
             info.pod_cgroup_parent = pod.cgroup_parent
         return StoredContainer(stored.sandbox_id, info, stored.state)
 
-    async def listed(self) -> tuple[list[str], list[str]]:
+    async def listed(self, timeout: float | None) -> tuple[list[str], list[str]]:
         if self.broken is not None:
             raise LookupFailed(self.broken)
         return list(self.pods), list(self.containers)

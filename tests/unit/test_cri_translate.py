@@ -48,6 +48,15 @@ def create_request() -> cri.CreateContainerRequest:
     )
 
 
+def placed(
+    request: cri.CreateContainerRequest, pod: hook.PodSandboxHookRequest
+) -> tuple[hook.ContainerResourceHookRequest, hook.ContainerResourceHookRequest]:
+    """``sent`` (the container as kubelet's request has it) and the PreCreateContainer request built
+    from it and the stored pod, as ``flows.create_container`` builds them."""
+    sent = translate.container_hook_request(request)
+    return sent, messages.placed_in_pod(copy.deepcopy(sent), pod)
+
+
 class BuildTests(SynchronousTestCase):
     def test_pod_hook_request_carries_everything_the_sandbox_config_says(self) -> None:
         pod = translate.pod_hook_request(run_pod_request())
@@ -62,10 +71,16 @@ class BuildTests(SynchronousTestCase):
         self.assertEqual(pod.overhead.cpu_shares, 10)
         self.assertEqual((pod.resources.cpu_shares, pod.resources.memory_limit_in_bytes), (1024, 1 << 30))
 
+    def test_container_hook_request_places_the_container_where_kubelets_request_does(self) -> None:
+        sent = translate.container_hook_request(create_request())
+        self.assertEqual(sent.pod_cgroup_parent, "/kubepods/pod-u-1")
+        self.assertEqual((sent.container_meta.name, sent.container_meta.attempt), ("app", 1))
+        self.assertEqual(dict(sent.container_envs), {"B": "2", "A": "x=y"})
+
     def test_container_hook_request_takes_the_pod_from_the_store_not_from_kubelet(self) -> None:
         stored_pod = translate.pod_hook_request(run_pod_request())
         stored_pod.cgroup_parent = "/set/by/a/hook"
-        container = translate.container_hook_request(stored_pod, create_request())
+        _, container = placed(create_request(), stored_pod)
         self.assertEqual(container.pod_cgroup_parent, "/set/by/a/hook")
         self.assertEqual(container.pod_meta.uid, "u-1")
         self.assertEqual(dict(container.pod_labels), {"app": "web"})
@@ -104,12 +119,12 @@ class EnvValuesThatAreNotTextTests(SynchronousTestCase):
         del request.config.envs[:]
         request.config.envs.extend(self.envs())
         pod = translate.pod_hook_request(run_pod_request())
-        before = translate.container_hook_request(pod, request)
+        sent, before = placed(request, pod)
         after = copy.deepcopy(before)
         after.container_envs["ADDED"] = "1"
-        self.assertTrue(translate.apply_to_create_container(request, before, after))
-        sent = cri.CreateContainerRequest.FromString(request.SerializeToString())
-        self.assertEqual([env.value for env in sent.config.envs], [b"1", self.BINARY, b"2", b"1"])
+        self.assertTrue(translate.apply_to_create_container(request, sent, after))
+        forwarded = cri.CreateContainerRequest.FromString(request.SerializeToString())
+        self.assertEqual([env.value for env in forwarded.config.envs], [b"1", self.BINARY, b"2", b"1"])
 
 
 class ApplyTests(SynchronousTestCase):
@@ -124,14 +139,15 @@ class ApplyTests(SynchronousTestCase):
         request = create_request()
         original = request.SerializeToString()
         pod = translate.pod_hook_request(run_pod_request())
-        container = translate.container_hook_request(pod, request)
-        self.assertFalse(translate.apply_to_create_container(request, container, copy.deepcopy(container)))
+        sent, container = placed(request, pod)
+        self.assertFalse(translate.apply_to_create_container(request, sent, copy.deepcopy(container)))
         self.assertEqual(request.SerializeToString(), original)
+        self.assertIsNone(translate.CreateContainer(request).rewritten(sent, container))
 
     def test_create_container_gets_the_hooks_changes_and_nothing_else(self) -> None:
         request = create_request()
         pod = translate.pod_hook_request(run_pod_request())
-        before = translate.container_hook_request(pod, request)
+        sent, before = placed(request, pod)
         after = copy.deepcopy(before)
         messages.merge_container_response(
             after,
@@ -142,7 +158,7 @@ class ApplyTests(SynchronousTestCase):
                 pod_cgroup_parent="/kubepods/besteffort",
             ),
         )
-        self.assertTrue(translate.apply_to_create_container(request, before, after))
+        self.assertTrue(translate.apply_to_create_container(request, sent, after))
         config = request.config
         self.assertEqual(dict(config.annotations), {"c": "1", "d": "4"})
         self.assertEqual([(e.key, e.value.decode()) for e in config.envs][-1], ("KOORDRP", "1"))
@@ -153,11 +169,19 @@ class ApplyTests(SynchronousTestCase):
         self.assertEqual(request.sandbox_config.linux.cgroup_parent, "/kubepods/besteffort")
 
     def test_the_pods_real_cgroup_parent_reaches_create_container_without_a_container_hook(self) -> None:
+        # As flows.create_container does it: no PreCreateContainer hook, the request as the store places it.
         request = create_request()
         pod = translate.pod_hook_request(run_pod_request())
         pod.cgroup_parent = "/moved/by/PreRunPodSandbox"
-        container = translate.container_hook_request(pod, request)
-        self.assertTrue(translate.apply_to_create_container(request, container, copy.deepcopy(container)))
+        create = translate.CreateContainer(request)
+        sent = create.hook_request()
+        final = messages.placed_in_pod(copy.deepcopy(sent), pod)
+        rewritten = create.rewritten(sent, final)
+        assert rewritten is not None
+        self.assertEqual(
+            cri.CreateContainerRequest.FromString(rewritten).sandbox_config.linux.cgroup_parent,
+            "/moved/by/PreRunPodSandbox",
+        )
         self.assertEqual(request.sandbox_config.linux.cgroup_parent, "/moved/by/PreRunPodSandbox")
 
     def test_fields_newer_than_the_stubs_survive(self) -> None:
@@ -166,10 +190,10 @@ class ApplyTests(SynchronousTestCase):
         raw = cri.CreateContainerRequest(pod_sandbox_id="s").SerializeToString() + b"\x12" + bytes([len(config)]) + config
         request = cri.CreateContainerRequest.FromString(raw)
         pod = translate.pod_hook_request(run_pod_request())
-        before = translate.container_hook_request(pod, request)
+        sent, before = placed(request, pod)
         after = copy.deepcopy(before)
         after.container_envs["NEW"] = "1"
-        translate.apply_to_create_container(request, before, after)
+        translate.apply_to_create_container(request, sent, after)
         self.assertIn(unknown, request.config.SerializeToString())
 
     def test_pod_resources_go_to_the_sandbox_linux_resources(self) -> None:
@@ -185,14 +209,14 @@ class ApplyTests(SynchronousTestCase):
 
     def test_update_folds_kubelets_values_then_applies_the_hooks(self) -> None:
         pod = translate.pod_hook_request(run_pod_request())
-        request = create_request()
-        stored = flows.created_container(
-            translate.container_hook_request(pod, request), "c-1", translate.envs_of(request.config)
-        )
+        create = create_request()
+        stored = flows.created_container(placed(create, pod)[1], "c-1", translate.envs_of(create.config))
         request = cri.UpdateContainerResourcesRequest(
             container_id="c-1", linux=cri.LinuxContainerResources(cpu_shares=100), annotations={"u": "1"}
         )
-        folded = translate.fold_update_request(stored, request)
+        update = translate.UpdateContainerResources(request)
+        folded = messages.folded_update(stored, update.container_id, update.resources(), update.annotations())
+        self.assertEqual(folded.container_meta.id, "c-1")
         self.assertEqual(folded.container_resources.cpu_shares, 100)
         self.assertEqual(folded.container_resources.cpuset_cpus, "0-1")
         self.assertEqual(dict(folded.container_annotations), {"c": "1", "u": "1"})
@@ -202,10 +226,17 @@ class ApplyTests(SynchronousTestCase):
         self.assertEqual((request.linux.cpu_shares, request.linux.cpuset_mems), (100, "0"))
         self.assertEqual(request.linux.cpuset_cpus, "")
 
+    def test_an_update_without_linux_resources_names_none(self) -> None:
+        update = translate.UpdateContainerResources(
+            cri.UpdateContainerResourcesRequest(container_id="c-1", annotations={"u": "1"})
+        )
+        self.assertIsNone(update.resources())
+        self.assertEqual(dict(update.annotations()), {"u": "1"})
+
     def test_created_container_info_keeps_the_envs_the_runtime_got(self) -> None:
         request = create_request()
         pod = translate.pod_hook_request(run_pod_request())
-        hook_request = translate.container_hook_request(pod, request)
+        _, hook_request = placed(request, pod)
         hook_request.container_envs["ONLY_IN_THE_HOOK_REQUEST"] = "1"
         info = flows.created_container(hook_request, "c-9", translate.envs_of(request.config))
         self.assertEqual(info.container_meta.id, "c-9")

@@ -318,8 +318,23 @@ def stored_pod() -> hook.PodSandboxHookRequest:
     return translate.sandbox_hook_request(SANDBOX_NAME, sandbox_body(), "systemd")
 
 
+def own_request(body: Any, driver: str = "systemd", name: str = CONTAINER_NAME) -> hook.ContainerResourceHookRequest:
+    """The container as its create body has it (``sent`` in flows.create_container): placed under its own CgroupParent."""
+    return translate.ContainerCreate(name, body, driver).hook_request()
+
+
+def placed(sent: hook.ContainerResourceHookRequest, pod: hook.PodSandboxHookRequest) -> hook.ContainerResourceHookRequest:
+    """The PreCreateContainer request, as flows.create_container builds it from ``sent`` and the stored pod."""
+    return messages.placed_in_pod(copy_of(sent), pod)
+
+
 def container_request() -> hook.ContainerResourceHookRequest:
-    return translate.container_hook_request(CONTAINER_NAME, container_body(), stored_pod(), "systemd")
+    return placed(own_request(container_body()), stored_pod())
+
+
+def folded(stored: hook.ContainerResourceHookRequest, body: Any) -> hook.ContainerResourceHookRequest:
+    """The PreUpdateContainerResources request for ``POST /containers/{id}/update`` with ``body``."""
+    return messages.folded_update(stored, CONTAINER_ID, translate.update_resources(body), {})
 
 
 def copy_of(message: Any) -> Any:
@@ -407,7 +422,10 @@ class ContainerRequestTests(SynchronousTestCase):
     def test_container_and_pod_fields(self) -> None:
         pod = stored_pod()
         pod.cgroup_parent = "/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod1.slice"
-        container = translate.container_hook_request(CONTAINER_NAME, container_body(), pod, "systemd")
+        sent = own_request(container_body())
+        # The body places the container under its own HostConfig.CgroupParent: kubelet's copy of the pod's.
+        self.assertEqual(sent.pod_cgroup_parent, POD_PATH)
+        container = placed(sent, pod)
         self.assertEqual((container.container_meta.name, container.container_meta.attempt), ("app", 1))
         self.assertEqual(container.container_meta.id, "")
         self.assertEqual(container.pod_meta, pod.pod_meta)
@@ -450,13 +468,11 @@ class ContainerRequestTests(SynchronousTestCase):
     def test_pod_without_cgroup_parent_takes_the_containers(self) -> None:
         pod = stored_pod()
         pod.cgroup_parent = ""
-        container = translate.container_hook_request(CONTAINER_NAME, container_body(), pod, "systemd")
+        container = placed(own_request(container_body()), pod)
         self.assertEqual(container.pod_cgroup_parent, POD_PATH)
 
     def test_kind_is_checked(self) -> None:
-        self.assertRaises(
-            DockerShapeError, translate.container_hook_request, SANDBOX_NAME, sandbox_body(), stored_pod(), "systemd"
-        )
+        self.assertRaises(DockerShapeError, translate._container_create, SANDBOX_NAME, sandbox_body(), "systemd")
         self.assertRaises(DockerShapeError, translate.sandbox_hook_request, CONTAINER_NAME, container_body(), "systemd")
 
 
@@ -470,13 +486,16 @@ class NothingChangedTests(SynchronousTestCase):
 
             body = container_body()
             pod = translate.sandbox_hook_request(SANDBOX_NAME, sandbox_body(), driver)
-            container = translate.container_hook_request(CONTAINER_NAME, body, pod, driver)
-            self.assertFalse(translate.apply_to_container_create(body, container, copy_of(container), driver))
+            create = translate.ContainerCreate(CONTAINER_NAME, body, driver)
+            sent = create.hook_request()
+            container = placed(sent, pod)
+            self.assertFalse(translate.apply_to_container_create(body, sent, copy_of(container), driver))
+            self.assertIsNone(create.rewritten(sent, container))
             self.assertEqual(json.dumps(body), json.dumps(container_body()))
 
             body = update_body()
-            folded = translate.fold_update(container, body)
-            self.assertFalse(translate.apply_to_update(body, folded, copy_of(folded)))
+            update = folded(container, body)
+            self.assertFalse(translate.apply_to_update(body, update, copy_of(update)))
             self.assertEqual(json.dumps(body), json.dumps(update_body()))
 
     def test_a_hook_echoing_the_request_changes_nothing(self) -> None:
@@ -585,13 +604,18 @@ class ContainerApplyTests(SynchronousTestCase):
 
     def test_pod_cgroup_parent_set_by_run_pod_sandbox_hooks_wins(self) -> None:
         # PreRunPodSandbox moved the pod; cri-dockerd still copies kubelet's parent into the container.
+        # As flows.create_container does it, with no PreCreateContainer hook to change anything.
         pod = stored_pod()
         pod.cgroup_parent = "/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-podmoved.slice"
         body = container_body()
-        before = translate.container_hook_request(CONTAINER_NAME, body, pod, "systemd")
-        self.assertTrue(translate.apply_to_container_create(body, before, copy_of(before), "systemd"))
+        create = translate.ContainerCreate(CONTAINER_NAME, body, "systemd")
+        sent = create.hook_request()
+        final = placed(sent, pod)
+        rewritten = create.rewritten(sent, final)
         expected = container_body()
         expected["HostConfig"]["CgroupParent"] = "kubepods-besteffort-podmoved.slice"
+        assert rewritten is not None
+        self.assertEqual(json.loads(rewritten), expected)
         self.assertEqual(body, expected)
 
     def test_pod_cgroup_parent_set_by_a_container_hook(self) -> None:
@@ -599,21 +623,21 @@ class ContainerApplyTests(SynchronousTestCase):
         body["HostConfig"]["CgroupParent"] = "/kubepods/burstable/pod" + UID
         sandbox = {**sandbox_body(), "HostConfig": {"CgroupParent": "/kubepods/burstable/pod" + UID}}
         pod = translate.sandbox_hook_request(SANDBOX_NAME, sandbox, "cgroupfs")
-        before = translate.container_hook_request(CONTAINER_NAME, body, pod, "cgroupfs")
-        after = copy_of(before)
+        sent = own_request(body, "cgroupfs")
+        after = placed(sent, pod)
         messages.merge_container_response(
             after, hook.ContainerResourceHookResponse(pod_cgroup_parent="/kubepods/besteffort/pod" + UID)
         )
-        self.assertTrue(translate.apply_to_container_create(body, before, after, "cgroupfs"))
+        self.assertTrue(translate.apply_to_container_create(body, sent, after, "cgroupfs"))
         self.assertEqual(body["HostConfig"]["CgroupParent"], "/kubepods/besteffort/pod" + UID)
 
     def test_envs_added_to_a_body_without_env(self) -> None:
         body = container_body()
         body["Env"] = None
-        before = translate.container_hook_request(CONTAINER_NAME, body, stored_pod(), "systemd")
-        after = copy_of(before)
+        sent = own_request(body)
+        after = placed(sent, stored_pod())
         after.container_envs.update({"B": "2", "A": "1"})
-        self.assertTrue(translate.apply_to_container_create(body, before, after, "systemd"))
+        self.assertTrue(translate.apply_to_container_create(body, sent, after, "systemd"))
         self.assertEqual(body["Env"], ["A=1", "B=2"])
 
     def test_unmappable_changes_are_not_a_change(self) -> None:
@@ -629,8 +653,8 @@ class ContainerApplyTests(SynchronousTestCase):
     def test_round_trip_reads_back_the_hooks_result(self) -> None:
         body = container_body()
         pod = stored_pod()
-        before = translate.container_hook_request(CONTAINER_NAME, body, pod, "systemd")
-        after = copy_of(before)
+        sent = own_request(body)
+        after = placed(sent, pod)
         messages.merge_container_response(
             after,
             hook.ContainerResourceHookResponse(
@@ -641,18 +665,19 @@ class ContainerApplyTests(SynchronousTestCase):
                 container_envs={"NEW": "x"},
             ),
         )
-        translate.apply_to_container_create(body, before, after, "systemd")
-        self.assertEqual(translate.container_hook_request(CONTAINER_NAME, body, pod, "systemd"), after)
+        translate.apply_to_container_create(body, sent, after, "systemd")
+        self.assertEqual(placed(own_request(body), pod), after)
 
 
 class UpdateTests(SynchronousTestCase):
     def test_fold_takes_what_the_update_names(self) -> None:
         stored = container_request()
         stored.container_meta.id = CONTAINER_ID
-        folded = translate.fold_update(stored, update_body())
-        self.assertEqual(folded.container_meta.id, CONTAINER_ID)
+        update = folded(stored, update_body())
+        self.assertEqual(update.container_meta.id, CONTAINER_ID)
+        self.assertEqual(dict(update.container_annotations), dict(stored.container_annotations))  # no labels
         self.assertEqual(
-            folded.container_resources,
+            update.container_resources,
             hook.LinuxContainerResources(
                 cpu_shares=512,
                 cpu_quota=100000,
@@ -666,7 +691,7 @@ class UpdateTests(SynchronousTestCase):
 
     def test_only_changed_top_level_fields_are_written(self) -> None:
         body = update_body()
-        before = translate.fold_update(container_request(), body)
+        before = folded(container_request(), body)
         after = copy_of(before)
         messages.merge_container_response(
             after,
@@ -684,7 +709,7 @@ class UpdateTests(SynchronousTestCase):
 
     def test_fields_absent_from_the_update_are_added(self) -> None:
         body: dict[str, Any] = {"CpuShares": 2}
-        before = translate.fold_update(container_request(), body)
+        before = folded(container_request(), body)
         after = copy_of(before)
         after.container_resources.cpuset_mems = "0"
         self.assertTrue(translate.apply_to_update(body, before, after))
@@ -779,7 +804,7 @@ class MalformedTests(SynchronousTestCase):
             7,
         ):
             self.assertShapeError(translate.sandbox_hook_request, name, sandbox_body(), "systemd")
-            self.assertShapeError(translate.container_hook_request, name, container_body(), stored_pod(), "systemd")
+            self.assertShapeError(translate.ContainerCreate, name, container_body(), "systemd")
 
     def test_bodies(self) -> None:
         def sandbox_with(change: Any) -> dict[str, Any]:
@@ -807,9 +832,10 @@ class MalformedTests(SynchronousTestCase):
         for env in ("A=1", ["A=1", 2], {"A": "1"}):
             body = container_body()
             body["Env"] = env
-            self.assertShapeError(translate.container_hook_request, CONTAINER_NAME, body, stored_pod(), "systemd")
-        self.assertShapeError(translate.fold_update, container_request(), [])
-        self.assertShapeError(translate.fold_update, container_request(), {"CpuQuota": "1"})
+            self.assertShapeError(translate.ContainerCreate, CONTAINER_NAME, body, "systemd")
+        self.assertShapeError(translate.update_resources, [])
+        self.assertShapeError(translate.update_resources, {"CpuQuota": "1"})
+        self.assertShapeError(translate.ContainerUpdate, CONTAINER_ID, [])
         self.assertShapeError(translate.sandbox_id_of, {"Labels": {}})
 
     def test_inspects(self) -> None:

@@ -91,7 +91,7 @@ class WedgedDockerdTests(TestCase):
         port = reactor.listenUNIX(backend, self.wedged)
         self.addCleanup(port.stopListening)
         self.listen = os.path.join(directory, "koordrp", "koordrp.sock")
-        parts = flows.Parts(Store(), Dispatcher(HookClients(reactor), reactor), HookServers, flows.SkipLabel("skip", "true"))
+        parts = flows.Parts(Store(), Dispatcher(HookClients(reactor), reactor), HookServers, flows.SkipLabel("skip", "true"), reactor)
         dockerd = Dockerd(reactor, backend, question_seconds=QUESTION_SECONDS, probe_seconds=PROBE_SECONDS)
         self.service = DockerProxyService(DockerProxySettings(self.listen, backend), reactor, parts, dockerd)
         self.events: list[LogEvent] = []

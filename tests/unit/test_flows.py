@@ -3,13 +3,13 @@
 Rules about what is written into a request run once per front end, with CRI mode's requests
 (koordrp.cri.translate) and Docker mode's (koordrp.docker.translate): both must behave the same.
 Rules that only involve ids run once. The stages and the runtime are fakes that answer at once
-(tests/fake/flows.py), so every flow runs to its end with flows.run_blocking.
+(tests/fake/flows.py), unless a test makes them wait, so a flow runs to its end within ``drive``.
 """
 
 import json
-from typing import Any, Coroutine, Sequence
+from typing import Any, Callable, Coroutine, Sequence
 
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, ensureDeferred
 from twisted.internet.task import Clock
 from twisted.logger import LogEvent, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
@@ -24,7 +24,7 @@ from koordrp.hooks.dispatcher import Dispatcher
 from koordrp.hooks.messages import ContainerHookRequest, PodHookRequest
 from koordrp.metrics import Metrics
 from koordrp.hooks.types import NOT_MADE, SKIPPED, UNREADABLE, FailurePolicy, HookServerConfig, HookServers, HookType, PostStage
-from koordrp.store import ContainerState, Store, StoredContainer
+from koordrp.store import ContainerState, Store, StoredContainer, StoredPod
 from tests.fake.flows import RecordingRuntime, Reply, ScriptedStages
 
 SKIP = flows.SkipLabel("runtimeproxy.koordinator.sh/skip-hookserver", "true")
@@ -126,8 +126,8 @@ class FlowTestCase(SynchronousTestCase):
         self.stages = ScriptedStages()
         self.runtime = RecordingRuntime()
         self.servers = HookServers()
-        clock = Clock()
-        self.parts = flows.Parts(self.store, Dispatcher(HookClients(clock), clock), lambda: self.servers, SKIP)
+        self.clock = Clock()
+        self.parts = flows.Parts(self.store, self.stages, lambda: self.servers, SKIP, self.clock)
         self.calls: list[flows.Call[Reply]] = []
         self.events: list[LogEvent] = []
         globalLogPublisher.addObserver(self.events.append)
@@ -138,8 +138,8 @@ class FlowTestCase(SynchronousTestCase):
             (HookServerConfig("a.json", "/run/a.sock", FailurePolicy.FAIL, frozenset(hooks), 2.0),)
         )
 
-    def call(self, method: str = "Method") -> "flows.Call[Reply]":
-        call = flows.Call(self.parts, method, self.stages, self.runtime)
+    def call(self, method: str = "Method", timeout: float | None = None) -> "flows.Call[Reply]":
+        call = flows.Call(self.parts, method, self.runtime, timeout)
         self.calls.append(call)
         return call
 
@@ -153,8 +153,14 @@ class FlowTestCase(SynchronousTestCase):
         """The hook calls the calls made so far spared: hook, server and why."""
         return [(c.hook, c.server.name, c.result) for call in self.calls for c in call.record.calls if c.result in NOT_MADE]
 
-    def drive(self, flow: Coroutine[Any, Any, Reply]) -> Reply:
-        return flows.run_blocking(flow)
+    def start(self, flow: Callable[..., Coroutine[Any, Any, Reply]], *args: Any) -> "Deferred[flows.Outcome[Reply]]":
+        """Start ``flow`` with a new call and ``args``; the call is ``self.calls[-1]``."""
+        call = self.call()
+        return call.run(flow(call, *args))
+
+    def drive(self, flow: Callable[..., Coroutine[Any, Any, Reply]], *args: Any) -> "flows.Outcome[Reply]":
+        """Run ``flow`` to its end with a new call and ``args``; its outcome."""
+        return self.successResultOf(self.start(flow, *args))
 
     def put_pod(self, sandbox_id: str = "s-1", labels: dict[str, str] | None = None, parent: str = POD_PARENT) -> PodHookRequest:
         pod = PodHookRequest(pod_meta=hook.PodSandboxMetadata(name="web", uid="uid-1"), labels=labels or {}, cgroup_parent=parent)
@@ -179,7 +185,7 @@ class RequestRules:
     wire: Any
 
     def test_with_nobody_subscribed_the_request_goes_as_received_and_is_remembered(self: Any) -> None:
-        self.drive(flows.run_pod_sandbox(self.call(), self.wire.sandbox({"app": "web"})))
+        self.drive(flows.run_pod_sandbox, self.wire.sandbox({"app": "web"}))
         self.assertEqual((self.stages.ran, self.runtime.forwarded), ([], [None]))
         pod = self.store.pod("created-1")
         self.assertEqual((dict(pod.labels), pod.cgroup_parent), ({"app": "web"}, POD_PARENT))
@@ -190,11 +196,11 @@ class RequestRules:
         self.stages.answers[PRE_CREATE] = hook.ContainerResourceHookResponse(
             container_envs={"ADDED": "1"}, container_resources=hook.LinuxContainerResources(cpuset_cpus="2-3")
         )
-        self.drive(flows.run_pod_sandbox(self.call(), self.wire.sandbox({"app": "web"})))
+        self.drive(flows.run_pod_sandbox, self.wire.sandbox({"app": "web"}))
         self.assertEqual(self.wire.sandbox_parent(self.runtime.forwarded[0]), "/moved")
         self.assertEqual(self.store.pod("created-1").cgroup_parent, "/moved")
         self.runtime.created_id = "c-1"
-        self.drive(flows.create_container(self.call(), self.wire.container("created-1", [("A", "1"), ("B", "2")])))
+        self.drive(flows.create_container, self.wire.container("created-1", [("A", "1"), ("B", "2")]))
         envs, cpuset, parent = self.wire.container_sent(self.runtime.forwarded[1])
         self.assertEqual((envs, cpuset, parent), ([("A", "1"), ("B", "2"), ("ADDED", "1")], "2-3", "/moved"))
         self.assertEqual(self.stages.ran[1].request.pod_cgroup_parent, "/moved")
@@ -205,19 +211,19 @@ class RequestRules:
 
     def test_the_pods_cgroup_parent_from_the_store_reaches_create_without_a_hook(self: Any) -> None:
         self.put_pod(parent="/moved/by/PreRunPodSandbox")
-        self.drive(flows.create_container(self.call(), self.wire.container("s-1", [("A", "1")])))
+        self.drive(flows.create_container, self.wire.container("s-1", [("A", "1")]))
         self.assertEqual(self.stages.ran, [])
         self.assertEqual(self.wire.container_sent(self.runtime.forwarded[0])[2], "/moved/by/PreRunPodSandbox")
 
     def test_the_skip_label_spares_every_hook_and_counts_each(self: Any) -> None:
         self.subscribe(*HookType)
-        self.drive(flows.run_pod_sandbox(self.call(), self.wire.sandbox({SKIP.key: SKIP.value})))
+        self.drive(flows.run_pod_sandbox, self.wire.sandbox({SKIP.key: SKIP.value}))
         self.runtime.created_id = "c-1"
-        self.drive(flows.create_container(self.call(), self.wire.container("created-1", [("A", "1")])))
-        self.drive(flows.start_container(self.call(), "c-1"))
-        self.drive(flows.update_container_resources(self.call(), self.wire.update("c-1", 512)))
-        self.drive(flows.stop_container(self.call(), "c-1"))
-        self.drive(flows.stop_pod_sandbox(self.call(), "created-1"))
+        self.drive(flows.create_container, self.wire.container("created-1", [("A", "1")]))
+        self.drive(flows.start_container, "c-1")
+        self.drive(flows.update_container_resources, self.wire.update("c-1", 512))
+        self.drive(flows.stop_container, "c-1")
+        self.drive(flows.stop_pod_sandbox, "created-1")
         self.assertEqual((self.stages.ran, self.announced), ([], []))
         self.assertEqual(
             self.not_made,
@@ -229,20 +235,20 @@ class RequestRules:
         self.subscribe(PRE_CREATE)
         self.stages.failures[PRE_CREATE] = "no answer within 2s"
         self.put_pod()
-        with self.assertRaises(flows.HookFailed) as failed:
-            self.drive(flows.create_container(self.call(), self.wire.container("s-1", [("A", "1")])))
-        self.assertIn("a.json", str(failed.exception))
-        self.assertIn("PreCreateContainer: no answer within 2s", str(failed.exception))
+        refusal = self.drive(flows.create_container, self.wire.container("s-1", [("A", "1")]))
+        self.assertEqual(refusal.kind, flows.RefusalKind.HOOK_FAILED)
+        self.assertIn("a.json", refusal.message)
+        self.assertIn("PreCreateContainer: no answer within 2s", refusal.message)
         self.assertEqual((self.runtime.forwarded, self.store.sizes()), ([], (1, 0)))
 
     def test_what_the_runtime_refuses_is_not_remembered(self: Any) -> None:
         self.runtime.ok = False
-        self.drive(flows.run_pod_sandbox(self.call(), self.wire.sandbox({})))
+        self.drive(flows.run_pod_sandbox, self.wire.sandbox({}))
         self.put_pod()
-        self.drive(flows.create_container(self.call(), self.wire.container("s-1", [("A", "1")])))
+        self.drive(flows.create_container, self.wire.container("s-1", [("A", "1")]))
         self.assertEqual(self.store.sizes(), (1, 0))
         self.put_container()
-        self.drive(flows.update_container_resources(self.call(), self.wire.update("c-1", 512)))
+        self.drive(flows.update_container_resources, self.wire.update("c-1", 512))
         self.assertEqual(self.store.container("c-1").info.container_resources.cpu_shares, 2)
 
     def test_an_update_folds_in_kubelets_values_writes_back_the_hooks_and_is_remembered(self: Any) -> None:
@@ -251,7 +257,7 @@ class RequestRules:
         self.stages.answers[PRE_UPDATE] = hook.ContainerResourceHookResponse(
             container_resources=hook.LinuxContainerResources(cpuset_cpus="1")
         )
-        self.drive(flows.update_container_resources(self.call(), self.wire.update("c-1", 512)))
+        self.drive(flows.update_container_resources, self.wire.update("c-1", 512))
         seen = self.stages.ran[0].request.container_resources
         self.assertEqual((seen.cpu_shares, seen.cpuset_cpus), (512, "0-3"))
         self.assertEqual(self.wire.update_sent(self.runtime.forwarded[0]), (512, "1"))
@@ -260,7 +266,7 @@ class RequestRules:
 
     def test_a_container_of_a_sandbox_nobody_knows_goes_unchanged_without_hooks(self: Any) -> None:
         self.subscribe(PRE_CREATE)
-        self.drive(flows.create_container(self.call(), self.wire.container("no-such-sandbox", [("A", "1")])))
+        self.drive(flows.create_container, self.wire.container("no-such-sandbox", [("A", "1")]))
         self.assertEqual((self.stages.ran, self.runtime.forwarded), ([], [None]))
         self.assertEqual((self.runtime.read_back, self.store.sizes()), (["no-such-sandbox"], (0, 0)))
 
@@ -280,7 +286,7 @@ class IdentityRules(FlowTestCase):
         self.put_container()
         self.subscribe(PRE_START, POST_START)
         self.stages.answers[PRE_START] = hook.ContainerResourceHookResponse(container_envs={"STARTED": "1"})
-        self.drive(flows.start_container(self.call(), "c-1"))
+        self.drive(flows.start_container, "c-1")
         self.assertEqual(self.stages.hooks_run(), [PRE_START])
         self.assertEqual(self.runtime.forwarded, [None])
         [post] = self.announced
@@ -291,17 +297,17 @@ class IdentityRules(FlowTestCase):
         self.put_pod()
         self.subscribe(POST_START, POST_STOP, POST_STOP_POD)
         self.runtime.ok = False
-        for flow in (flows.start_container(self.call(), "c-1"), flows.stop_container(self.call(), "c-1")):
-            self.drive(flow)
-        self.drive(flows.stop_pod_sandbox(self.call(), "s-1"))
+        for flow in (flows.start_container, flows.stop_container):
+            self.drive(flow, "c-1")
+        self.drive(flows.stop_pod_sandbox, "s-1")
         self.assertEqual(self.announced, [])
 
     def test_stops_announce_their_post_stage_with_what_is_stored(self) -> None:
         stored = self.put_container()
         pod = self.put_pod()
         self.subscribe(POST_STOP, POST_STOP_POD)
-        self.drive(flows.stop_container(self.call(), "c-1"))
-        self.drive(flows.stop_pod_sandbox(self.call(), "s-1"))
+        self.drive(flows.stop_container, "c-1")
+        self.drive(flows.stop_pod_sandbox, "s-1")
         self.assertEqual(
             [(post.hook, post.request) for post in self.announced], [(POST_STOP, stored), (POST_STOP_POD, pod)]
         )
@@ -313,10 +319,10 @@ class IdentityRules(FlowTestCase):
         self.put_container()
         self.subscribe(POST_START, POST_STOP)
         for flow in (flows.start_container, flows.start_container, flows.stop_container, flows.stop_container):
-            self.drive(flow(self.call(), "c-1"))
+            self.drive(flow, "c-1")
         self.assertEqual(self.posts_by_name(), [(POST_START, "app"), (POST_STOP, "app")])
-        self.drive(flows.start_container(self.call(), "c-1"))
-        self.drive(flows.stop_container(self.call(), "c-1"))
+        self.drive(flows.start_container, "c-1")
+        self.drive(flows.stop_container, "c-1")
         self.assertEqual(self.posts_by_name()[2:], [(POST_START, "app"), (POST_STOP, "app")])
         self.assertEqual(self.runtime.forwarded, [None] * 6)
 
@@ -324,51 +330,51 @@ class IdentityRules(FlowTestCase):
         self.put_pod()
         for container_id in ("c-1", "c-2"):
             self.put_container(container_id)
-            self.drive(flows.start_container(self.call(), container_id))
+            self.drive(flows.start_container, container_id)
         self.subscribe(POST_STOP, POST_STOP_POD)
-        self.drive(flows.stop_pod_sandbox(self.call(), "s-1"))
-        self.drive(flows.stop_pod_sandbox(self.call(), "s-1"))
-        self.drive(flows.stop_container(self.call(), "c-1"))
+        self.drive(flows.stop_pod_sandbox, "s-1")
+        self.drive(flows.stop_pod_sandbox, "s-1")
+        self.drive(flows.stop_container, "c-1")
         self.assertEqual([post.hook for post in self.announced], [POST_STOP, POST_STOP, POST_STOP_POD])
         self.assertEqual([post.request.container_meta.id for post in self.announced[:2]], ["c-1", "c-2"])
 
     def test_a_container_the_runtime_says_has_exited_owes_no_post_stop(self) -> None:
         self.runtime.containers["c-1"] = StoredContainer("s-1", ContainerHookRequest(), ContainerState.STOPPED)
         self.subscribe(POST_STOP)
-        self.drive(flows.stop_container(self.call(), "c-1"))
+        self.drive(flows.stop_container, "c-1")
         self.assertEqual((self.announced, self.runtime.read_back), ([], ["c-1", "s-1"]))
 
     def test_stopping_what_nobody_knows_calls_no_hook(self) -> None:
         self.subscribe(POST_STOP, POST_STOP_POD)
-        self.drive(flows.stop_container(self.call(), "no-such-container"))
-        self.drive(flows.stop_pod_sandbox(self.call(), "no-such-pod"))
+        self.drive(flows.stop_container, "no-such-container")
+        self.drive(flows.stop_pod_sandbox, "no-such-pod")
         self.assertEqual((self.announced, self.runtime.forwarded), ([], [None, None]))
 
     def test_removes_forget_a_container_and_a_pod_with_its_containers(self) -> None:
         self.put_pod()
         self.put_container("c-1")
         self.put_container("c-2")
-        self.drive(flows.remove_container(self.call(), "c-1"))
+        self.drive(flows.remove_container, "c-1")
         self.assertEqual(self.store.sizes(), (1, 1))
-        self.drive(flows.remove_pod_sandbox(self.call(), "s-1"))
+        self.drive(flows.remove_pod_sandbox, "s-1")
         self.assertEqual(self.store.sizes(), (0, 0))
 
     def test_a_container_the_store_lacks_is_read_back_with_its_pod_and_remembered(self) -> None:
         self.runtime.pods["s-1"] = PodHookRequest(labels={"app": "web"}, cgroup_parent="/from/the/runtime")
         self.runtime.containers["c-1"] = StoredContainer("s-1", ContainerHookRequest(container_envs={"A": "1"}))
         self.subscribe(PRE_START)
-        self.drive(flows.start_container(self.call(), "c-1"))
+        self.drive(flows.start_container, "c-1")
         self.assertEqual(self.runtime.read_back, ["c-1", "s-1"])
         seen = self.stages.ran[0].request
         self.assertEqual((dict(seen.pod_labels), seen.pod_cgroup_parent), ({"app": "web"}, "/from/the/runtime"))
         self.assertEqual(self.store.sizes(), (1, 1))
-        self.drive(flows.start_container(self.call(), "c-1"))
+        self.drive(flows.start_container, "c-1")
         self.assertEqual(self.runtime.read_back, ["c-1", "s-1"])
 
     def test_a_runtime_that_cannot_say_costs_a_warning_and_the_call_goes_on_without_hooks(self) -> None:
         self.runtime.broken = "UNAVAILABLE: connection refused"
         self.subscribe(PRE_START, POST_START)
-        self.drive(flows.start_container(self.call(), "c-1"))
+        self.drive(flows.start_container, "c-1")
         self.assertEqual((self.stages.ran, self.announced, self.runtime.forwarded), ([], [], [None]))
         [warning] = [event for event in self.events if "could not be read from the runtime" in event["log_format"]]
         self.assertEqual((warning["kind"], warning["id"], warning["error"]), ("container", "c-1", "UNAVAILABLE: connection refused"))
@@ -376,8 +382,8 @@ class IdentityRules(FlowTestCase):
     def test_the_call_record_names_the_subject_and_every_hook_called(self) -> None:
         stored = self.put_container()
         self.subscribe(PRE_START, POST_START)
-        call = self.call("StartContainer")
-        self.drive(flows.start_container(call, "c-1"))
+        self.drive(flows.start_container, "c-1")
+        call = self.calls[-1]
         self.assertEqual(call.record.subject.container_meta, stored.container_meta)
         self.assertEqual(
             [(c.hook, c.server.name, c.result) for c in call.record.calls], [(PRE_START, "a.json", "ok"), (POST_START, "a.json", "sent")]
@@ -387,7 +393,7 @@ class IdentityRules(FlowTestCase):
         self.servers = HookServers(
             (HookServerConfig("a.json", "/run/a.sock", FailurePolicy.IGNORE, frozenset({PRE_CREATE}), 2.0),)
         )
-        self.drive(flows.unreadable(self.call(), "CreateContainer", "truncated message"))
+        self.drive(flows.unreadable, "CreateContainer", "truncated message")
         self.assertEqual((self.runtime.forwarded, self.stages.ran), ([None], []))
         self.assertEqual(self.not_made, [(PRE_CREATE, "a.json", UNREADABLE)])
         [warning] = [event for event in self.events if "cannot read the {method} request" in event["log_format"]]
@@ -395,44 +401,176 @@ class IdentityRules(FlowTestCase):
 
     def test_a_fail_policy_pre_hook_refuses_a_request_it_cannot_be_shown(self) -> None:
         self.subscribe(PRE_CREATE)
-        with self.assertRaises(flows.UnreadableRequest) as refused:
-            self.drive(flows.unreadable(self.call(), "CreateContainer", "truncated message"))
-        self.assertIn("a.json (Fail policy) must see at PreCreateContainer: truncated message", str(refused.exception))
+        refusal = self.drive(flows.unreadable, "CreateContainer", "truncated message")
+        self.assertEqual(refusal.kind, flows.RefusalKind.UNREADABLE)
+        self.assertIn("a.json (Fail policy) must see at PreCreateContainer: truncated message", refusal.message)
         self.assertEqual(self.runtime.forwarded, [])
 
     def test_post_hooks_never_refuse_a_request(self) -> None:
         self.subscribe(POST_STOP)
-        self.drive(flows.unreadable(self.call(), "StopContainer", "truncated message"))
+        self.drive(flows.unreadable, "StopContainer", "truncated message")
         self.assertEqual(self.runtime.forwarded, [None])
         self.assertEqual(self.not_made, [(POST_STOP, "a.json", UNREADABLE)])
 
     def test_what_a_call_owes_waits_until_it_has_answered(self) -> None:
         metrics = Metrics()
         clock = Clock()
-        self.parts = flows.Parts(self.store, Dispatcher(HookClients(clock), clock, metrics), lambda: self.servers, SKIP)
+        self.parts = flows.Parts(self.store, Dispatcher(HookClients(clock), clock, metrics), lambda: self.servers, SKIP, clock, metrics)
         self.put_container("c-1", labels={SKIP.key: SKIP.value})
         self.put_container("c-2")
         self.subscribe(PRE_START, POST_START, POST_STOP)
-        start, stop = self.call(), self.call()
-        self.drive(flows.start_container(start, "c-1"))
-        self.drive(flows.stop_container(stop, "c-2"))
+        self.drive(flows.start_container, "c-1")
+        self.drive(flows.stop_container, "c-2")
+        start, stop = self.calls
 
-        def counted(hook: HookType, result: str) -> float | None:
-            labels = {"server": "a.json", "hook": hook.value, "result": result}
-            return metrics.registry.get_sample_value("koordrp_hook_calls_total", labels)
+        def counted(name: str, **labels: str) -> float | None:
+            return metrics.registry.get_sample_value(name, labels)
 
-        self.assertEqual([counted(PRE_START, SKIPPED), counted(POST_STOP, "error")], [None, None])
-        start.answered()
-        stop.answered()
+        def hook_calls(hook: HookType, result: str) -> float | None:
+            return counted("koordrp_hook_calls_total", server="a.json", hook=hook.value, result=result)
+
+        self.assertEqual([hook_calls(PRE_START, SKIPPED), hook_calls(POST_STOP, "error")], [None, None])
+        self.assertEqual(self.call_lines(), [])
+        start.ended("OK")
+        stop.ended("OK")
+        stop.ended("OK")  # once is all a call ends
         # The skipped ones are counted; the post stage was made (a.json has no socket here: it failed).
-        self.assertEqual([counted(PRE_START, SKIPPED), counted(POST_START, SKIPPED), counted(POST_STOP, "error")], [1, 1, 1])
+        self.assertEqual([hook_calls(PRE_START, SKIPPED), hook_calls(POST_START, SKIPPED), hook_calls(POST_STOP, "error")], [1, 1, 1])
+        self.assertEqual([(line["method"], line["outcome"]) for line in self.call_lines()], [("Method", "OK")] * 2)
+        self.assertEqual(
+            [counted("koordrp_cri_calls_total", method=method, code="OK") for method in ("StartContainer", "StopContainer")], [1, 1]
+        )
 
-    def test_a_flow_that_would_wait_for_an_event_loop_cannot_run_in_a_thread(self) -> None:
-        async def waits() -> None:
-            await Deferred()
+    def call_lines(self) -> list[LogEvent]:
+        return [event for event in self.events if event.get("log_namespace") == "koordrp.calls"]
 
-        with self.assertRaises(RuntimeError):
-            flows.run_blocking(waits())
+    def test_every_flow_calls_the_hooks_its_method_has(self) -> None:
+        """flows.METHOD_HOOKS (what an unreadable request of a method spares, and the docs' table) is what the flows do."""
+        called: dict[str, set[HookType]] = {}
+        for method, flow, args in (
+            ("RunPodSandbox", flows.run_pod_sandbox, (CRIWire().sandbox({}),)),
+            ("CreateContainer", flows.create_container, (CRIWire().container("s-1", []),)),
+            ("StartContainer", flows.start_container, ("c-1",)),
+            ("UpdateContainerResources", flows.update_container_resources, (CRIWire().update("c-1", 512),)),
+            ("StopContainer", flows.stop_container, ("c-1",)),
+            ("StopPodSandbox", flows.stop_pod_sandbox, ("s-1",)),
+            ("RemoveContainer", flows.remove_container, ("c-1",)),
+            ("RemovePodSandbox", flows.remove_pod_sandbox, ("s-1",)),
+        ):
+            self.store = Store()
+            self.parts = flows.Parts(self.store, self.stages, lambda: self.servers, SKIP, self.clock)
+            self.put_pod()
+            self.put_container()
+            self.stages.ran.clear()
+            self.calls.clear()
+            self.subscribe(*HookType)
+            self.drive(flow, *args)
+            called[method] = set(self.stages.hooks_run()) | {post.hook for post in self.announced}
+        self.assertEqual(called, {method: set(hooks) for method, hooks in flows.METHOD_HOOKS.items()})
+
+
+class CancellationTests(FlowTestCase):
+    """The caller gives up: what the call waits for is cancelled, and the store and post hooks say what happened."""
+
+    def test_a_hook_stage_in_flight_is_cancelled_and_the_runtime_never_called(self) -> None:
+        self.put_container()
+        self.subscribe(PRE_START)
+        self.stages.pending[PRE_START] = waiting = Deferred()
+        answer = self.start(flows.start_container, "c-1")
+        self.assertNoResult(answer)
+        answer.cancel()
+        self.assertIs(self.successResultOf(answer), flows.CALLER_GONE)
+        self.assertTrue(waiting.called)  # by its cancellation: nothing else fires it
+        self.assertEqual(self.runtime.forwarded, [])
+
+    def test_the_runtime_call_in_flight_is_cancelled(self) -> None:
+        self.runtime.answering = Deferred()
+        answer = self.start(flows.run_pod_sandbox, CRIWire().sandbox({}))
+        self.calls[-1].cancel()
+        self.assertIs(self.successResultOf(answer), flows.CALLER_GONE)
+        self.assertEqual((self.runtime.cancelled, self.store.sizes()), (1, (0, 0)))
+
+    def stop_cancelled(self, runtime_state: ContainerState) -> None:
+        self.put_container()
+        self.subscribe(POST_STOP)
+        self.runtime.containers["c-1"] = StoredContainer("s-1", ContainerHookRequest(), runtime_state)
+        self.runtime.answering = Deferred()
+        answer = self.start(flows.stop_container, "c-1")
+        self.calls[-1].cancel()
+        self.assertIs(self.successResultOf(answer), flows.CALLER_GONE)
+        self.assertEqual(self.runtime.cancelled, 1)
+        # Asked on koordrp's own bound: the caller's deadline is of no use once it is gone.
+        self.assertEqual(self.runtime.timeouts[-1], flows.SETTLE_SECONDS)
+        self.runtime.answering = None
+
+    def test_a_cancelled_stop_the_runtime_did_not_do_owes_no_post_stop_until_a_stop_succeeds(self) -> None:
+        self.stop_cancelled(ContainerState.RUNNING)
+        self.assertEqual((self.announced, self.store.container("c-1").state), ([], ContainerState.CREATED))
+        self.drive(flows.stop_container, "c-1")
+        self.drive(flows.stop_container, "c-1")
+        self.assertEqual([post.hook for post in self.announced], [POST_STOP])
+
+    def test_a_cancelled_stop_the_runtime_did_all_the_same_owes_its_post_stop_once(self) -> None:
+        self.stop_cancelled(ContainerState.STOPPED)
+        self.assertEqual(self.store.container("c-1").state, ContainerState.STOPPED)
+        self.drive(flows.stop_container, "c-1")
+        self.assertEqual([post.hook for post in self.announced], [POST_STOP])
+
+    def test_a_cancelled_pod_stop_owes_its_post_stops_only_if_the_runtime_stopped_it(self) -> None:
+        self.put_pod()
+        self.put_container()
+        self.subscribe(POST_STOP, POST_STOP_POD)
+        self.runtime.pods["s-1"] = PodHookRequest()
+        self.runtime.answering = Deferred()
+        self.calls.clear()
+        answer = self.start(flows.stop_pod_sandbox, "s-1")
+        self.calls[-1].cancel()
+        self.assertIs(self.successResultOf(answer), flows.CALLER_GONE)
+        self.assertEqual(self.announced, [])  # the runtime says the pod is still up
+        self.runtime.answering = None
+        self.drive(flows.stop_pod_sandbox, "s-1")
+        self.assertEqual([post.hook for post in self.announced], [POST_STOP, POST_STOP_POD])
+
+    def test_the_end_of_a_cancelled_call_waits_for_what_it_asks_the_runtime(self) -> None:
+        class SlowReader(RecordingRuntime):
+            async def read_container(self, container_id: str, pods: flows.PodSource, timeout: float | None) -> StoredContainer | None:
+                await reading
+                return StoredContainer("s-1", ContainerHookRequest(), ContainerState.STOPPED)
+
+        reading: Deferred[None] = Deferred()
+        self.runtime = SlowReader(answering=Deferred())
+        self.put_container()
+        self.subscribe(POST_STOP)
+        answer = self.start(flows.stop_container, "c-1")
+        call = self.calls[-1]
+        call.cancel()
+        call.ended("CANCELLED")
+        self.assertIs(self.successResultOf(answer), flows.CALLER_GONE)  # the caller is not kept waiting
+        self.assertEqual((self.stages.announced, self.call_lines()), ([], []))
+        reading.callback(None)
+        self.assertEqual([stage.hook for stage in self.stages.announced], [POST_STOP])
+        [line] = self.call_lines()
+        self.assertEqual(line["outcome"], "CANCELLED")
+
+    def call_lines(self) -> list[LogEvent]:
+        return [event for event in self.events if event.get("log_namespace") == "koordrp.calls"]
+
+    def test_each_question_gets_what_is_left_of_the_callers_deadline(self) -> None:
+        self.runtime.containers["c-1"] = StoredContainer("s-1", ContainerHookRequest())
+        self.runtime.pods["s-1"] = PodHookRequest()
+        self.runtime.answering = Deferred()
+        call = self.call(timeout=10.0)
+        answer = call.run(flows.start_container(call, "c-1"))
+        self.clock.advance(4)
+        self.runtime.answering.callback(None)
+        self.successResultOf(answer)
+        self.assertEqual(self.runtime.timeouts, [10.0, 10.0, 10.0])
+        self.runtime.answering = Deferred()
+        self.runtime.timeouts.clear()
+        call = self.call(timeout=10.0)
+        self.clock.advance(3)
+        call.run(flows.stop_container(call, "c-1"))
+        self.assertEqual(self.runtime.timeouts, [7.0])
 
 
 class ReadEverythingTests(FlowTestCase):
@@ -440,24 +578,23 @@ class ReadEverythingTests(FlowTestCase):
         self.runtime.pods["s-1"] = PodHookRequest(cgroup_parent="/p")
         self.runtime.containers["c-1"] = StoredContainer("s-1", ContainerHookRequest())
         self.runtime.containers["c-2"] = StoredContainer("s-gone", ContainerHookRequest())
-        pods, containers = flows.run_blocking(flows.read_everything(self.runtime))
+        pods, containers = self.successResultOf(ensureDeferred(flows.read_everything(self.runtime, None)))
         self.assertEqual([sandbox_id for sandbox_id, _ in pods], ["s-1"])
         self.assertEqual([(cid, stored.info.pod_cgroup_parent) for cid, stored in containers], [("c-1", "/p"), ("c-2", "")])
 
     def test_an_entry_that_cannot_be_read_is_left_out_with_a_warning(self) -> None:
         class HalfReadable(RecordingRuntime):
-            async def read_pod(self, sandbox_id: str) -> PodHookRequest | None:
+            async def read_pod(self, sandbox_id: str, timeout: float | None) -> StoredPod | None:
                 if sandbox_id == "s-bad":
                     raise flows.Unreadable("verbose info is not JSON")
-                return await super().read_pod(sandbox_id)
+                return await super().read_pod(sandbox_id, timeout)
 
         runtime = HalfReadable(pods={"s-bad": PodHookRequest(), "s-good": PodHookRequest()})
-        pods, _ = flows.run_blocking(flows.read_everything(runtime))
+        pods, _ = self.successResultOf(ensureDeferred(flows.read_everything(runtime, None)))
         self.assertEqual([sandbox_id for sandbox_id, _ in pods], ["s-good"])
         [warning] = [event for event in self.events if "left out" in event["log_format"]]
         self.assertEqual((warning["id"], warning["error"]), ("s-bad", "verbose info is not JSON"))
 
     def test_a_runtime_that_cannot_be_asked_fails_the_whole_reading(self) -> None:
         self.runtime.broken = "UNAVAILABLE"
-        with self.assertRaises(flows.LookupFailed):
-            flows.run_blocking(flows.read_everything(self.runtime))
+        self.failureResultOf(ensureDeferred(flows.read_everything(self.runtime, None)), flows.LookupFailed)

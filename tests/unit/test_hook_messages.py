@@ -37,11 +37,53 @@ class MergeTests(SynchronousTestCase):
         self.assertEqual((target.cpu_period, target.memory_limit_in_bytes), (100000, 10))
 
     def test_a_kubelet_update_folds_in_only_the_cpuset_it_sets(self) -> None:
-        target = hook.LinuxContainerResources(cpu_shares=2, cpuset_cpus="0-1", cpuset_mems="0")
-        messages.fold_resources(target, hook.LinuxContainerResources(cpu_shares=512))
+        stored = hook.ContainerResourceHookRequest(
+            container_resources=hook.LinuxContainerResources(cpu_shares=2, cpuset_cpus="0-1", cpuset_mems="0")
+        )
+        folded = messages.folded_update(stored, "c-1", hook.LinuxContainerResources(cpu_shares=512), {})
+        target = folded.container_resources
         self.assertEqual((target.cpu_shares, target.cpuset_cpus, target.cpuset_mems), (512, "0-1", "0"))
-        messages.fold_resources(target, hook.LinuxContainerResources(cpuset_cpus="3"))
+        folded = messages.folded_update(folded, "c-1", hook.LinuxContainerResources(cpuset_cpus="3"), {})
+        target = folded.container_resources
         self.assertEqual((target.cpu_shares, target.cpuset_cpus), (512, "3"))
+
+    def test_a_folded_update_is_the_stored_container_with_its_id_and_the_updates_annotations(self) -> None:
+        stored = hook.ContainerResourceHookRequest(
+            container_meta=hook.ContainerMetadata(name="app"),
+            container_annotations={"a": "1"},
+            container_resources=hook.LinuxContainerResources(cpu_shares=2),
+            pod_cgroup_parent="/p",
+        )
+        original = copy.deepcopy(stored)
+        folded = messages.folded_update(stored, "c-1", None, {"b": "2"})
+        self.assertEqual(stored, original)  # the stored copy is untouched
+        self.assertEqual((folded.container_meta.name, folded.container_meta.id), ("app", "c-1"))
+        self.assertEqual(dict(folded.container_annotations), {"a": "1", "b": "2"})
+        self.assertEqual(folded.container_resources, stored.container_resources)  # no resources named: all kept
+        self.assertEqual(folded.pod_cgroup_parent, "/p")
+
+    def test_placed_in_pod_takes_the_stored_pods_parent_and_kubelets_when_it_has_none(self) -> None:
+        pod = translate.pod_hook_request(run_pod_request())
+        pod.cgroup_parent = "/moved/by/a/hook"
+        container = hook.ContainerResourceHookRequest(
+            pod_cgroup_parent="/kubepods/pod-u-1", pod_labels={"stale": "1"},
+            pod_resources=hook.LinuxContainerResources(cpu_shares=7),
+        )
+        placed = messages.placed_in_pod(container, pod)
+        self.assertIs(placed, container)
+        self.assertEqual(placed.pod_cgroup_parent, "/moved/by/a/hook")
+        self.assertEqual(placed.pod_meta, pod.pod_meta)
+        self.assertEqual(dict(placed.pod_labels), {"app": "web"})
+        self.assertEqual(dict(placed.pod_annotations), {"note": "a"})
+        self.assertEqual(placed.pod_resources, pod.resources)
+        pod.cgroup_parent = ""
+        pod.ClearField("resources")
+        container = hook.ContainerResourceHookRequest(
+            pod_cgroup_parent="/kubepods/pod-u-1", pod_resources=hook.LinuxContainerResources(cpu_shares=7)
+        )
+        placed = messages.placed_in_pod(container, pod)
+        self.assertEqual(placed.pod_cgroup_parent, "/kubepods/pod-u-1")
+        self.assertFalse(placed.HasField("pod_resources"))
 
     def test_negative_numbers_where_only_positive_make_sense_are_ignored(self) -> None:
         target = hook.LinuxContainerResources(cpu_shares=2, memory_limit_in_bytes=10)

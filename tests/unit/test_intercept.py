@@ -1,19 +1,20 @@
 """Intercepted lifecycle calls on real grpc servers: a stand-in CRI backend and a real hook server."""
 
 import os
+import time
 from concurrent import futures
 
 import grpc
 from twisted.internet import reactor
-from twisted.internet.defer import inlineCallbacks
+from twisted.internet.defer import Deferred, inlineCallbacks
 from twisted.internet.threads import deferToThread
+from twisted.logger import LogEvent, globalLogPublisher
 from twisted.trial.unittest import TestCase
 
 from koordrp.api.cri.v1 import api_pb2 as cri
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
 from koordrp.cri import translate
 from koordrp.cri.backend import BackendChannel
-from koordrp.cri.bridge import HookBridge
 from koordrp.cri.intercept import Interceptor
 from koordrp.cri.methods import BackendRole
 from koordrp.cri.passthrough import PassThroughHandler
@@ -21,14 +22,16 @@ from koordrp.cri.runtime_lookup import RuntimeLookup
 from koordrp.flows import Parts, SkipLabel
 from koordrp.hooks.client import HookClients
 from koordrp.hooks.dispatcher import Dispatcher
+from koordrp.hooks.messages import ContainerHookRequest
 from koordrp.hooks.types import FailurePolicy, HookServerConfig, HookServers, HookType
-from koordrp.store import Store
+from koordrp.store import ContainerState, Store
 from koordrp.unix import grpc_target
 from tests.fake.cri_backend import FakeCRIBackend
 from tests.fake.hook_server import FakeHookServer
 from tests.support.tempdirs import short_tempdir
 
 CREATE = "/runtime.v1.RuntimeService/CreateContainer"
+STOP = "/runtime.v1.RuntimeService/StopContainer"
 # Field 111 (varint 1): in no CRI stub, as a field newer than koordrp's would be.
 UNKNOWN_FIELD = b"\xf8\x06\x01"
 
@@ -63,12 +66,13 @@ class InterceptTests(TestCase):
         clients = HookClients(reactor)
         self.addCleanup(clients.close_all)
         dispatcher = Dispatcher(clients, reactor)
-        parts = Parts(self.store, dispatcher, lambda: servers, SkipLabel("skip", "true"))
+        parts = Parts(self.store, dispatcher, lambda: servers, SkipLabel("skip", "true"), reactor)
         channel = BackendChannel(self.backend.path, lambda change, path: None)
         self.addCleanup(channel.close)
-        interceptor = Interceptor(channel, parts, HookBridge(reactor, dispatcher), RuntimeLookup(channel.channel))
+        interceptor = Interceptor(reactor, channel, parts, RuntimeLookup(reactor, channel.channel))
         handler = PassThroughHandler({BackendRole.RUNTIME: channel, BackendRole.IMAGE: channel}, interceptor.handlers)
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), handlers=[handler])
+        # One worker: a call that held it after its caller gave up would keep every other call waiting.
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=1), handlers=[handler])
         listen = os.path.join(directory, "proxy.sock")
         server.add_insecure_port(grpc_target(listen))
         server.start()
@@ -104,7 +108,7 @@ class InterceptTests(TestCase):
 
     @inlineCallbacks
     def test_bytes_that_cannot_be_read_otherwise_reach_the_runtime_as_they_came(self):  # type: ignore[no-untyped-def]
-        stop = "/runtime.v1.RuntimeService/StopContainer"  # post hooks only: no Fail policy applies
+        stop = "/runtime.v1.RuntimeService/StopPodSandbox"  # post hooks only: no Fail policy applies
         answer = yield deferToThread(self.call, stop, b"\xff\xff\xff")
         self.assertEqual(answer, b"\xff\xff\xff")  # the stand-in runtime echoes what it does not know
         self.assertEqual([(call.method, call.request) for call in self.backend.calls], [(stop, b"\xff\xff\xff")])
@@ -116,3 +120,65 @@ class InterceptTests(TestCase):
         request = cri.RemovePodSandboxRequest(pod_sandbox_id="sandbox-1").SerializeToString()
         yield deferToThread(self.call, "/runtime.v1.RuntimeService/RemovePodSandbox", request)
         self.assertEqual(self.store.sizes(), (0, 0))
+
+    def call_lines(self) -> "list[LogEvent]":
+        lines: list[LogEvent] = []
+
+        def observe(event: LogEvent) -> None:
+            if event.get("log_namespace") == "koordrp.calls":
+                lines.append(event)
+
+        globalLogPublisher.addObserver(observe)
+        self.addCleanup(globalLogPublisher.removeObserver, observe)
+        return lines
+
+    @inlineCallbacks
+    def wait_for(self, lines: "list[LogEvent]", count: int):  # type: ignore[no-untyped-def]
+        deadline = time.monotonic() + 5
+        while len(lines) < count and time.monotonic() < deadline:
+            pause: Deferred[None] = Deferred()
+            reactor.callLater(0.01, pause.callback, None)
+            yield pause
+        self.assertEqual(len(lines), count)
+
+    def stored_container(self) -> None:
+        container = ContainerHookRequest(container_meta=hook.ContainerMetadata(name="app", id="c-1"))
+        self.store.put_container("c-1", "sandbox-1", container)
+        self.store.started("c-1")
+
+    @inlineCallbacks
+    def test_a_stop_its_caller_cancels_ends_upstream_at_once_frees_its_worker_and_owes_no_post_stop(self):  # type: ignore[no-untyped-def]
+        self.stored_container()
+        self.backend.slow_call_seconds = 30.0
+        lines = self.call_lines()
+        request = cri.StopContainerRequest(container_id="c-1", timeout=30).SerializeToString()
+        stopping = self.client.unary_unary(STOP).future(request, timeout=60)
+        arrived = yield deferToThread(self.backend.stop_arrived.wait, 5)
+        self.assertTrue(arrived)
+        cancelled_at = time.monotonic()
+        stopping.cancel()
+        ended = yield deferToThread(self.backend.stop_ended.wait, 5)
+        self.assertTrue(ended)
+        self.assertLess(self.backend.stop_ended_at - cancelled_at, 0.1)
+        # The proxy's only worker answers the next call at once: the given-up one holds none.
+        started = time.monotonic()
+        yield deferToThread(self.call, "/runtime.v1.RuntimeService/Version", b"")
+        self.assertLess(time.monotonic() - started, 1.0)
+        yield self.wait_for(lines, 1)
+        self.assertEqual(lines[0]["outcome"], "CANCELLED")
+        # The runtime did not stop it (it does not even know it): no PostStopContainer, and the store agrees.
+        self.assertEqual(self.hook_server.rpcs(), [])
+        self.assertEqual(self.store.container("c-1").state, ContainerState.RUNNING)
+
+    @inlineCallbacks
+    def test_a_stop_past_its_callers_deadline_ends_upstream_at_the_deadline(self):  # type: ignore[no-untyped-def]
+        self.stored_container()
+        self.backend.slow_call_seconds = 30.0
+        request = cri.StopContainerRequest(container_id="c-1", timeout=30).SerializeToString()
+        started = time.monotonic()
+        with self.assertRaises(grpc.RpcError) as error:
+            yield deferToThread(self.client.unary_unary(STOP), request, timeout=0.5)
+        self.assertEqual(error.exception.code(), grpc.StatusCode.DEADLINE_EXCEEDED)
+        ended = yield deferToThread(self.backend.stop_ended.wait, 5)
+        self.assertTrue(ended)
+        self.assertLess(self.backend.stop_ended_at - started, 0.6)

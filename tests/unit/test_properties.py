@@ -471,9 +471,11 @@ class MergePropertyTests(SynchronousTestCase):
         )
         wire = request.SerializeToString()
         pod = hook.PodSandboxHookRequest(cgroup_parent=parent)
-        before = translate.container_hook_request(pod, request)
+        # As flows.create_container builds them: the container as kubelet's request has it, placed in its pod.
+        sent = translate.container_hook_request(request)
+        before = messages.placed_in_pod(copied(sent), pod)
         after = merged(before, response)
-        changed = translate.apply_to_create_container(request, before, after)
+        changed = translate.apply_to_create_container(request, sent, after)
         self.assertEqual(changed, request.SerializeToString() != wire)
         if after == before:
             self.assertFalse(changed, "a request no hook changed must go out as kubelet's bytes")

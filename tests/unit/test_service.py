@@ -23,7 +23,7 @@ from tests.support.tempdirs import short_tempdir
 
 
 def no_hooks(reactor: InlineThreadsReactor) -> Parts:
-    return Parts(Store(), Dispatcher(HookClients(reactor), reactor), HookServers, SkipLabel("skip", "true"))
+    return Parts(Store(), Dispatcher(HookClients(reactor), reactor), HookServers, SkipLabel("skip", "true"), reactor)
 
 
 class CRIProxyServiceTests(SynchronousTestCase):
