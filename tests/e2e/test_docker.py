@@ -4,6 +4,7 @@ import hashlib
 import io
 import json
 import os
+import socket
 import tarfile
 import tempfile
 import time
@@ -20,6 +21,7 @@ from tests.support.dockerd import Dockerd, remove_cgroup, require_binaries, unix
 from tests.support.hook_registration import register
 from tests.support.images import BUSYBOX_REF, ImageSet
 from tests.support.koordrp_process import KoordrpProcess, rss_bytes
+from tests.support.relay import UnixRelay
 
 API = "/v1.41"
 
@@ -220,8 +222,9 @@ def test_a_koordlet_like_answer_clears_the_cpuset_and_a_repeated_stop_calls_no_h
         assert post(proxy.socket, f"/containers/{container_id}/start") == 204
         assert post(proxy.socket, f"/containers/{container_id}/stop?t=0") == 204
         assert post(proxy.socket, f"/containers/{container_id}/stop?t=0") == 304
-        time.sleep(0.3)  # post hooks are sent after the answer
-        assert server.rpcs() == ["PreCreateContainerHook", "PostStopContainerHook"]
+        [first, repeated] = proxy.log_lines(f"/containers/{container_id}/stop pod default/be", count=2)
+        assert "PostStopContainer@koordlet.json: sent" in first and repeated.endswith("hooks: none"), (first, repeated)
+        assert server.rpcs_once(2) == ["PreCreateContainerHook", "PostStopContainerHook"]
     finally:
         dockerd.docker("rm", "-f", *[identifier for identifier in (container_id, sandbox_id) if identifier])
         remove_cgroup(parent)
@@ -388,3 +391,40 @@ def test_attach_through_koordrp_matches_dockerd(dockerd: Dockerd, proxy: Koordrp
         finally:
             dockerd.docker("rm", "-f", container)
     assert outputs[0] == outputs[1] == (3, "attached\n")
+
+
+def test_a_stop_the_client_gives_up_on_drops_koordrps_exchange_with_dockerd_and_owes_no_post_stop(
+    dockerd: Dockerd, servers: dict[str, FakeHookServer], workdir: Path
+) -> None:
+    relay = UnixRelay(str(workdir / "dockerd.sock"), str(dockerd.socket)).start()
+    proxy = KoordrpProcess(workdir, f"unix://{relay.listen_path}", ["--backend-runtime-mode=Docker"])
+    proxy.start()
+    ids: tuple[str, ...] = ()
+    try:
+        server = hook_server(servers, workdir, "watcher")
+        register(workdir / "hookserver.d", "watcher", server.path, ["PostStopContainer"])
+        wait_registered(proxy, 1)
+        ids = sandbox_id, container_id = kubernetes_pod(proxy.socket, "stubborn")
+        # A bare sleep as PID 1 ignores SIGTERM: dockerd waits 3 s before SIGKILL.
+        client = socket.socket(socket.AF_UNIX)
+        client.connect(str(proxy.socket))
+        client.sendall(f"POST {API}/containers/{container_id}/stop?t=3 HTTP/1.1\r\nHost: docker\r\n\r\n".encode())
+        stopping = relay.relayed_with(f"/containers/{container_id}/stop".encode())
+        gone_at = time.monotonic()
+        client.close()
+        assert stopping.closed.wait(5)
+        assert stopping.closed_at is not None and stopping.closed_at - gone_at < 0.1
+        [line] = proxy.log_lines(f"/containers/{container_id}/stop pod default/stubborn (uid-stubborn) container app: client gone")
+        assert "hooks: none" in line, line
+        # dockerd 20.10 stops it all the same, after its 3 s; koordrp's question came before: nothing owed yet.
+        assert server.rpcs() == []
+        dockerd.docker("wait", container_id, check=True)
+        # cri-dockerd's next stop finds it stopped (304): that one owes the PostStopContainer, once.
+        assert post(proxy.socket, f"/containers/{container_id}/stop?t=0") == 304
+        assert post(proxy.socket, f"/containers/{container_id}/stop?t=0") == 304
+        assert server.rpcs_once(1) == ["PostStopContainerHook"]
+    finally:
+        proxy.stop()
+        relay.cut()
+        if ids:
+            dockerd.docker("rm", "-f", *ids)

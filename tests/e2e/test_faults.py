@@ -156,12 +156,18 @@ def test_runtime_killed_during_a_burst(images: ImageSet, workdir: Path) -> None:
                     except grpc.RpcError as error:
                         codes.append(error.code())
 
+            def seen(code: grpc.StatusCode) -> None:
+                deadline = time.monotonic() + 10
+                while code not in codes[-8:]:
+                    assert time.monotonic() < deadline, f"no {code.name} in the burst"
+                    time.sleep(0.01)
+
             workers = [threading.Thread(target=burst) for _ in range(4)]
             for worker in workers:
                 worker.start()
-            time.sleep(0.5)
+            seen(grpc.StatusCode.OK)
             runtime_process.kill()
-            time.sleep(1.0)
+            seen(grpc.StatusCode.UNAVAILABLE)
             runtime_process.start()
             back = time.monotonic()
             while not proxy.answers(channel):

@@ -194,10 +194,13 @@ def post_hooks(koordrp: KoordrpProcess, servers: dict[str, FakeHookServer], work
     return server
 
 
-def settled(server: FakeHookServer) -> list[str]:
-    """What the server was sent, once post hooks (sent after the answers) have had time to arrive."""
-    time.sleep(0.3)
-    return [rpc for rpc in server.rpcs()]
+def settled(koordrp: KoordrpProcess, server: FakeHookServer, last_call: str, earlier: int = 0) -> list[str]:
+    """What ``server`` was sent, once koordrp has written the line of ``last_call`` (the test's last call,
+    a log line's start) and every post hook its call lines name as sent has arrived (after ``earlier``
+    ones, sent by another koordrp)."""
+    assert koordrp.log_lines(f"[koordrp.calls#info] {last_call}"), f"no line for {last_call}:\n{koordrp.log()}"
+    sent = sum(line.count(": sent") for line in koordrp.log_lines("[koordrp.calls#info]"))
+    return server.rpcs_once(earlier + sent)
 
 
 def stop(runtime: Any, container_id: str) -> None:
@@ -208,14 +211,20 @@ def stop_pod(runtime: Any, sandbox_id: str) -> None:
     runtime.StopPodSandbox(api_pb2.StopPodSandboxRequest(pod_sandbox_id=sandbox_id), timeout=TIMEOUT)
 
 
-def test_repeated_stops_call_post_hooks_once(runtime: Any, post_hooks: FakeHookServer, workdir: Path) -> None:
+def test_repeated_stops_call_post_hooks_once(
+    koordrp: KoordrpProcess, runtime: Any, post_hooks: FakeHookServer, workdir: Path
+) -> None:
     with running_container(runtime, "twice", workdir) as pod:
         stop(runtime, pod.container_id)
         stop(runtime, pod.container_id)
         stop_pod(runtime, pod.sandbox_id)
         stop_pod(runtime, pod.sandbox_id)
     # running_container stops the pod once more on its way out.
-    assert settled(post_hooks) == ["PostStartContainerHook", POST_STOP, POST_STOP_POD]
+    assert settled(koordrp, post_hooks, "RemovePodSandbox pod default/twice") == [
+        "PostStartContainerHook",
+        POST_STOP,
+        POST_STOP_POD,
+    ]
 
 
 def test_a_new_attempt_is_a_new_stop(runtime: Any, post_hooks: FakeHookServer, workdir: Path) -> None:
@@ -233,7 +242,9 @@ def test_a_new_attempt_is_a_new_stop(runtime: Any, post_hooks: FakeHookServer, w
     assert sorted(stopped) == [0, 1]
 
 
-def test_stopping_a_pod_stops_its_running_containers_first(runtime: Any, post_hooks: FakeHookServer, workdir: Path) -> None:
+def test_stopping_a_pod_stops_its_running_containers_first(
+    koordrp: KoordrpProcess, runtime: Any, post_hooks: FakeHookServer, workdir: Path
+) -> None:
     pod = pod_sandbox_config("two", log_directory=workdir / "two")
     sandbox_id = runtime.RunPodSandbox(api_pb2.RunPodSandboxRequest(config=pod), timeout=TIMEOUT).pod_sandbox_id
     try:
@@ -244,7 +255,7 @@ def test_stopping_a_pod_stops_its_running_containers_first(runtime: Any, post_ho
         stop_pod(runtime, sandbox_id)
     finally:
         remove_pod(runtime, sandbox_id)
-    assert settled(post_hooks)[2:] == [POST_STOP, POST_STOP, POST_STOP_POD]
+    assert settled(koordrp, post_hooks, "RemovePodSandbox pod default/two")[2:] == [POST_STOP, POST_STOP, POST_STOP_POD]
     assert sorted(request.container_meta.id for request in post_hooks.calls(POST_STOP)) == sorted(started)
 
 
@@ -264,7 +275,7 @@ def test_after_a_restart_a_container_that_already_stopped_gets_no_second_post_st
             sandbox_id = runtime.RunPodSandbox(api_pb2.RunPodSandboxRequest(config=pod), timeout=TIMEOUT).pod_sandbox_id
             container_id = start_container(runtime, sandbox_id, pod, container_config("restarted", command=["sleep", "3600"]))
             stop(runtime, container_id)
-        assert [rpc for rpc in settled(server)] == [POST_STOP]
+        assert settled(first, server, "StopContainer pod default/restarted") == [POST_STOP]
         assert first.terminate() == 0
         second = KoordrpProcess(workdir, containerd.endpoint)
         second.start()
@@ -272,13 +283,15 @@ def test_after_a_restart_a_container_that_already_stopped_gets_no_second_post_st
             with second.channel() as channel:
                 stop(second.runtime(channel), container_id)
                 stop_pod(second.runtime(channel), sandbox_id)
+            rpcs = settled(second, server, "StopPodSandbox pod default/restarted", earlier=1)
         finally:
             second.stop()
     finally:
         first.stop()
         if sandbox_id:
             remove_pod(containerd.runtime(), sandbox_id)
-    assert settled(server) == [POST_STOP, POST_STOP_POD]
+    # The first koordrp's PostStopContainer, and the second's PostStopPodSandbox alone.
+    assert rpcs == [POST_STOP, POST_STOP_POD]
 
 
 # ---------------------------------------------------------------------------------------------

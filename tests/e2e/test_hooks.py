@@ -166,15 +166,15 @@ def test_hot_reload_gives_each_pod_the_config_in_force_when_it_arrived(
     wait_registered(koordrp, 1)
     assert "RELOADED=1" not in env_of("start-only")
     register(hooks_dir, "reload", server.path, ["PreCreateContainer"])  # renamed over the old one
-    time.sleep(1.0)
+    koordrp.wait_for_registrations("reload.json (", "2s): PreCreateContainer")
     assert "RELOADED=1" in env_of("after-rename")
     path.write_text(json.dumps({"remote-endpoint": server.path, "runtime-hooks": ["PreStartContainer"]}))  # in place
-    time.sleep(1.0)
+    koordrp.wait_for_registrations("reload.json (", "2s): PreStartContainer")
     assert "RELOADED=1" not in env_of("after-edit")
     register(hooks_dir, "reload", server.path, ["PreCreateContainer"])
-    time.sleep(1.0)
+    koordrp.wait_for_registrations("reload.json (", "2s): PreCreateContainer")
     path.write_text("{ not json")  # a broken edit keeps the last good version
-    time.sleep(1.0)
+    assert koordrp.log_lines(f"hook server registration {path} rejected: ")
     assert "RELOADED=1" in env_of("after-broken-edit")
     assert "reload.json" in koordrp.log() and koordrp.process.poll() is None  # type: ignore[union-attr]
     path.unlink()

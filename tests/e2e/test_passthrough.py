@@ -328,14 +328,19 @@ def test_sigterm_drains_in_flight_calls_and_exits_zero(
         results: list[Any] = []
         with koordrp.channel() as channel:
             stub = koordrp.runtime(channel)
-            request = api_pb2.ExecSyncRequest(container_id=pod.container_id, cmd=["sh", "-c", "sleep 1; echo done"])
+            script = "touch /tmp/exec-started; sleep 1; echo done"
+            request = api_pb2.ExecSyncRequest(container_id=pod.container_id, cmd=["sh", "-c", script])
 
             def slow_exec() -> None:
                 results.append(outcome(lambda: stub.ExecSync(request, timeout=20)))
 
             worker = threading.Thread(target=slow_exec)
             worker.start()
-            time.sleep(0.3)
+            started = api_pb2.ExecSyncRequest(container_id=pod.container_id, cmd=["test", "-e", "/tmp/exec-started"])
+            deadline = time.monotonic() + 10
+            while direct.runtime.ExecSync(started, timeout=10).exit_code != 0:  # the exec is in flight
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
             assert koordrp.terminate(timeout=30) == 0
             worker.join(20)
         assert [getattr(r, "stdout", r) for r in results] == [b"done\n"]

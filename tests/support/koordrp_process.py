@@ -101,6 +101,17 @@ class KoordrpProcess:
         listed = lines[-1].split("] hook servers: ", 1)[1]
         return 0 if listed == "none" else listed.count(".json (")
 
+    def wait_for_registrations(self, *texts: str, timeout: float = 5.0) -> str:
+        """Until koordrp's last "hook servers:" line has every one of ``texts`` in it; that line."""
+        deadline = time.monotonic() + timeout
+        while True:
+            lines = [line for line in self.log().splitlines() if "] hook servers: " in line]
+            if lines and all(text in lines[-1] for text in texts):
+                return lines[-1]
+            if time.monotonic() > deadline:
+                raise AssertionError(f"koordrp's hook servers did not come to name {texts} within {timeout}s:\n{self.log()}")
+            time.sleep(0.02)
+
     def wait_for_servers(self, count: int, timeout: float = 5.0) -> None:
         """Until koordrp's log says exactly ``count`` hook servers are registered."""
         deadline = time.monotonic() + timeout

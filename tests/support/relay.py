@@ -4,6 +4,19 @@ import contextlib
 import os
 import socket
 import threading
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Relayed:
+    """One connection through the relay, as its client (koordrp) used it."""
+
+    sent: bytearray = field(default_factory=bytearray)
+    """What the client sent."""
+    closed_at: float | None = None
+    """When (time.monotonic) the client stopped sending: it closed, or shut its writing side."""
+    closed: threading.Event = field(default_factory=threading.Event)
 
 
 class UnixRelay:
@@ -13,6 +26,19 @@ class UnixRelay:
         self._listener: socket.socket | None = None
         self._connections: list[socket.socket] = []
         self._lock = threading.Lock()
+        self.relayed: list[Relayed] = []
+
+    def relayed_with(self, text: bytes, timeout: float = 5.0) -> Relayed:
+        """The first connection whose client sent ``text``, once there is one."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                found = [connection for connection in self.relayed if text in connection.sent]
+            if found:
+                return found[0]
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no connection through the relay sent {text!r} within {timeout}s")
+            time.sleep(0.01)
 
     def start(self) -> "UnixRelay":
         listener = socket.socket(socket.AF_UNIX)
@@ -46,19 +72,26 @@ class UnixRelay:
                 return
             upstream = socket.socket(socket.AF_UNIX)
             upstream.connect(self.target_path)
+            relayed = Relayed()
             with self._lock:
                 self._connections += [client, upstream]
-            for source, sink in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
+                self.relayed.append(relayed)
+            threading.Thread(target=self._pump, args=(client, upstream, relayed), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, None), daemon=True).start()
 
-    @staticmethod
-    def _pump(source: socket.socket, sink: socket.socket) -> None:
+    def _pump(self, source: socket.socket, sink: socket.socket, relayed: Relayed | None) -> None:
         try:
             while data := source.recv(65536):
+                if relayed is not None:
+                    with self._lock:
+                        relayed.sent += data
                 sink.sendall(data)
         except OSError:
             pass
         finally:
+            if relayed is not None:
+                relayed.closed_at = time.monotonic()
+                relayed.closed.set()
             try:
                 sink.shutdown(socket.SHUT_WR)
             except OSError:
