@@ -13,9 +13,15 @@ import subprocess
 import sys
 import threading
 from concurrent import futures
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import grpc
+
+if TYPE_CHECKING:
+    # grpc-stubs makes the handler generic; grpcio's class itself cannot be subscripted at run time.
+    _BytesHandler = grpc.GenericRpcHandler[bytes, bytes]
+else:
+    _BytesHandler = grpc.GenericRpcHandler
 
 
 def main() -> None:
@@ -23,11 +29,12 @@ def main() -> None:
     channel = grpc.insecure_channel(f"unix:{backend}")
     upstreams: dict[str, Any] = {}
 
-    class Handler(grpc.GenericRpcHandler):  # type: ignore[misc]
+    class Handler(_BytesHandler):
         def service(self, details: Any) -> Any:
             method = details.method
             if method not in upstreams:
-                upstream = channel.unary_unary(method, _registered_method=True)
+                # grpc-stubs 1.53 predates grpcio's _registered_method and wrongly requires the serializers.
+                upstream = channel.unary_unary(method, _registered_method=True)  # type: ignore[call-arg]
 
                 def forward(request: bytes, context: Any) -> Any:
                     remaining = context.time_remaining()

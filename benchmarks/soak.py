@@ -77,7 +77,7 @@ CALL_OF_HOOK = {
     HookType.POST_STOP_POD_SANDBOX: "StopPodSandbox",
     HookType.PRE_UPDATE_CONTAINER_RESOURCES: "UpdateContainerResources",
 }
-"""The CRI call each hook point rides on (README, "Hook points"): every server registered for it gets
+"""The CRI call each hook point rides on (docs/hook-server.md, "The hooks"): every server registered for it gets
 one call per successful CRI call. The soak never updates resources, so that hook must stay at 0."""
 
 HOOK_SERVERS = ("a-echo", "b-echo")

@@ -185,7 +185,7 @@ def _endpoint_fix(endpoint: Endpoint) -> str:
         )
     if "its config file" in endpoint.source:
         return "set containerRuntimeEndpoint and imageServiceEndpoint to koordrp's socket there, then restart kubelet"
-    return "set kubelet's endpoints to koordrp's socket (see \"Install on a node\"), then restart kubelet"
+    return "set kubelet's endpoints to koordrp's socket (see docs/operating.md, \"Point kubelet at koordrp\"), then restart kubelet"
 
 
 # ---------------------------------------------------------------------------------------------

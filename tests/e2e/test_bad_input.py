@@ -171,7 +171,7 @@ def shown(data: bytes) -> str:
 def raw_call(channel: grpc.Channel, method: str, data: bytes) -> Answer:
     """``method`` called with ``data`` as the request bytes: (code, details, response bytes or None)."""
     try:
-        response = channel.unary_unary(method)(data, timeout=TIMEOUT)
+        response = channel.unary_unary(method, request_serializer=None, response_deserializer=None)(data, timeout=TIMEOUT)
     except grpc.RpcError as error:
         return error.code(), error.details(), None
     return grpc.StatusCode.OK, None, response
@@ -238,7 +238,7 @@ def assert_koordrp_is_well(koordrp: KoordrpProcess, proxied: grpc.Channel) -> No
 
 
 def channel_call(channel: grpc.Channel, method: str, data: bytes) -> bytes:
-    response: bytes = channel.unary_unary(method)(data, timeout=TIMEOUT)
+    response: bytes = channel.unary_unary(method, request_serializer=None, response_deserializer=None)(data, timeout=TIMEOUT)
     return response
 
 

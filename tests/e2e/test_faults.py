@@ -17,6 +17,7 @@ from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
 from koordrp.unix import grpc_target
 from tests.support.compare import changed_fields
 from tests.e2e.conftest import hook_server, wait_registered
+from tests.fake import BytesHandler
 from tests.fake.hook_server import FakeHookServer
 from tests.support.containerd import Containerd
 from tests.support.cri_objects import container_config, pod_sandbox_config
@@ -63,7 +64,7 @@ def healthy_again(koordrp: KoordrpProcess, runtime: Any, sandbox: tuple[str, Any
 def garbage_server(path: str) -> grpc.Server:
     """Answers every hook with bytes that are no valid message."""
 
-    class Garbage(grpc.GenericRpcHandler):  # type: ignore[misc]
+    class Garbage(BytesHandler):
         def service(self, details: Any) -> Any:
             return grpc.unary_unary_rpc_method_handler(lambda request, context: b"\xff\xff\xff\xff")
 
@@ -92,8 +93,9 @@ def hanging_server(path: str) -> FakeHookServer:
     return server.start()
 
 
-def regular_file(path: str) -> None:
+def regular_file(path: str) -> Callable[[], None]:
     Path(path).write_text("not a socket")
+    return lambda: None
 
 
 # Each fault is set up on the hook server's socket path and gives back how to clear it.
@@ -102,7 +104,7 @@ FAULTS: dict[str, Callable[[str], Callable[[], object]]] = {
     "crashes mid-call": lambda path: crashing_process(path).kill,
     "hangs forever": lambda path: hanging_server(path).stop,
     "answers garbage": lambda path: garbage_server(path).stop(0).wait,
-    "socket replaced by a regular file": lambda path: (regular_file(path), lambda: None)[1],
+    "socket replaced by a regular file": regular_file,
 }
 
 
@@ -123,7 +125,8 @@ def test_hook_server_faults(
             with pytest.raises(grpc.RpcError) as error:
                 create(runtime, sandbox, "during-the-fault")
             assert error.value.code() == grpc.StatusCode.UNKNOWN
-            assert "faulty.json" in error.value.details() and "PreCreateContainer" in error.value.details()
+            details = error.value.details() or ""
+            assert "faulty.json" in details and "PreCreateContainer" in details
         else:
             create(runtime, sandbox, "during-the-fault")
         assert time.monotonic() - started < HOOK_TIMEOUT + 1.0

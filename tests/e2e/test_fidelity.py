@@ -116,7 +116,8 @@ def create_with_binary_env(
     )
     request.config.envs.insert(1, koordrp_cri.KeyValue(key="BIN", value=value))
     try:
-        answer = channel.unary_unary(RUNTIME + "CreateContainer")(request.SerializeToString(), timeout=TIMEOUT)
+        create = channel.unary_unary(RUNTIME + "CreateContainer", request_serializer=None, response_deserializer=None)
+        answer = create(request.SerializeToString(), timeout=TIMEOUT)
     except grpc.RpcError as error:
         return error.code(), error.details(), ""
     return grpc.StatusCode.OK, None, api_pb2.CreateContainerResponse.FromString(answer).container_id
@@ -301,11 +302,14 @@ def test_after_a_restart_a_container_that_already_stopped_gets_no_second_post_st
 def test_update_pod_sandbox_resources_gets_containerds_answer(containerd: Containerd, koordrp: KoordrpProcess) -> None:
     # UpdatePodSandboxResourcesRequest{pod_sandbox_id: "abc"}, as a kubelet of 1.33 or later sends it.
     data = b"\n\x03abc"
-    answers = []
+    answers: list[tuple[grpc.StatusCode, str | None]] = []
     with koordrp.channel() as through:
         for channel in (through, containerd.channel()):
             try:
-                channel.unary_unary(RUNTIME + "UpdatePodSandboxResources")(data, timeout=TIMEOUT)
+                update = channel.unary_unary(
+                    RUNTIME + "UpdatePodSandboxResources", request_serializer=None, response_deserializer=None
+                )
+                update(data, timeout=TIMEOUT)
                 answers.append((grpc.StatusCode.OK, None))
             except grpc.RpcError as error:
                 answers.append((error.code(), error.details()))
@@ -325,7 +329,10 @@ def test_a_pod_python_cannot_parse_does_not_stop_the_store_rebuild(
     direct = containerd.runtime()
     pod = pod_sandbox_config("odd", labels={"odd": "ODD"}, log_directory=workdir / "odd")
     raw = api_pb2.RunPodSandboxRequest(config=pod).SerializeToString().replace(b"ODD", b"\xff\xfe\xfd")
-    answer = containerd.channel().unary_unary(RUNTIME + "RunPodSandbox")(raw, timeout=TIMEOUT)
+    run_pod_sandbox = containerd.channel().unary_unary(
+        RUNTIME + "RunPodSandbox", request_serializer=None, response_deserializer=None
+    )
+    answer = run_pod_sandbox(raw, timeout=TIMEOUT)
     odd_id = api_pb2.RunPodSandboxResponse.FromString(answer).pod_sandbox_id
     plain = pod_sandbox_config("plain", log_directory=workdir / "plain")
     sandbox_id = direct.RunPodSandbox(api_pb2.RunPodSandboxRequest(config=plain), timeout=TIMEOUT).pod_sandbox_id

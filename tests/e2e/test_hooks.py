@@ -25,7 +25,8 @@ CREATE = "PreCreateContainerHook"
 
 
 def container_env(runtime: Any, container_id: str) -> list[str]:
-    result = runtime.ExecSync(api_pb2.ExecSyncRequest(container_id=container_id, cmd=["env"], timeout=10))
+    request = api_pb2.ExecSyncRequest(container_id=container_id, cmd=["env"], timeout=10)
+    result: api_pb2.ExecSyncResponse = runtime.ExecSync(request)
     return result.stdout.decode().split()
 
 
@@ -99,8 +100,8 @@ def test_failure_policies(
         with pytest.raises(grpc.RpcError) as error:
             with running_container(runtime, "refused", workdir):
                 pass
-        assert "broken.json" in error.value.details()
-        assert "PreCreateContainer" in error.value.details()
+        assert "broken.json" in (error.value.details() or "")
+        assert "PreCreateContainer" in (error.value.details() or "")
     else:
         with running_container(runtime, "tolerated", workdir) as pod:
             assert not any(line.startswith("KOORDRP") for line in container_env(runtime, pod.container_id))
@@ -123,7 +124,7 @@ def test_a_server_slower_than_its_timeout(
         if policy == "Fail":
             with pytest.raises(grpc.RpcError) as error:
                 start_container(runtime, sandbox_id, pod, container)
-            assert "no answer within 0.5s" in error.value.details()
+            assert "no answer within 0.5s" in (error.value.details() or "")
             [line] = koordrp.log_lines("] CreateContainer pod default/slow")
             assert ": UNKNOWN in " in line and "hooks: PreCreateContainer@slow.json: timeout " in line
             assert line.endswith("ms (no answer within 0.5s; Fail policy: the call failed)"), line
@@ -148,7 +149,7 @@ def test_a_missing_socket_fails_at_once(
             api_pb2.RunPodSandboxRequest(config=pod_sandbox_config("nobody", log_directory=workdir / "n")), timeout=TIMEOUT
         )
     assert time.monotonic() - started < 0.5
-    assert "does not exist" in error.value.details()
+    assert "does not exist" in (error.value.details() or "")
 
 
 def test_hot_reload_gives_each_pod_the_config_in_force_when_it_arrived(

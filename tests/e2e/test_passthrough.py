@@ -9,7 +9,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import grpc
 import pytest
@@ -38,7 +38,7 @@ def direct(containerd: Containerd) -> Clients:
 
 
 @pytest.fixture
-def proxied(koordrp: KoordrpProcess) -> Clients:
+def proxied(koordrp: KoordrpProcess) -> Iterator[Clients]:
     channel = koordrp.channel()
     yield Clients(channel)
     channel.close()
@@ -294,7 +294,7 @@ def test_started_before_containerd_serves_once_it_is_up(images: ImageSet, workdi
                 with pytest.raises(grpc.RpcError) as error:
                     stub.Version(api_pb2.VersionRequest(), timeout=5)
                 assert error.value.code() == grpc.StatusCode.UNAVAILABLE
-                assert runtime.endpoint in error.value.details()
+                assert runtime.endpoint in (error.value.details() or "")
             runtime.start()
             came_up = time.monotonic()
             while not proxy.answers(channel):

@@ -1,11 +1,17 @@
 """Stand-ins for what a unit test cannot have for real."""
 
 from concurrent import futures
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import grpc
 
 from koordrp.unix import grpc_target
+
+if TYPE_CHECKING:
+    # grpc-stubs makes the handler generic; grpcio's class itself cannot be subscripted at run time.
+    BytesHandler = grpc.GenericRpcHandler[bytes, bytes]
+else:
+    BytesHandler = grpc.GenericRpcHandler
 
 
 class FakeGrpcServer:

@@ -13,7 +13,7 @@ from typing import Callable, Iterator
 import grpc
 from cri_api.v1 import api_pb2
 
-from tests.fake import FakeGrpcServer
+from tests.fake import BytesHandler, FakeGrpcServer
 
 RUNTIME = "/runtime.v1.RuntimeService/"
 IMAGE = "/runtime.v1.ImageService/"
@@ -55,7 +55,7 @@ class FakeCRIBackend(FakeGrpcServer):
             ReceivedCall(
                 method,
                 request,
-                {m.key: m.value for m in context.invocation_metadata()},
+                {key: value for key, value in context.invocation_metadata()},
                 None if remaining is None or remaining > 1e9 else remaining,
             )
         )
@@ -110,7 +110,7 @@ class FakeCRIBackend(FakeGrpcServer):
         context.set_trailing_metadata((("x-events-sent", str(sent)),))
 
 
-class _Handler(grpc.GenericRpcHandler):
+class _Handler(BytesHandler):
     def __init__(self, backend: FakeCRIBackend) -> None:
         self._backend = backend
         unary: dict[str, Callable[[bytes, grpc.ServicerContext], bytes]] = {
@@ -123,7 +123,7 @@ class _Handler(grpc.GenericRpcHandler):
         }
         self._unary = unary
 
-    def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+    def service(self, details: grpc.HandlerCallDetails) -> "grpc.RpcMethodHandler[bytes, bytes]":
         backend, method = self._backend, details.method
         if method == RUNTIME + "GetContainerEvents":
 

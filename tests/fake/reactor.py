@@ -12,7 +12,7 @@ class InlineThreadPool(ThreadPool):
     """Runs each job at once in the caller's thread, as Buildbot's non-thread pool does."""
 
     def callInThreadWithCallback(
-        self, onResult: Callable[[bool, Any], None] | None, func: Callable[..., Any], *args: Any, **kw: Any
+        self, onResult: Callable[[bool, Any], object] | None, func: Callable[..., Any], *args: Any, **kw: Any
     ) -> None:
         try:
             result = func(*args, **kw)
@@ -29,19 +29,20 @@ class InlineThreadsReactor(MemoryReactorClock):
     """A memory reactor plus the thread methods koordrp's services use, all run inline and recorded."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # MemoryReactorClock.__init__ is untyped
         self.pool = InlineThreadPool()
         self.from_threads: list[tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]] = []
 
     def getThreadPool(self) -> ThreadPool:
         return self.pool
 
-    def callFromThread(self, f: Callable[..., Any], *args: Any, **kw: Any) -> None:
-        self.from_threads.append((f, args, kw))
-        f(*args, **kw)
+    # Parameters named as IReactorFromThreads and IReactorInThreads name them.
+    def callFromThread(self, callable: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        self.from_threads.append((callable, args, kwargs))
+        callable(*args, **kwargs)
 
-    def callInThread(self, f: Callable[..., Any], *args: Any, **kw: Any) -> None:
-        f(*args, **kw)
+    def callInThread(self, callable: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        callable(*args, **kwargs)
 
     def suggestThreadPoolSize(self, size: int) -> None:
         pass

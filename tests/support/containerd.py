@@ -336,8 +336,15 @@ class Containerd(Daemon[ContainerdPaths]):
         """The ids of every pod sandbox and container, read the lenient way koordrp reads them: a pod
         made with text that is not UTF-8 (containerd takes it) cannot be parsed whole in Python."""
         channel = self.channel()
-        sandboxes = channel.unary_unary("/runtime.v1.RuntimeService/ListPodSandbox")(b"", timeout=CRI_CALL_TIMEOUT)
-        containers = channel.unary_unary("/runtime.v1.RuntimeService/ListContainers")(b"", timeout=CRI_CALL_TIMEOUT)
+        # No serializers: the answers stay bytes.
+        list_sandboxes = channel.unary_unary(
+            "/runtime.v1.RuntimeService/ListPodSandbox", request_serializer=None, response_deserializer=None
+        )
+        list_containers = channel.unary_unary(
+            "/runtime.v1.RuntimeService/ListContainers", request_serializer=None, response_deserializer=None
+        )
+        sandboxes = list_sandboxes(b"", timeout=CRI_CALL_TIMEOUT)
+        containers = list_containers(b"", timeout=CRI_CALL_TIMEOUT)
         return listed_ids(sandboxes), listed_ids(containers)
 
     def daemon_pids(self) -> list[int]:

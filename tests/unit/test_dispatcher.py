@@ -2,12 +2,13 @@
 
 import os
 import time
+from typing import cast
 
 import grpc
 from twisted.internet import reactor
 from twisted.internet.defer import inlineCallbacks
 from twisted.internet.task import deferLater
-from twisted.logger import LogEvent, LogLevel, globalLogPublisher
+from twisted.logger import ILogObserver, LogEvent, LogLevel, globalLogPublisher
 from twisted.trial.unittest import TestCase
 
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
@@ -34,8 +35,9 @@ class DispatcherTests(TestCase):
         self.addCleanup(self.clients.close_all)
         self.dispatcher = Dispatcher(self.clients, reactor)
         self.events: list[LogEvent] = []
-        globalLogPublisher.addObserver(self.events.append)
-        self.addCleanup(globalLogPublisher.removeObserver, self.events.append)
+        observer = cast(ILogObserver, self.events.append)
+        globalLogPublisher.addObserver(observer)
+        self.addCleanup(globalLogPublisher.removeObserver, observer)
 
     def server(self, name: str) -> FakeHookServer:
         fake = FakeHookServer(os.path.join(self.dir, name + ".sock")).start()

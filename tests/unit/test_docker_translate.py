@@ -2,7 +2,7 @@
 
 import copy
 import json
-from typing import Any
+from typing import Any, Callable
 
 from twisted.trial.unittest import SynchronousTestCase
 
@@ -349,6 +349,7 @@ class KindTests(SynchronousTestCase):
         self.assertEqual(translate.kind_of(container_body()), "container")
 
     def test_other_creates_pass_through(self) -> None:
+        body: object
         for body in (
             {"Image": "busybox", "Cmd": ["echo", "hi"]},
             {"Image": "busybox", "Labels": None},
@@ -812,6 +813,7 @@ class MalformedTests(SynchronousTestCase):
             change(body)
             return body
 
+        body: object
         for body in (
             None,
             [],
@@ -840,6 +842,7 @@ class MalformedTests(SynchronousTestCase):
 
     def test_inspects(self) -> None:
         good = json.loads(CONTAINER_INSPECT)
+        change: Callable[[dict[str, Any]], object]
         for change in (
             lambda found: found.pop("Config"),
             lambda found: found.update(Config="x"),

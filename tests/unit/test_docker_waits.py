@@ -6,13 +6,14 @@ Docker mode service on the real reactor, with a real client on its own socket.
 
 import os
 import time
-from typing import Any
+from typing import Any, cast
 
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred, inlineCallbacks
+from twisted.internet.interfaces import IReactorUNIX
 from twisted.internet.protocol import ClientFactory, Factory, Protocol
 from twisted.internet.task import Clock, deferLater
-from twisted.logger import LogEvent, globalLogPublisher
+from twisted.logger import ILogObserver, LogEvent, globalLogPublisher
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 from twisted.web.server import NOT_DONE_YET
@@ -88,15 +89,17 @@ class WedgedDockerdTests(TestCase):
         directory = short_tempdir(self)
         self.wedged = WedgedDockerd()
         backend = os.path.join(directory, "docker.sock")
-        port = reactor.listenUNIX(backend, self.wedged)
+        unix = IReactorUNIX(reactor)
+        port = unix.listenUNIX(backend, self.wedged)
         self.addCleanup(port.stopListening)
         self.listen = os.path.join(directory, "koordrp", "koordrp.sock")
         parts = flows.Parts(Store(), Dispatcher(HookClients(reactor), reactor), HookServers, flows.SkipLabel("skip", "true"), reactor)
-        dockerd = Dockerd(reactor, backend, question_seconds=QUESTION_SECONDS, probe_seconds=PROBE_SECONDS)
-        self.service = DockerProxyService(DockerProxySettings(self.listen, backend), reactor, parts, dockerd)
+        dockerd = Dockerd(unix, backend, question_seconds=QUESTION_SECONDS, probe_seconds=PROBE_SECONDS)
+        self.service = DockerProxyService(DockerProxySettings(self.listen, backend), unix, parts, dockerd)
         self.events: list[LogEvent] = []
-        globalLogPublisher.addObserver(self.events.append)
-        self.addCleanup(globalLogPublisher.removeObserver, self.events.append)
+        observer = cast(ILogObserver, self.events.append)
+        globalLogPublisher.addObserver(observer)
+        self.addCleanup(globalLogPublisher.removeObserver, observer)
 
     def start(self) -> None:
         self.service.startService()
@@ -136,7 +139,10 @@ class WedgedDockerdTests(TestCase):
             def connectionMade(self) -> None:
                 connected.callback(self)
 
-        reactor.connectUNIX(self.listen, ClientFactory.forProtocol(Client))
+        # Not ClientFactory.forProtocol: Twisted types its result as a Factory, and connectUNIX takes a ClientFactory.
+        factory = ClientFactory()
+        factory.protocol = Client
+        IReactorUNIX(reactor).connectUNIX(self.listen, factory)
         client = yield connected
         body = b'{"Image": "busybox"}'
         client.transport.write(
@@ -160,8 +166,9 @@ class StoreSyncTests(SynchronousTestCase):
         self.answers: list[Deferred[flows.Inventory]] = []
         self.sync = StoreSync(self.store, self.read, self.clock, "dockerd")
         self.events: list[LogEvent] = []
-        globalLogPublisher.addObserver(self.events.append)
-        self.addCleanup(globalLogPublisher.removeObserver, self.events.append)
+        observer = cast(ILogObserver, self.events.append)
+        globalLogPublisher.addObserver(observer)
+        self.addCleanup(globalLogPublisher.removeObserver, observer)
 
     def read(self) -> "Deferred[flows.Inventory]":
         answer: Deferred[flows.Inventory] = Deferred()

@@ -7,11 +7,11 @@ Rules that only involve ids run once. The stages and the runtime are fakes that 
 """
 
 import json
-from typing import Any, Callable, Coroutine, Sequence
+from typing import Any, Callable, Coroutine, Sequence, cast
 
 from twisted.internet.defer import Deferred, ensureDeferred
 from twisted.internet.task import Clock
-from twisted.logger import LogEvent, globalLogPublisher
+from twisted.logger import ILogObserver, LogEvent, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 
 from koordrp import flows
@@ -21,7 +21,7 @@ from koordrp.cri import translate as cri_translate
 from koordrp.docker import translate as docker_translate
 from koordrp.hooks.client import HookClients
 from koordrp.hooks.dispatcher import Dispatcher
-from koordrp.hooks.messages import ContainerHookRequest, PodHookRequest
+from koordrp.hooks.messages import ContainerHookRequest, HookRequest, PodHookRequest
 from koordrp.metrics import Metrics
 from koordrp.hooks.types import NOT_MADE, SKIPPED, UNREADABLE, FailurePolicy, HookServerConfig, HookServers, HookType, PostStage
 from koordrp.store import ContainerState, Store, StoredContainer, StoredPod
@@ -37,6 +37,12 @@ POST_START = HookType.POST_START_CONTAINER
 PRE_UPDATE = HookType.PRE_UPDATE_CONTAINER_RESOURCES
 POST_STOP = HookType.POST_STOP_CONTAINER
 POST_STOP_POD = HookType.POST_STOP_POD_SANDBOX
+
+
+def container_request(request: HookRequest | None) -> ContainerHookRequest:
+    """``request``, which the test knows to be a container's."""
+    assert isinstance(request, ContainerHookRequest), request
+    return request
 
 
 class CRIWire:
@@ -113,7 +119,7 @@ class DockerWire:
         body = json.loads(sent)
         envs = [tuple(entry.split("=", 1)) for entry in body["Env"]]
         host = body["HostConfig"]
-        return envs, host["CpusetCpus"], host["CgroupParent"]  # type: ignore[return-value]
+        return envs, host["CpusetCpus"], host["CgroupParent"]
 
     def update_sent(self, sent: bytes) -> tuple[int, str]:
         body = json.loads(sent)
@@ -130,8 +136,9 @@ class FlowTestCase(SynchronousTestCase):
         self.parts = flows.Parts(self.store, self.stages, lambda: self.servers, SKIP, self.clock)
         self.calls: list[flows.Call[Reply]] = []
         self.events: list[LogEvent] = []
-        globalLogPublisher.addObserver(self.events.append)
-        self.addCleanup(globalLogPublisher.removeObserver, self.events.append)
+        observer = cast(ILogObserver, self.events.append)
+        globalLogPublisher.addObserver(observer)
+        self.addCleanup(globalLogPublisher.removeObserver, observer)
 
     def subscribe(self, *hooks: HookType) -> None:
         self.servers = HookServers(
@@ -290,7 +297,7 @@ class IdentityRules(FlowTestCase):
         self.assertEqual(self.stages.hooks_run(), [PRE_START])
         self.assertEqual(self.runtime.forwarded, [None])
         [post] = self.announced
-        self.assertEqual((post.hook, post.request.container_envs["STARTED"]), (POST_START, "1"))
+        self.assertEqual((post.hook, container_request(post.request).container_envs["STARTED"]), (POST_START, "1"))
 
     def test_no_post_stage_when_the_runtime_refused(self) -> None:
         self.put_container()
@@ -313,7 +320,12 @@ class IdentityRules(FlowTestCase):
         )
 
     def posts_by_name(self) -> list[tuple[HookType, str]]:
-        return [(post.hook, post.request.container_meta.name or post.request.pod_meta.name) for post in self.announced]
+        def name(request: HookRequest) -> str:
+            if isinstance(request, ContainerHookRequest) and request.container_meta.name:
+                return request.container_meta.name
+            return request.pod_meta.name
+
+        return [(post.hook, name(post.request)) for post in self.announced]
 
     def test_post_stop_fires_once_per_stop_and_a_start_arms_it_again(self) -> None:
         self.put_container()
@@ -336,7 +348,7 @@ class IdentityRules(FlowTestCase):
         self.drive(flows.stop_pod_sandbox, "s-1")
         self.drive(flows.stop_container, "c-1")
         self.assertEqual([post.hook for post in self.announced], [POST_STOP, POST_STOP, POST_STOP_POD])
-        self.assertEqual([post.request.container_meta.id for post in self.announced[:2]], ["c-1", "c-2"])
+        self.assertEqual([container_request(post.request).container_meta.id for post in self.announced[:2]], ["c-1", "c-2"])
 
     def test_a_container_the_runtime_says_has_exited_owes_no_post_stop(self) -> None:
         self.runtime.containers["c-1"] = StoredContainer("s-1", ContainerHookRequest(), ContainerState.STOPPED)
@@ -365,7 +377,7 @@ class IdentityRules(FlowTestCase):
         self.subscribe(PRE_START)
         self.drive(flows.start_container, "c-1")
         self.assertEqual(self.runtime.read_back, ["c-1", "s-1"])
-        seen = self.stages.ran[0].request
+        seen = container_request(self.stages.ran[0].request)
         self.assertEqual((dict(seen.pod_labels), seen.pod_cgroup_parent), ({"app": "web"}, "/from/the/runtime"))
         self.assertEqual(self.store.sizes(), (1, 1))
         self.drive(flows.start_container, "c-1")
@@ -384,7 +396,7 @@ class IdentityRules(FlowTestCase):
         self.subscribe(PRE_START, POST_START)
         self.drive(flows.start_container, "c-1")
         call = self.calls[-1]
-        self.assertEqual(call.record.subject.container_meta, stored.container_meta)
+        self.assertEqual(container_request(call.record.subject).container_meta, stored.container_meta)
         self.assertEqual(
             [(c.hook, c.server.name, c.result) for c in call.record.calls], [(PRE_START, "a.json", "ok"), (POST_START, "a.json", "sent")]
         )
@@ -402,6 +414,7 @@ class IdentityRules(FlowTestCase):
     def test_a_fail_policy_pre_hook_refuses_a_request_it_cannot_be_shown(self) -> None:
         self.subscribe(PRE_CREATE)
         refusal = self.drive(flows.unreadable, "CreateContainer", "truncated message")
+        assert isinstance(refusal, flows.Refusal), refusal
         self.assertEqual(refusal.kind, flows.RefusalKind.UNREADABLE)
         self.assertIn("a.json (Fail policy) must see at PreCreateContainer: truncated message", refusal.message)
         self.assertEqual(self.runtime.forwarded, [])
@@ -475,7 +488,8 @@ class CancellationTests(FlowTestCase):
     def test_a_hook_stage_in_flight_is_cancelled_and_the_runtime_never_called(self) -> None:
         self.put_container()
         self.subscribe(PRE_START)
-        self.stages.pending[PRE_START] = waiting = Deferred()
+        waiting: Deferred[None] = Deferred()
+        self.stages.pending[PRE_START] = waiting
         answer = self.start(flows.start_container, "c-1")
         self.assertNoResult(answer)
         answer.cancel()
@@ -505,14 +519,18 @@ class CancellationTests(FlowTestCase):
 
     def test_a_cancelled_stop_the_runtime_did_not_do_owes_no_post_stop_until_a_stop_succeeds(self) -> None:
         self.stop_cancelled(ContainerState.RUNNING)
-        self.assertEqual((self.announced, self.store.container("c-1").state), ([], ContainerState.CREATED))
+        stored = self.store.container("c-1")
+        assert stored is not None
+        self.assertEqual((self.announced, stored.state), ([], ContainerState.CREATED))
         self.drive(flows.stop_container, "c-1")
         self.drive(flows.stop_container, "c-1")
         self.assertEqual([post.hook for post in self.announced], [POST_STOP])
 
     def test_a_cancelled_stop_the_runtime_did_all_the_same_owes_its_post_stop_once(self) -> None:
         self.stop_cancelled(ContainerState.STOPPED)
-        self.assertEqual(self.store.container("c-1").state, ContainerState.STOPPED)
+        stored = self.store.container("c-1")
+        assert stored is not None
+        self.assertEqual(stored.state, ContainerState.STOPPED)
         self.drive(flows.stop_container, "c-1")
         self.assertEqual([post.hook for post in self.announced], [POST_STOP])
 

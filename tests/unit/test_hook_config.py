@@ -103,7 +103,7 @@ class AcceptTests(SynchronousTestCase):
 
 class RejectTests(SynchronousTestCase):
     def reason(self, data: bytes) -> str:
-        error = self.assertRaises(HookConfigError, parse_hook_server_config, "bad.json", data, 3.0)
+        error: HookConfigError = self.assertRaises(HookConfigError, parse_hook_server_config, "bad.json", data, 3.0)
         self.assertIsInstance(error, ValueError)
         self.assertEqual(str(error), error.reason)
         self.assertNotIn("\n", error.reason)

@@ -5,12 +5,12 @@ import os
 import shutil
 import stat
 import time
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 from twisted.internet import reactor as _global_reactor
 from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import deferLater
-from twisted.logger import LogEvent, LogLevel, formatEvent, globalLogPublisher
+from twisted.logger import ILogObserver, LogEvent, LogLevel, formatEvent, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from koordrp.hooks import registry
@@ -32,7 +32,7 @@ from koordrp.hooks.types import FailurePolicy, HookServerConfig, HookServers, Ho
 from tests.support import koordlet
 from tests.support.tempdirs import short_tempdir
 
-reactor: IReactorTime = _global_reactor  # type: ignore[assignment]
+reactor: IReactorTime = _global_reactor
 
 DIRECTORY = "/etc/runtime/hookserver.d"
 
@@ -320,7 +320,7 @@ class FileTests(SynchronousTestCase):
     def test_file_vanishing_between_listing_and_stat_is_left_out(self) -> None:
         self.write("a.json", b"{}")
         real_listdir = os.listdir
-        self.patch(registry.os, "listdir", lambda path: real_listdir(path) + ["gone.json"])
+        self.patch(os, "listdir", lambda path: real_listdir(path) + ["gone.json"])
         self.assertEqual(sorted(list_registrations(self.dir) or {}), ["a.json"])
 
     def test_missing_directory(self) -> None:
@@ -346,7 +346,7 @@ class FileTests(SynchronousTestCase):
             raise PermissionError(13, "Permission denied")
 
         path = self.write("a.json", b"{}")
-        self.patch(registry.os, "open", refuse)
+        self.patch(os, "open", refuse)
         self.assertEqual(read_registration(path), Refusal("cannot open: Permission denied"))
 
     def test_oversized_file_is_not_read(self) -> None:
@@ -361,7 +361,7 @@ class FileTests(SynchronousTestCase):
         path = os.path.join(self.dir, "big.json")
         with open(path, "wb") as file:
             file.truncate(10 * MAX_CONFIG_BYTES)
-        self.patch(registry.os, "read", counting_read)
+        self.patch(os, "read", counting_read)
         reading = read_registration(path)
         self.assertEqual(reading, Refusal(TOO_LARGE, registry.stat_key(os.stat(path))))
         self.assertEqual(read, [])
@@ -374,7 +374,7 @@ class FileTests(SynchronousTestCase):
             return b" " * n
 
         path = self.write("grows.json", b"{}")
-        self.patch(registry.os, "read", growing_read)
+        self.patch(os, "read", growing_read)
         self.assertIsInstance(read_registration(path), Refusal)
         self.assertLessEqual(sum(read), MAX_CONFIG_BYTES + 64 * 1024)
 
@@ -410,13 +410,19 @@ class WatchingTests(TestCase):
         self.changes: list[HookServers] = []
         self.markers = 0
         self.events: list[LogEvent] = []
-        globalLogPublisher.addObserver(self.events.append)
-        self.addCleanup(globalLogPublisher.removeObserver, self.events.append)
+        observer = cast(ILogObserver, self.events.append)
+        globalLogPublisher.addObserver(observer)
+        self.addCleanup(globalLogPublisher.removeObserver, observer)
 
     def start(self) -> HookRegistry:
         hooks = HookRegistry(self.dir, 3.0, reactor, self.changes.append)
         hooks.startService()
-        self.addCleanup(lambda: hooks.running and hooks.stopService())
+
+        def stop() -> None:
+            if hooks.running:
+                hooks.stopService()
+
+        self.addCleanup(stop)
         return hooks
 
     def path(self, name: str) -> str:

@@ -3,12 +3,14 @@
 import os
 import time
 from concurrent import futures
+from typing import cast
 
 import grpc
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred, inlineCallbacks
+from twisted.internet.interfaces import IReactorFromThreads
 from twisted.internet.threads import deferToThread
-from twisted.logger import LogEvent, globalLogPublisher
+from twisted.logger import ILogObserver, LogEvent, globalLogPublisher
 from twisted.trial.unittest import TestCase
 
 from koordrp.api.cri.v1 import api_pb2 as cri
@@ -69,7 +71,8 @@ class InterceptTests(TestCase):
         parts = Parts(self.store, dispatcher, lambda: servers, SkipLabel("skip", "true"), reactor)
         channel = BackendChannel(self.backend.path, lambda change, path: None)
         self.addCleanup(channel.close)
-        interceptor = Interceptor(reactor, channel, parts, RuntimeLookup(reactor, channel.channel))
+        threads = IReactorFromThreads(reactor)
+        interceptor = Interceptor(threads, channel, parts, RuntimeLookup(threads, channel.channel))
         handler = PassThroughHandler({BackendRole.RUNTIME: channel, BackendRole.IMAGE: channel}, interceptor.handlers)
         # One worker: a call that held it after its caller gave up would keep every other call waiting.
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=1), handlers=[handler])
@@ -81,7 +84,7 @@ class InterceptTests(TestCase):
         self.addCleanup(self.client.close)
 
     def call(self, method: str, request: bytes) -> bytes:
-        return bytes(self.client.unary_unary(method)(request, timeout=10))
+        return bytes(self.client.unary_unary(method, request_serializer=None, response_deserializer=None)(request, timeout=10))
 
     @inlineCallbacks
     def test_hook_changes_reach_the_runtime_with_fields_newer_than_the_stubs(self):  # type: ignore[no-untyped-def]
@@ -128,8 +131,9 @@ class InterceptTests(TestCase):
             if event.get("log_namespace") == "koordrp.calls":
                 lines.append(event)
 
-        globalLogPublisher.addObserver(observe)
-        self.addCleanup(globalLogPublisher.removeObserver, observe)
+        observer = cast(ILogObserver, observe)
+        globalLogPublisher.addObserver(observer)
+        self.addCleanup(globalLogPublisher.removeObserver, observer)
         return lines
 
     @inlineCallbacks
@@ -152,13 +156,14 @@ class InterceptTests(TestCase):
         self.backend.slow_call_seconds = 30.0
         lines = self.call_lines()
         request = cri.StopContainerRequest(container_id="c-1", timeout=30).SerializeToString()
-        stopping = self.client.unary_unary(STOP).future(request, timeout=60)
+        stopping = self.client.unary_unary(STOP, request_serializer=None, response_deserializer=None).future(request, timeout=60)
         arrived = yield deferToThread(self.backend.stop_arrived.wait, 5)
         self.assertTrue(arrived)
         cancelled_at = time.monotonic()
         stopping.cancel()
         ended = yield deferToThread(self.backend.stop_ended.wait, 5)
         self.assertTrue(ended)
+        assert self.backend.stop_ended_at is not None
         self.assertLess(self.backend.stop_ended_at - cancelled_at, 0.1)
         # The proxy's only worker answers the next call at once: the given-up one holds none.
         started = time.monotonic()
@@ -168,7 +173,9 @@ class InterceptTests(TestCase):
         self.assertEqual(lines[0]["outcome"], "CANCELLED")
         # The runtime did not stop it (it does not even know it): no PostStopContainer, and the store agrees.
         self.assertEqual(self.hook_server.rpcs(), [])
-        self.assertEqual(self.store.container("c-1").state, ContainerState.RUNNING)
+        stored = self.store.container("c-1")
+        assert stored is not None
+        self.assertEqual(stored.state, ContainerState.RUNNING)
 
     @inlineCallbacks
     def test_a_stop_past_its_callers_deadline_ends_upstream_at_the_deadline(self):  # type: ignore[no-untyped-def]
@@ -177,8 +184,10 @@ class InterceptTests(TestCase):
         request = cri.StopContainerRequest(container_id="c-1", timeout=30).SerializeToString()
         started = time.monotonic()
         with self.assertRaises(grpc.RpcError) as error:
-            yield deferToThread(self.client.unary_unary(STOP), request, timeout=0.5)
+            stop = self.client.unary_unary(STOP, request_serializer=None, response_deserializer=None)
+            yield deferToThread(stop, request, timeout=0.5)
         self.assertEqual(error.exception.code(), grpc.StatusCode.DEADLINE_EXCEEDED)
         ended = yield deferToThread(self.backend.stop_ended.wait, 5)
         self.assertTrue(ended)
+        assert self.backend.stop_ended_at is not None
         self.assertLess(self.backend.stop_ended_at - started, 0.6)

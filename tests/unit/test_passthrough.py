@@ -123,12 +123,14 @@ class PassThroughTests(SynchronousTestCase):
         self.assertEqual(self.runtime.calls, [])
 
     def test_unknown_unary_method_is_forwarded_as_bytes(self) -> None:
-        future_method = self.channel.unary_unary("/runtime.v1.RuntimeService/SomethingNewer")
+        future_method = self.channel.unary_unary(
+            "/runtime.v1.RuntimeService/SomethingNewer", request_serializer=None, response_deserializer=None
+        )
         self.assertEqual(future_method(b"\x01\x02\x03"), b"\x03\x02\x01")
         self.assertEqual(self.runtime.calls[-1].method, "/runtime.v1.RuntimeService/SomethingNewer")
 
     def test_unknown_service_bidirectional_stream_is_forwarded(self) -> None:
-        chat = self.channel.stream_stream("/example.v9.Other/Chat")
+        chat = self.channel.stream_stream("/example.v9.Other/Chat", request_serializer=None, response_deserializer=None)
         self.assertEqual(list(chat(iter([b"ab", b"cd", b""]))), [b"ba", b"dc", b""])
 
     def test_server_stream_relays_events_in_order_and_ends_with_backend(self) -> None:
@@ -191,7 +193,8 @@ class BackendOutageTests(SynchronousTestCase):
 
         def answers() -> bool:
             try:
-                return self.stub.Version(api_pb2.VersionRequest(), timeout=1).runtime_name == "late"
+                version: api_pb2.VersionResponse = self.stub.Version(api_pb2.VersionRequest(), timeout=1)
+                return version.runtime_name == "late"
             except grpc.RpcError:
                 return False
 

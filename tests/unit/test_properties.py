@@ -11,9 +11,10 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 from google.protobuf import json_format
+from google.protobuf.message import Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -217,7 +218,7 @@ class HookConfigPropertyTests(SynchronousTestCase):
 # 2. Merging hook responses
 
 # Protobuf strings are valid Unicode; keys are drawn from a few letters so that maps overlap.
-proto_text = st.text(st.characters(exclude_categories=("Cs",)), max_size=8)
+proto_text = st.text(st.characters(exclude_categories=["Cs"]), max_size=8)
 map_keys = st.text("abc", max_size=2) | proto_text
 string_maps = st.dictionaries(map_keys, proto_text, max_size=5)
 int64s = st.one_of(st.just(0), st.integers(-3, 3), st.integers(INT64_MIN, INT64_MAX))
@@ -232,6 +233,11 @@ POSITIVE_FIELDS = ("cpu_period", "cpu_shares", "memory_limit_in_bytes", "memory_
 NON_ZERO_FIELDS = ("cpu_quota", "oom_score_adj")
 STRING_FIELDS = ("cpuset_cpus", "cpuset_mems")
 
+
+def linux_resources(fields: dict[str, Any]) -> hook.LinuxContainerResources:
+    return hook.LinuxContainerResources(**fields)
+
+
 # Each field present or not, so that answers mention only some of them, as plugins' answers do.
 resources = st.fixed_dictionaries(
     {},
@@ -241,14 +247,17 @@ resources = st.fixed_dictionaries(
         "hugepage_limits": hugepages,
         "unified": string_maps,
     },
-).map(lambda fields: hook.LinuxContainerResources(**fields))
+).map(linux_resources)
 
 
 def optional(strategy: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
     return st.none() | strategy
 
 
-def message(cls: Any, **fields: Any) -> Any:
+_Message = TypeVar("_Message", bound=Message)
+
+
+def message(cls: type[_Message], **fields: Any) -> _Message:
     """``cls`` with the fields that are not None (sub-messages left unset stay absent)."""
     return cls(**{name: value for name, value in fields.items() if value is not None})
 
@@ -257,7 +266,7 @@ def message(cls: Any, **fields: Any) -> Any:
 UNKNOWN_FIELD = bytes([0xA0, 0x06, 0x05])
 
 
-def with_unknown(cls: Any, request: Any, add: bool) -> Any:
+def with_unknown(cls: type[_Message], request: Message, add: bool) -> _Message:
     return cls.FromString(request.SerializeToString() + (UNKNOWN_FIELD if add else b""))
 
 
@@ -330,11 +339,12 @@ def merged(request: Any, *responses: Any) -> Any:
 
 
 def unknown(message: Any) -> list[tuple[int, int, Any]]:
-    return [(field.field_number, field.wire_type, field.data) for field in UnknownFieldSet(message)]
+    # iter(): the stubs give UnknownFieldSet only the old sequence protocol (__getitem__ and __len__).
+    return [(field.field_number, field.wire_type, field.data) for field in iter(UnknownFieldSet(message))]
 
 
 class MergeModel:
-    """The merge rules of README.md, written out field by field, against which merges are checked."""
+    """The merge rules of docs/hook-server.md ("How answers are merged"), written out field by field, against which merges are checked."""
 
     def __init__(self, test: SynchronousTestCase) -> None:
         self.test = test

@@ -16,10 +16,11 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import grpc
 import txaio
+from google.protobuf.message import Message
 from twisted.internet import reactor, task
 from twisted.internet.defer import Deferred
 from twisted.internet.threads import deferToThread
@@ -61,6 +62,16 @@ def container_request(**fields: Any) -> api_pb2.ContainerResourceHookRequest:
 
 def pod_request() -> api_pb2.PodSandboxHookRequest:
     return api_pb2.PodSandboxHookRequest(pod_meta=api_pb2.PodSandboxMetadata(name="web", namespace="default"))
+
+
+_Message = TypeVar("_Message", bound=Message)
+
+
+def copied(message: _Message) -> _Message:
+    """A new message equal to ``message``."""
+    copy = type(message)()
+    copy.CopyFrom(message)
+    return copy
 
 
 def pinned(cpus: str) -> api_pb2.ContainerResourceHookResponse:
@@ -245,7 +256,10 @@ class FailureTests(ServingTestCase):
 
         @server.hook(HookType.PRE_START_CONTAINER)
         def refuses(request: api_pb2.ContainerResourceHookRequest) -> "Deferred[None]":
-            return task.deferLater(reactor, 0.01, lambda: 1 / 0)
+            def divide() -> None:
+                1 / 0
+
+            return task.deferLater(reactor, 0.01, divide)
 
         @server.hook(HookType.PRE_RUN_POD_SANDBOX)
         async def also(request: api_pb2.PodSandboxHookRequest) -> None:
@@ -262,7 +276,8 @@ class FailureTests(ServingTestCase):
 
     async def test_wrong_answer_type_is_internal(self) -> None:
         server = HookServer()
-        server.hook(HookType.PRE_RUN_POD_SANDBOX)(lambda request: api_pb2.ContainerResourceHookResponse())
+        # The wrong answer on purpose: what a handler the type checker never saw could do.
+        server.hook(HookType.PRE_RUN_POD_SANDBOX)(lambda request: api_pb2.ContainerResourceHookResponse())  # type: ignore[type-var]
         self.serve(server)
         error = await self.failed_call(HookType.PRE_RUN_POD_SANDBOX, pod_request())
         self.assertEqual(error.code(), grpc.StatusCode.INTERNAL)
@@ -378,8 +393,7 @@ class ReplyTests(SynchronousTestCase):
         )
         pod = api_pb2.PodSandboxHookRequest(labels={"l": "1"}, annotations={"a": "1"}, cgroup_parent="/p", resources=resources)
         for request in (container, pod):
-            merged = type(request)()
-            merged.CopyFrom(request)
+            merged = copied(request)
             merge_response(merged, sdk.reply(request))
             self.assertEqual(merged, request)
         self.assertEqual(sdk.reply(container).container_resources, resources)
@@ -488,7 +502,7 @@ class RegistrationTests(SynchronousTestCase):
 
     def test_written_atomically(self) -> None:
         """koordrp never sees a partial file: it is complete, 0644 and synced before its rename."""
-        seen: list[tuple[str, str, bool, int, object]] = []
+        seen: list[tuple[str, str, bool, int, Any]] = []
         real_replace = os.replace
         synced: list[int] = []
         real_fsync = os.fsync
@@ -504,8 +518,8 @@ class RegistrationTests(SynchronousTestCase):
             self.assertTrue(synced, "renamed before fsync")
             real_replace(source, target)
 
-        self.patch(sdk.os, "replace", replace)
-        self.patch(sdk.os, "fsync", fsync)
+        self.patch(os, "replace", replace)
+        self.patch(os, "fsync", fsync)
         self.serve()
         [(source, target, existed, mode, content)] = seen
         self.assertEqual(os.path.dirname(source), self.hookserver_d)
@@ -525,7 +539,7 @@ class RegistrationTests(SynchronousTestCase):
                 answering.append(probe.connect_ex(self.socket) == 0)
             real_replace(source, target)
 
-        self.patch(sdk.os, "replace", replace)
+        self.patch(os, "replace", replace)
         self.serve()
         self.assertEqual(answering, [True])
 
@@ -617,7 +631,12 @@ class ExampleProcessTests(SynchronousTestCase):
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
         )
-        self.addCleanup(lambda: process.poll() is None and process.kill())
+
+        def kill() -> None:
+            if process.poll() is None:
+                process.kill()
+
+        self.addCleanup(kill)
         self.addCleanup(lambda: process.stdout and process.stdout.close())
         wait_for(lambda: os.path.exists(registration) or process.poll() is not None, 15)
         self.assertIsNone(process.poll(), "the example exited")

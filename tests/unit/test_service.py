@@ -4,10 +4,11 @@ import os
 import socket
 import stat
 import threading
+from typing import cast
 
 import grpc
 from cri_api.v1 import api_pb2, api_pb2_grpc
-from twisted.logger import LogEvent, globalLogPublisher
+from twisted.logger import ILogObserver, LogEvent, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 
 from koordrp.cri.server import CRIProxyService, CRIProxySettings
@@ -34,8 +35,9 @@ class CRIProxyServiceTests(SynchronousTestCase):
         self.addCleanup(self.backend.stop)
         self.reactor = InlineThreadsReactor()
         self.events: list[LogEvent] = []
-        globalLogPublisher.addObserver(self.events.append)
-        self.addCleanup(globalLogPublisher.removeObserver, self.events.append)
+        observer = cast(ILogObserver, self.events.append)
+        globalLogPublisher.addObserver(observer)
+        self.addCleanup(globalLogPublisher.removeObserver, observer)
 
     def make_service(self, grace: float = 5.0, socket_gid: int | None = None) -> CRIProxyService:
         settings = CRIProxySettings(

@@ -3,11 +3,12 @@
 import os
 import socket
 import time
+from typing import cast
 
 from twisted.internet import reactor
 from twisted.internet.defer import inlineCallbacks
 from twisted.internet.task import Clock, deferLater
-from twisted.logger import LogEvent, globalLogPublisher
+from twisted.logger import ILogObserver, LogEvent, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from koordrp.systemd import SystemdNotifier, notify_address, watchdog_interval
@@ -54,8 +55,9 @@ class EnvironmentTests(SynchronousTestCase):
         clock = Clock()
         address = os.path.join(short_tempdir(self), "nobody")
         events: list[LogEvent] = []
-        globalLogPublisher.addObserver(events.append)
-        self.addCleanup(globalLogPublisher.removeObserver, events.append)
+        observer = cast(ILogObserver, events.append)
+        globalLogPublisher.addObserver(observer)
+        self.addCleanup(globalLogPublisher.removeObserver, observer)
         notifier = SystemdNotifier(clock, {"NOTIFY_SOCKET": address, "WATCHDOG_USEC": "1000000"})
         notifier.startService()
         clock.pump([0.5] * 10)
