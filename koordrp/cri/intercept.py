@@ -8,7 +8,7 @@ past its deadline), the reactor hears of it once: an unfinished flow is cancelle
 what it waits for upstream, and the call's end (post stages, log line, metrics) follows.
 """
 
-import concurrent.futures
+import threading
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Coroutine, Generic, NoReturn, TypeVar
 
@@ -102,7 +102,12 @@ class CRIBackend:
     """``flows.Backend`` for one CRI call: its bytes forwarded with kubelet's metadata, read-backs from containerd."""
 
     def __init__(
-        self, interceptor: "Interceptor", method: str, raw: bytes, metadata: Metadata, created_id: Callable[[bytes], str] | None
+        self,
+        interceptor: "Interceptor",
+        method: str,
+        raw: bytes,
+        metadata: Metadata,
+        created_id: Callable[[bytes], str] | None,
     ) -> None:
         self._interceptor = interceptor
         self._method = method
@@ -158,20 +163,31 @@ class _Exchange:
     """One intercepted call between its grpc worker and the reactor."""
 
     def __init__(self) -> None:
-        self.outcome: concurrent.futures.Future[flows.Outcome[CRIReply]] = concurrent.futures.Future()
         self.call: flows.Call[CRIReply] | None = None
+        self.outcome: flows.Outcome[CRIReply] = flows.CALLER_GONE
+        # Held until the outcome is known: the cheapest hand-off from the reactor to a waiting thread.
+        self._known = threading.Lock()
+        self._known.acquire()
 
     def start(self, call: "flows.Call[CRIReply]", flow: Flow) -> None:
         """On the reactor: the flow runs; its outcome is handed to the waiting worker."""
         self.call = call
-        call.run(flow).addCallback(self.outcome.set_result)
+        call.run(flow).addCallback(self._answered)
+
+    def _answered(self, outcome: "flows.Outcome[CRIReply]") -> None:
+        self.outcome = outcome
+        self._known.release()
+
+    def wait(self, timeout: float | None) -> bool:
+        """In the worker: whether the outcome came within ``timeout`` seconds (None: however long it takes)."""
+        return self._known.acquire(timeout=-1 if timeout is None else timeout)
 
     def rpc_ended(self) -> None:
         """On the reactor, once grpc says the RPC is over: an unfinished flow is given up, then the call ends."""
         call = self.call
         assert call is not None
-        call.cancel()
-        call.ended(status(self.outcome.result(0)).name)
+        call.cancel()  # the outcome is known from here on
+        call.ended(status(self.outcome).name)
 
 
 class Interceptor:
@@ -202,24 +218,22 @@ class Interceptor:
 
         def handle(raw: bytes, context: grpc.ServicerContext) -> bytes:
             timeout = remaining_timeout(context)
+            exchange = _Exchange()
             backend = CRIBackend(self, path, raw, tuple(context.invocation_metadata()), method.created_id)
             call = flows.Call(self._parts, name, backend, timeout)
             try:
                 flow = method.flow(call, method.parse(raw))
             except DecodeError as error:
                 flow = flows.unreadable(call, name, str(error))
-            exchange = _Exchange()
             self.reactor.callFromThread(exchange.start, call, flow)
             ended = exchange.rpc_ended
             # Once grpc says the RPC is over (answered, cancelled, past its deadline); the reactor
             # runs these in the order they were handed over, so the flow has started by then.
             if not context.add_callback(lambda: self.reactor.callFromThread(ended)):
                 self.reactor.callFromThread(ended)  # the caller is gone already
-            try:
-                outcome = exchange.outcome.result(None if timeout is None else timeout + _SLACK_SECONDS)
-            except concurrent.futures.TimeoutError:
+            if not exchange.wait(None if timeout is None else timeout + _SLACK_SECONDS):
                 _reactor_stuck(context, name)
-            return answer(outcome, context, self.backend)
+            return answer(exchange.outcome, context, self.backend)
 
         return handle
 

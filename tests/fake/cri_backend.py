@@ -17,6 +17,7 @@ from tests.fake import BytesHandler, FakeGrpcServer
 
 RUNTIME = "/runtime.v1.RuntimeService/"
 IMAGE = "/runtime.v1.ImageService/"
+HEALTH_WATCH = "/grpc.health.v1.Health/Watch"
 
 
 @dataclass
@@ -43,6 +44,10 @@ class FakeCRIBackend(FakeGrpcServer):
     stop_arrived: threading.Event = field(default_factory=threading.Event)
     stop_ended: threading.Event = field(default_factory=threading.Event)
     stop_ended_at: float | None = None
+    watches: int = 0
+    """Health watches opened (koordrp holds one open; they are not in ``calls``)."""
+    watches_ending: threading.Event = field(default_factory=threading.Event)
+    """Set: every open health watch ends with UNAVAILABLE, as when the runtime goes away."""
     """When (time.monotonic) the runtime's StopContainer ended: answered, or given up by its caller."""
 
     def start(self) -> "FakeCRIBackend":
@@ -98,6 +103,16 @@ class FakeCRIBackend(FakeGrpcServer):
     def list_images(self, request: bytes, context: grpc.ServicerContext) -> bytes:
         return api_pb2.ListImagesResponse(images=[api_pb2.Image(id=self.name)]).SerializeToString()
 
+    def health_watch(self, request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+        """grpc health's Watch, as containerd serves it: SERVING, then nothing until the caller leaves."""
+        self.watches += 1
+        yield b"\x08\x01"
+        ending = self.watches_ending
+        context.add_callback(ending.set)
+        ending.wait()
+        if context.is_active():
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the runtime is going away")
+
     def container_events(self, request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
         context.add_callback(self.stream_cancelled.set)
         sent = 0
@@ -125,6 +140,8 @@ class _Handler(BytesHandler):
 
     def service(self, details: grpc.HandlerCallDetails) -> "grpc.RpcMethodHandler[bytes, bytes]":
         backend, method = self._backend, details.method
+        if method == HEALTH_WATCH:
+            return grpc.unary_stream_rpc_method_handler(backend.health_watch)
         if method == RUNTIME + "GetContainerEvents":
 
             def stream(request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:

@@ -202,3 +202,12 @@ class BackendOutageTests(SynchronousTestCase):
         self.assertLess(time.monotonic() - started, 2.0)
         self.assertTrue(wait_until(lambda: len(self.reports) == 2))
         self.assertEqual(self.reports[1], (Reachability.RECOVERED, self.backend_path))
+
+    def test_the_backends_health_watch_is_held_open_and_opened_again_when_it_ends(self) -> None:
+        """One call open on the channel keeps grpc's thread for calls as futures: none pays for starting it."""
+        backend = FakeCRIBackend(self.backend_path, name="late").start()
+        self.addCleanup(backend.stop)
+        self.assertTrue(wait_until(lambda: backend.watches == 1))
+        backend.watches_ending.set()  # the runtime is going away
+        backend.watches_ending = threading.Event()
+        self.assertTrue(wait_until(lambda: backend.watches == 2))
