@@ -16,7 +16,7 @@ from typing import Iterable
 from twisted.logger import Logger
 
 from koordrp.hooks.messages import Change, ContainerHookRequest, HookRequest
-from koordrp.hooks.types import ERROR, TIMEOUT, HookCall
+from koordrp.hooks.types import ERROR, NOT_ANSWERING, TIMEOUT, HookCall
 from koordrp.text import shortened
 
 log = Logger(namespace="koordrp.calls")
@@ -53,11 +53,15 @@ def call_text(call: HookCall) -> str:
     text = f"{call.hook.value}@{call.server.name}: {call.result}"
     if call.seconds is not None:
         text += f" {call.seconds * 1000:.1f} ms"
-    if call.result in (ERROR, TIMEOUT):
+    if call.result in (ERROR, TIMEOUT, NOT_ANSWERING):
         fails = call.server.must_be_heard(call.hook)
         return f"{text} ({shortened(call.reason, 120)}; {'Fail policy: the call failed' if fails else 'went on without it'})"
-    if call.changes:
-        text += ", changed " + ", ".join(change_text(change) for change in call.changes)
+    applied = [change_text(change) for change in call.changes if change.applied]
+    left = [change_text(change) for change in call.changes if not change.applied]
+    if applied:
+        text += ", changed " + ", ".join(applied)
+    if left:
+        text += ", left alone (the registration does not set apply-pod-resources) " + ", ".join(left)
     return text
 
 
@@ -67,7 +71,8 @@ def call_fields(call: HookCall) -> dict[str, object]:
         "server": call.server.name,
         "result": call.result,
         "duration_ms": None if call.seconds is None else round(call.seconds * 1000, 3),
-        "changed": [change_text(change) for change in call.changes],
+        "changed": [change_text(change) for change in call.changes if change.applied],
+        "left_alone": [change_text(change) for change in call.changes if not change.applied],
         "reason": shortened(call.reason, 200),
     }
 

@@ -28,6 +28,7 @@ import grpc
 
 from koordrp import koordrp_version
 from koordrp.api.cri.v1 import api_pb2 as cri
+from koordrp.hooks.config import DEFAULT_HOOK_TIMEOUT
 from koordrp.hooks.registry import Refusal, describe, list_registrations, read_registration, understand
 from koordrp.hooks.types import HookServers
 from koordrp.tap import DEFAULT_HOOK_CONFIG_DIR, DEFAULT_PROXY_ENDPOINT
@@ -309,7 +310,9 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--socket", default=DEFAULT_PROXY_ENDPOINT, help="koordrp's socket [%(default)s]")
     parser.add_argument("--hook-config-dir", default=DEFAULT_HOOK_CONFIG_DIR, help="[%(default)s]")
     parser.add_argument("--containerd-config", default="/etc/containerd/config.toml", help="[%(default)s]")
-    parser.add_argument("--hook-timeout", type=float, default=2.0, help="koordrp's --hook-timeout [%(default)s]")
+    parser.add_argument(
+        "--hook-timeout", type=float, default=DEFAULT_HOOK_TIMEOUT, help="koordrp's --hook-timeout [%(default)s]"
+    )
     parser.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for each answer [%(default)s]")
     return parser
 

@@ -30,7 +30,11 @@ StopPodSandbox              —                            PostStopContainer,   
                                                          PostStopPodSandbox      containers stopped
 RemoveContainer             —                            —                       forgets it
 RemovePodSandbox            —                            —                       forgets it and its containers
+UpdatePodSandboxResources   —                            —                       the pod's resources
 ==========================  ===========================  ======================  ==================
+
+Hooks are shown what kubelet asked (the store keeps it apart from what the runtime was given), and
+a container's hooks are shown its pod as it is.
 
 A pod labelled with the skip label gets no hook call (each skipped call is counted); a pod or
 container the store does not know is read back from the runtime, and if the runtime does not know it
@@ -39,7 +43,6 @@ either, the call goes to the runtime unchanged and without hooks, for the runtim
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from enum import Enum
 from typing import (
@@ -69,6 +72,7 @@ from koordrp.hooks.messages import (
     HookRequest,
     PodHookRequest,
     Resources,
+    copied,
     folded_update,
     placed_in_pod,
 )
@@ -92,6 +96,9 @@ if TYPE_CHECKING:
 
 Result = TypeVar("Result")
 Request = TypeVar("Request", PodHookRequest, ContainerHookRequest)
+
+HOOKS_SHARE = 0.5
+"""The share of what is left of a call's deadline its hook stage may take; the runtime's call keeps the rest."""
 
 SETTLE_SECONDS = 2.0
 """How long koordrp asks the runtime, on its own account, what a call the caller gave up on did."""
@@ -219,6 +226,15 @@ class CreateContainer(Protocol):
         """The environment the runtime is given, as a map (after ``rewritten``)."""
 
 
+class UpdatePodSandboxResources(Protocol):
+    @property
+    def sandbox_id(self) -> str: ...
+
+    def resources(self) -> Resources | None: ...
+
+    def overhead(self) -> Resources | None: ...
+
+
 class UpdateContainerResources(Protocol):
     @property
     def container_id(self) -> str: ...
@@ -242,6 +258,7 @@ METHOD_HOOKS: dict[str, tuple[HookType, ...]] = {
     "StopPodSandbox": (HookType.POST_STOP_CONTAINER, HookType.POST_STOP_POD_SANDBOX),
     "RemoveContainer": (),
     "RemovePodSandbox": (),
+    "UpdatePodSandboxResources": (),
 }
 
 
@@ -395,8 +412,17 @@ class Call(Generic[AnyReply]):
         """Record the calls to ``servers`` that ``result`` (SKIPPED, UNREADABLE) spared; they are counted at the end."""
         self.record.add(HookCall(server, hook, result) for server in servers)
 
+    def hook_budget(self) -> float | None:
+        """How long a hook stage may take: its share of what is left of the caller's deadline.
+
+        kubelet gives each call 2 minutes, crictl its --timeout: a slow hook server gets its answer
+        applied as long as the runtime keeps enough of the deadline to do the call.
+        """
+        remaining = self.remaining()
+        return None if remaining is None else remaining * HOOKS_SHARE
+
     async def _run(self, hook: HookType, callees: Subscribers, request: HookRequest) -> None:
-        outcome = await self._parts.dispatcher.run(hook, callees, request, self.remaining())
+        outcome = await self._parts.dispatcher.run(hook, callees, request, self.hook_budget())
         self.record.add(outcome.calls)
         if outcome.failure is not None:
             raise _Refused(Refusal(RefusalKind.HOOK_FAILED, outcome.failure.message))
@@ -422,7 +448,7 @@ class Call(Generic[AnyReply]):
         """
         callees = self._callees(hook)
         if sent is None:
-            sent = copy.deepcopy(request) if callees else request
+            sent = copied(request) if callees else request
         if callees:
             await self._run(hook, callees, request)
         return rewritten(sent, request)
@@ -436,26 +462,39 @@ class Call(Generic[AnyReply]):
     async def forward(self, rewritten: bytes | None = None) -> AnyReply:
         return await self.backend.forward(rewritten, self.remaining())
 
-    async def pod(self, sandbox_id: str) -> PodHookRequest | None:
+    async def pod(self, sandbox_id: str) -> StoredPod | None:
         """The pod from the store, or read back from the runtime (and remembered) if the store lacks it."""
         pod = self.store.pod(sandbox_id)
         if pod is None and sandbox_id:
             stored = await self._read_back("pod", sandbox_id, lambda: self.backend.read_pod(sandbox_id, self.remaining()))
             if stored is not None:
                 self.store.learn([(sandbox_id, stored)], [])
-                pod = stored.info
+                pod = self.store.pod(sandbox_id)
         return pod
+
+    async def _pod_as_given(self, sandbox_id: str) -> PodHookRequest | None:
+        pod = await self.pod(sandbox_id)
+        return None if pod is None else pod.given
 
     async def container(self, container_id: str) -> StoredContainer | None:
         """The container from the store, or read back from the runtime (and remembered), with its pod."""
         stored = self.store.container(container_id)
         if stored is None and container_id:
             stored = await self._read_back(
-                "container", container_id, lambda: self.backend.read_container(container_id, self.pod, self.remaining())
+                "container",
+                container_id,
+                lambda: self.backend.read_container(container_id, self._pod_as_given, self.remaining()),
             )
             if stored is not None:
                 self.store.learn([], [(container_id, stored)])
+                stored = self.store.container(container_id)
         return stored
+
+    def container_request(self, container: ContainerHookRequest, sandbox_id: str) -> ContainerHookRequest:
+        """What a hook about a container is shown: ``container`` (kubelet's, copied), in its pod as the pod is now."""
+        request = copied(container)
+        pod = self.store.pod(sandbox_id)
+        return request if pod is None else placed_in_pod(request, pod.given)
 
     async def _read_back(self, kind: str, identifier: str, read: Callable[[], Awaitable[Result | None]]) -> Result | None:
         try:
@@ -473,7 +512,8 @@ class Call(Generic[AnyReply]):
         """Whether the runtime says, on koordrp's own account (the caller is gone), the container is in ``state``."""
 
         async def stored_pod(sandbox_id: str) -> PodHookRequest | None:
-            return self.store.pod(sandbox_id)
+            pod = self.store.pod(sandbox_id)
+            return None if pod is None else pod.given
 
         try:
             found = await self.backend.read_container(container_id, stored_pod, SETTLE_SECONDS)
@@ -523,18 +563,27 @@ def created_container(
     return final
 
 
+def updated_container(given: ContainerHookRequest, final: ContainerHookRequest) -> ContainerHookRequest:
+    """The container as the runtime has it after an update: what it was given, with the update's resources and annotations."""
+    updated = copied(given)
+    updated.container_resources.CopyFrom(final.container_resources)
+    updated.container_annotations.update(final.container_annotations)
+    return updated
+
+
 # ---------------------------------------------------------------------------------------------
 # The flows, one per method
 
 
 async def run_pod_sandbox(call: Call[AnyReply], request: RunPodSandbox) -> AnyReply:
     call.lifecycle = "RunPodSandbox"
-    pod = request.hook_request()
+    asked = request.hook_request()
+    pod = copied(asked)
     call.concerns(pod)
-    rewritten = await call.pre_rewriting(HookType.PRE_RUN_POD_SANDBOX, pod, request.rewritten)
+    rewritten = await call.pre_rewriting(HookType.PRE_RUN_POD_SANDBOX, pod, request.rewritten, asked)
     reply = await call.forward(rewritten)
     if reply.ok:
-        call.store.put_pod(reply.created_id, pod)
+        call.store.put_pod(reply.created_id, asked, pod)
     return reply
 
 
@@ -544,13 +593,16 @@ async def create_container(call: Call[AnyReply], request: CreateContainer) -> An
     if pod is None:
         return await call.forward()
     sent = request.hook_request()
-    container = placed_in_pod(copy.deepcopy(sent), pod)
+    asked = placed_in_pod(copied(sent), pod.given)
+    container = copied(asked)
     call.concerns(container)
     rewritten = await call.pre_rewriting(HookType.PRE_CREATE_CONTAINER, container, request.rewritten, sent)
     reply = await call.forward(rewritten)
     if reply.ok:
         container_id = reply.created_id  # Docker mode reads it from the JSON answer, so once
-        call.store.put_container(container_id, request.sandbox_id, created_container(container, container_id, request.envs_sent()))
+        asked.container_meta.id = container_id
+        given = created_container(container, container_id, request.envs_sent())
+        call.store.put_container(container_id, request.sandbox_id, asked, given)
     return reply
 
 
@@ -559,13 +611,13 @@ async def start_container(call: Call[AnyReply], container_id: str) -> AnyReply:
     stored = await call.container(container_id)
     if stored is None:
         return await call.forward()
-    container = stored.info
+    container = call.container_request(stored.asked, stored.sandbox_id)
     call.concerns(container)
     await call.pre(HookType.PRE_START_CONTAINER, container)
 
     def started() -> None:
         if call.store.started(container_id):
-            call.post(HookType.POST_START_CONTAINER, container)
+            call.post(HookType.POST_START_CONTAINER, call.container_request(stored.asked, stored.sandbox_id))
 
     return await _forward_changing(call, started, lambda: call.container_now(container_id, ContainerState.RUNNING))
 
@@ -575,12 +627,15 @@ async def update_container_resources(call: Call[AnyReply], request: UpdateContai
     stored = await call.container(request.container_id)
     if stored is None:
         return await call.forward()
-    container = folded_update(stored.info, request.container_id, request.resources(), request.annotations())
+    # Hooks are shown kubelet's values, folded: what a hook makes of them is applied to kubelet's
+    # request each time, never to what it made of them before.
+    asked = folded_update(stored.asked, request.container_id, request.resources(), request.annotations())
+    container = call.container_request(asked, stored.sandbox_id)
     call.concerns(container)
     rewritten = await call.pre_rewriting(HookType.PRE_UPDATE_CONTAINER_RESOURCES, container, request.rewritten)
     reply = await call.forward(rewritten)
     if reply.ok:
-        call.store.revise_container(request.container_id, container)
+        call.store.revise_container(request.container_id, asked, updated_container(stored.given, container))
     return reply
 
 
@@ -589,12 +644,13 @@ async def stop_container(call: Call[AnyReply], container_id: str) -> AnyReply:
     stored = await call.container(container_id)
     if stored is None:
         return await call.forward()
-    call.concerns(stored.info)
+    container = call.container_request(stored.asked, stored.sandbox_id)
+    call.concerns(container)
 
     def stopped() -> None:
         # kubelet stops again what is stopped already (retries, garbage collection): once per stop.
         if call.store.stopped(container_id):
-            call.post(HookType.POST_STOP_CONTAINER, stored.info)
+            call.post(HookType.POST_STOP_CONTAINER, container)
 
     return await _forward_changing(call, stopped, lambda: call.container_now(container_id, ContainerState.STOPPED))
 
@@ -604,24 +660,36 @@ async def stop_pod_sandbox(call: Call[AnyReply], sandbox_id: str) -> AnyReply:
     pod = await call.pod(sandbox_id)
     if pod is None:
         return await call.forward()
-    call.concerns(pod)
+    call.concerns(pod.asked)
 
     def stopped() -> None:
         pod_was_up, containers = call.store.pod_stopped(sandbox_id)
         # The runtime stopped the pod's containers too: a plugin sees every stop that went through koordrp.
         for container in containers:
-            call.post(HookType.POST_STOP_CONTAINER, container.info)
+            call.post(HookType.POST_STOP_CONTAINER, call.container_request(container.asked, sandbox_id))
         if pod_was_up:
-            call.post(HookType.POST_STOP_POD_SANDBOX, pod)
+            call.post(HookType.POST_STOP_POD_SANDBOX, pod.asked)
 
     return await _forward_changing(call, stopped, lambda: call.pod_now_stopped(sandbox_id))
+
+
+async def update_pod_sandbox_resources(call: Call[AnyReply], request: UpdatePodSandboxResources) -> AnyReply:
+    """kubelet resizes a pod in place: later container hooks see its new resources."""
+    call.lifecycle = "UpdatePodSandboxResources"
+    pod = await call.pod(request.sandbox_id)
+    if pod is not None:
+        call.concerns(pod.asked)
+    reply = await call.forward()
+    if reply.ok:
+        call.store.resize_pod(request.sandbox_id, request.resources(), request.overhead())
+    return reply
 
 
 async def remove_container(call: Call[AnyReply], container_id: str) -> AnyReply:
     call.lifecycle = "RemoveContainer"
     stored = call.store.container(container_id)
     if stored is not None:
-        call.concerns(stored.info)
+        call.concerns(call.container_request(stored.asked, stored.sandbox_id))
     reply = await call.forward()
     if reply.ok:
         call.store.forget_container(container_id)
@@ -632,7 +700,7 @@ async def remove_pod_sandbox(call: Call[AnyReply], sandbox_id: str) -> AnyReply:
     call.lifecycle = "RemovePodSandbox"
     pod = call.store.pod(sandbox_id)
     if pod is not None:
-        call.concerns(pod)
+        call.concerns(pod.asked)
     reply = await call.forward()
     if reply.ok:
         call.store.forget_pod(sandbox_id)
@@ -693,7 +761,7 @@ async def read_everything(runtime: RuntimeInventory, timeout: float | None) -> I
 
     async def listed_pod(sandbox_id: str) -> PodHookRequest | None:
         found = pods.get(sandbox_id)
-        return None if found is None else found.info
+        return None if found is None else found.given
 
     containers: list[tuple[str, StoredContainer]] = []
     for container_id in container_ids:

@@ -1,8 +1,14 @@
-"""What koordrp told the runtime about each pod and container, by id, safe to use from any thread.
+"""What kubelet asked for each pod and container, and what the runtime was given, by id; safe from any thread.
 
-Entries are hook requests: exactly what the next hook for that pod or container is sent, with the
-state the pod or container is in as far as koordrp knows (it decides which post hooks are owed).
-Every read and write copies, so no caller can change what another one sees.
+Entries are hook requests. ``asked`` is kubelet's request as hooks are shown it (folded over
+kubelet's updates): every hook request is built from it, so a hook that scales a value scales
+kubelet's, once, however often kubelet repeats an update. ``given`` is what the runtime has, the
+hooks' changes included: a container's pod, where the container lives, is the pod as given. With
+each entry, the state its pod or container is in as far as koordrp knows (it decides which post
+hooks are owed). Every read and write copies, so no caller can change what another one sees.
+
+After a restart the store is rebuilt from the runtime, which knows only ``given``; ``asked`` comes
+back from the checkpoint (``koordrp.checkpoint``), where it is kept whenever it differs.
 """
 
 import threading
@@ -10,7 +16,8 @@ from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Iterable
 
-from koordrp.hooks.messages import ContainerHookRequest, PodHookRequest
+from koordrp.checkpoint import Checkpoint, Kind, NoCheckpoint
+from koordrp.hooks.messages import ContainerHookRequest, PodHookRequest, Resources, copied
 
 
 class ContainerState(Enum):
@@ -39,48 +46,58 @@ def runtime_state(name: str) -> ContainerState:
     return _RUNTIME_STATES.get(name, ContainerState.RUNNING)
 
 
-def _copy_pod(pod: PodHookRequest) -> PodHookRequest:
-    copied = PodHookRequest()
-    copied.CopyFrom(pod)
-    return copied
-
-
-def _copy_container(container: ContainerHookRequest) -> ContainerHookRequest:
-    copied = ContainerHookRequest()
-    copied.CopyFrom(container)
-    return copied
-
-
 @dataclass(frozen=True)
 class StoredPod:
-    info: PodHookRequest
+    asked: PodHookRequest
+    """kubelet's RunPodSandbox, as hooks see it (with later pod resizes)."""
+    given: PodHookRequest
+    """What the runtime was given: the pod as it is."""
     stopped: bool = False
     """Its sandbox is stopped (``runtime_state`` says STOPPED), and its containers with it."""
 
+    @classmethod
+    def read_back(cls, pod: PodHookRequest, stopped: bool) -> "StoredPod":
+        """A pod as the runtime has it; what kubelet asked is what it was given, unless the store knows better."""
+        return cls(pod, pod, stopped)
+
     def copy(self) -> "StoredPod":
-        return StoredPod(_copy_pod(self.info), self.stopped)
+        return StoredPod(copied(self.asked), copied(self.given), self.stopped)
 
 
 @dataclass(frozen=True)
 class StoredContainer:
     sandbox_id: str
-    info: ContainerHookRequest
+    asked: ContainerHookRequest
+    """kubelet's CreateContainer (folded over its updates), as hooks see it; its pod fields as at create."""
+    given: ContainerHookRequest
+    """What the runtime was given."""
     state: ContainerState = ContainerState.CREATED
 
+    @classmethod
+    def read_back(cls, sandbox_id: str, container: ContainerHookRequest, state: ContainerState) -> "StoredContainer":
+        """A container as the runtime has it; what kubelet asked is what it was given, unless the store knows better."""
+        return cls(sandbox_id, container, container, state)
+
     def copy(self) -> "StoredContainer":
-        return StoredContainer(self.sandbox_id, _copy_container(self.info), self.state)
+        return StoredContainer(self.sandbox_id, copied(self.asked), copied(self.given), self.state)
+
+
+def _kept(asked: PodHookRequest | ContainerHookRequest, given: PodHookRequest | ContainerHookRequest) -> bytes | None:
+    """What the checkpoint keeps: kubelet's request where it differs from the runtime's."""
+    return None if asked == given else asked.SerializeToString()
 
 
 class Store:
-    def __init__(self) -> None:
+    def __init__(self, checkpoint: Checkpoint | None = None) -> None:
         self._lock = threading.Lock()
         self._pods: dict[str, StoredPod] = {}
         self._containers: dict[str, StoredContainer] = {}
+        self._checkpoint: Checkpoint = checkpoint if checkpoint is not None else NoCheckpoint()
 
-    def pod(self, sandbox_id: str) -> PodHookRequest | None:
+    def pod(self, sandbox_id: str) -> StoredPod | None:
         with self._lock:
             stored = self._pods.get(sandbox_id)
-        return None if stored is None else _copy_pod(stored.info)
+        return None if stored is None else stored.copy()
 
     def container(self, container_id: str) -> StoredContainer | None:
         with self._lock:
@@ -95,25 +112,46 @@ class Store:
         with self._lock:
             return container_id in self._containers
 
-    def put_pod(self, sandbox_id: str, pod: PodHookRequest) -> None:
+    def put_pod(self, sandbox_id: str, asked: PodHookRequest, given: PodHookRequest) -> None:
         """A pod the runtime has just run."""
-        stored = StoredPod(_copy_pod(pod))
+        stored = StoredPod(copied(asked), copied(given))
         with self._lock:
             self._pods[sandbox_id] = stored
+        self._checkpoint.write("pods", sandbox_id, _kept(asked, given))
 
-    def put_container(self, container_id: str, sandbox_id: str, info: ContainerHookRequest) -> None:
+    def resize_pod(self, sandbox_id: str, resources: Resources | None, overhead: Resources | None) -> None:
+        """The runtime resized the pod (kubelet's UpdatePodSandboxResources): kubelet's values, asked and given."""
+        with self._lock:
+            stored = self._pods.get(sandbox_id)
+            if stored is None:
+                return
+            resized = stored.copy()
+            for pod in (resized.asked, resized.given):
+                if resources is not None:
+                    pod.resources.CopyFrom(resources)
+                if overhead is not None:
+                    pod.overhead.CopyFrom(overhead)
+            self._pods[sandbox_id] = resized
+        self._checkpoint.write("pods", sandbox_id, _kept(resized.asked, resized.given))
+
+    def put_container(
+        self, container_id: str, sandbox_id: str, asked: ContainerHookRequest, given: ContainerHookRequest
+    ) -> None:
         """A container the runtime has just created."""
-        stored = StoredContainer(sandbox_id, _copy_container(info))
+        stored = StoredContainer(sandbox_id, copied(asked), copied(given))
         with self._lock:
             self._containers[container_id] = stored
+        self._checkpoint.write("containers", container_id, _kept(asked, given))
 
-    def revise_container(self, container_id: str, info: ContainerHookRequest) -> None:
-        """New information about a container (its resources were updated); one forgotten meanwhile stays forgotten."""
-        copied = _copy_container(info)
+    def revise_container(self, container_id: str, asked: ContainerHookRequest, given: ContainerHookRequest) -> None:
+        """The runtime took an update of the container; one forgotten meanwhile stays forgotten."""
+        asked, given = copied(asked), copied(given)
         with self._lock:
             stored = self._containers.get(container_id)
-            if stored is not None:
-                self._containers[container_id] = replace(stored, info=copied)
+            if stored is None:
+                return
+            self._containers[container_id] = replace(stored, asked=asked, given=given)
+        self._checkpoint.write("containers", container_id, _kept(asked, given))
 
     def started(self, container_id: str) -> bool:
         """The container started: True when koordrp knew it as not running (its PostStartContainer is owed)."""
@@ -152,27 +190,58 @@ class Store:
     def forget_container(self, container_id: str) -> None:
         with self._lock:
             self._containers.pop(container_id, None)
+        self._checkpoint.write("containers", container_id, None)
 
     def forget_pod(self, sandbox_id: str) -> None:
         """Forget a pod and every container in it: the runtime removes them with the sandbox."""
         with self._lock:
             self._pods.pop(sandbox_id, None)
-            for container_id in [cid for cid, c in self._containers.items() if c.sandbox_id == sandbox_id]:
+            gone = [cid for cid, c in self._containers.items() if c.sandbox_id == sandbox_id]
+            for container_id in gone:
                 del self._containers[container_id]
+        self._forget_kept([sandbox_id], gone)
+
+    def _forget_kept(self, pods: Iterable[str], containers: Iterable[str]) -> None:
+        for kind, identifiers in (("pods", pods), ("containers", containers)):
+            for identifier in identifiers:
+                self._checkpoint.write(kind, identifier, None)  # type: ignore[arg-type]
 
     def learn(self, pods: Iterable[tuple[str, StoredPod]], containers: Iterable[tuple[str, StoredContainer]]) -> None:
-        """Add what the runtime has and the store lacks (after a start or a store miss).
+        """Add what the runtime has and the store lacks (after a start or a store miss), with what kubelet asked
+        from the checkpoint.
 
         An entry already present was written by a CRI call that went through koordrp, which is
         at least as fresh as anything read back from the runtime, so it is kept.
         """
-        new_pods = [(sandbox_id, pod.copy()) for sandbox_id, pod in pods]
-        new_containers = [(container_id, stored.copy()) for container_id, stored in containers]
+        new_pods = [(sandbox_id, self._with_kept_pod(sandbox_id, pod)) for sandbox_id, pod in pods]
+        new_containers = [(container_id, self._with_kept_container(container_id, c)) for container_id, c in containers]
         with self._lock:
             for sandbox_id, pod in new_pods:
                 self._pods.setdefault(sandbox_id, pod)
             for container_id, stored in new_containers:
                 self._containers.setdefault(container_id, stored)
+
+    def _kept_request(self, kind: Kind, identifier: str, empty: PodHookRequest | ContainerHookRequest) -> bool:
+        data = self._checkpoint.read(kind, identifier)
+        if data is None:
+            return False
+        try:
+            empty.ParseFromString(data)
+        except Exception:  # a file koordrp cannot read: what the runtime has stands in
+            return False
+        return True
+
+    def _with_kept_pod(self, sandbox_id: str, pod: StoredPod) -> StoredPod:
+        asked = PodHookRequest()
+        if not self._kept_request("pods", sandbox_id, asked):
+            asked = pod.given
+        return StoredPod(copied(asked), copied(pod.given), pod.stopped)
+
+    def _with_kept_container(self, container_id: str, stored: StoredContainer) -> StoredContainer:
+        asked = ContainerHookRequest()
+        if not self._kept_request("containers", container_id, asked):
+            asked = stored.given
+        return StoredContainer(stored.sandbox_id, copied(asked), copied(stored.given), stored.state)
 
     def ids(self) -> tuple[set[str], set[str]]:
         """The pod and container ids known now: what a later reconcile may forget."""
@@ -204,7 +273,13 @@ class Store:
             new = sum(i not in self._pods for i in listed_pods) + sum(
                 i not in self._containers for i in listed_containers
             )
+        self._forget_kept(gone_pods, gone_containers)
         self.learn(pods, containers)
+        # What was kept for pods and containers removed while koordrp was away.
+        with self._lock:
+            known_pods, known_containers = set(self._pods), set(self._containers)
+        self._checkpoint.retain("pods", known_pods)
+        self._checkpoint.retain("containers", known_containers)
         return len(gone_pods) + len(gone_containers), new
 
     def sizes(self) -> tuple[int, int]:

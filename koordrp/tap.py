@@ -12,11 +12,13 @@ from twisted.logger import Logger
 from twisted.python import usage
 
 from koordrp import koordrp_version
+from koordrp.checkpoint import CheckpointError, DirectoryCheckpoint
 from koordrp.cri.server import CRIProxyService, CRIProxySettings
 from koordrp.docker.service import DockerProxyService, DockerProxySettings
 from koordrp.flows import Parts, SkipLabel
 from koordrp.frontend import IFrontEnd
 from koordrp.hooks.client import HookClients
+from koordrp.hooks.config import DEFAULT_HOOK_TIMEOUT
 from koordrp.hooks.dispatcher import Dispatcher
 from koordrp.hooks.registry import HookRegistry
 from koordrp.hooks.types import HookServers
@@ -35,6 +37,7 @@ DEFAULT_DOCKER_ENDPOINT = "/var/run/docker.sock"
 DEFAULT_SKIP_HOOK_KEY = "runtimeproxy.koordinator.sh/skip-hookserver"
 DEFAULT_SKIP_HOOK_VALUE = "true"
 DEFAULT_HOOK_CONFIG_DIR = "/etc/runtime/hookserver.d"
+DEFAULT_STATE_DIR = "/var/run/koord-runtimeproxy/state"
 RUNTIME_MODES = ("Containerd", "Docker")
 
 
@@ -64,13 +67,26 @@ class Options(usage.Options):
         ["runtime-hook-server-val", None, DEFAULT_SKIP_HOOK_VALUE, "pod label value that skips all hooks"],
         ["hook-config-dir", None, DEFAULT_HOOK_CONFIG_DIR, "directory of hook server registrations (*.json)"],
         [
+            "state-dir",
+            None,
+            DEFAULT_STATE_DIR,
+            "directory (0700) where koordrp keeps what kubelet asked, where hooks changed it, across restarts",
+        ],
+        [
             "metrics-endpoint",
             None,
             None,
             "Twisted endpoint for /metrics and /healthz, e.g. tcp:9316:interface=127.0.0.1 [default: off]",
         ],
         ["socket-group", None, None, "group (name or id) given access to the CRI socket [default: koordrp's group]"],
-        ["hook-timeout", None, 2.0, "seconds a hook call may take, unless its file sets timeout-seconds", float],
+        [
+            "hook-timeout",
+            None,
+            DEFAULT_HOOK_TIMEOUT,
+            "seconds a hook call may take at most, unless its file sets timeout-seconds; within that, "
+            "hooks may use half of what is left of the CRI call's own deadline",
+            float,
+        ],
         ["grace-period", None, 10.0, "seconds in-flight CRI calls get to finish on shutdown", float],
         ["max-workers", None, 64, "CRI worker threads (streams hold one each)", int],
     ]
@@ -113,10 +129,16 @@ class Options(usage.Options):
             raise usage.UsageError(f"--metrics-endpoint: {value!r} is not a Twisted endpoint: {error}") from None
         self["metrics-endpoint"] = value
 
-    def opt_hook_config_dir(self, value: str) -> None:
+    def _absolute(self, flag: str, value: str) -> None:
         if not value.startswith("/"):
-            raise usage.UsageError(f"--hook-config-dir: {value!r} is not an absolute path")
-        self["hook-config-dir"] = value
+            raise usage.UsageError(f"--{flag}: {value!r} is not an absolute path")
+        self[flag] = value
+
+    def opt_hook_config_dir(self, value: str) -> None:
+        self._absolute("hook-config-dir", value)
+
+    def opt_state_dir(self, value: str) -> None:
+        self._absolute("state-dir", value)
 
     def postOptions(self) -> None:
         docker = self["backend-runtime-mode"] == "Docker"
@@ -163,10 +185,16 @@ class Koordrp(service.MultiService):
 
     log = Logger()
 
+    def __init__(self, checkpoint: DirectoryCheckpoint) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self._checkpoint = checkpoint
+
     def startService(self) -> None:
         try:
+            # Before the store is rebuilt from the runtime: what kubelet asked comes back from it.
+            self._checkpoint.open()
             super().startService()  # type: ignore[no-untyped-call]
-        except CannotListen as error:
+        except (CannotListen, CheckpointError) as error:
             self.log.critical("cannot start: {error}", error=str(error))
             raise SystemExit(f"koordrp cannot start: {error}") from None
 
@@ -188,20 +216,23 @@ def makeService(config: Options, reactor: IReactorCore | None = None) -> service
 
     def registered(servers: HookServers) -> None:
         clients.retain(servers.endpoints)
+        dispatcher.retain(servers.endpoints)
         if metrics is not None:
             metrics.hook_servers.set(len(servers.servers))
 
+    dispatcher = Dispatcher(clients, clock, metrics)
     registry = HookRegistry(config["hook-config-dir"], config["hook-timeout"], clock, on_change=registered)
+    checkpoint = DirectoryCheckpoint(config["state-dir"])
     parts = Parts(
-        store=Store(),
-        dispatcher=Dispatcher(clients, clock, metrics),
+        store=Store(checkpoint),
+        dispatcher=dispatcher,
         registrations=lambda: registry.current,
         skip=SkipLabel(config["runtime-hook-server-key"], config["runtime-hook-server-val"]),
         clock=clock,
         metrics=metrics,
     )
     proxy = front_end(config, reactor, parts, metrics)
-    top = Koordrp()  # type: ignore[no-untyped-call]
+    top = Koordrp(checkpoint)
     # Started in this order, stopped in the reverse: systemd hears READY once the front end serves,
     # and STOPPING before it drains.
     children: list[service.IService] = [registry, proxy, SystemdNotifier(clock), OrderlyStopOnSIGTERM(reactor)]

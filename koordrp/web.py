@@ -2,7 +2,7 @@
 
 from typing import Callable
 
-from prometheus_client.twisted import MetricsResource
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from twisted.application import service, strports
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorCore, IReactorTime
@@ -16,6 +16,24 @@ from koordrp.metrics import Metrics
 FRESH_SECONDS = 5.0
 
 Probe = Callable[[], "Deferred[object]"]
+
+
+class MetricsResource(Resource):
+    """The registry in Prometheus' text format, rendered on the reactor.
+
+    prometheus_client's own resource is a WSGI application, which reads the client's address as a
+    host and port: on a unix endpoint it fails every scrape.
+    """
+
+    isLeaf = True
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self._registry = registry
+
+    def render_GET(self, request: Request) -> bytes:
+        request.setHeader(b"Content-Type", CONTENT_TYPE_LATEST.encode())  # type: ignore[no-untyped-call]
+        return generate_latest(self._registry)
 
 
 class HealthResource(Resource):
@@ -51,7 +69,7 @@ class HealthResource(Resource):
 
 def metrics_service(endpoint: str, metrics: Metrics, probe: Probe, reactor: IReactorTime) -> service.Service:
     root = Resource()  # type: ignore[no-untyped-call]
-    root.putChild(b"metrics", MetricsResource(registry=metrics.registry))  # type: ignore[no-untyped-call]
+    root.putChild(b"metrics", MetricsResource(metrics.registry))
     root.putChild(b"healthz", HealthResource(probe, reactor))
     site = Site(root)  # type: ignore[no-untyped-call]
     site.noisy = False

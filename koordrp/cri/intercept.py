@@ -95,6 +95,10 @@ _METHODS: dict[str, _Method[Any]] = {
         cri.RemovePodSandboxRequest.FromString,
         lambda call, request: flows.remove_pod_sandbox(call, request.pod_sandbox_id),
     ),
+    "UpdatePodSandboxResources": _Method(
+        cri.UpdatePodSandboxResourcesRequest.FromString,
+        lambda call, request: flows.update_pod_sandbox_resources(call, translate.UpdatePodSandboxResources(request)),
+    ),
 }
 
 

@@ -88,7 +88,7 @@ class RuntimeLookup:
         try:
             status = _parsed(cri.PodSandboxStatusResponse, raw)
             stopped = runtime_state(_name(cri.PodSandboxState, status.status.state)) is ContainerState.STOPPED
-            return StoredPod(pod_info_from_status(status), stopped)
+            return StoredPod.read_back(pod_info_from_status(status), stopped)
         except RuntimeInfoError as error:
             raise Unreadable(f"{what}: {error}") from None
 
@@ -102,7 +102,7 @@ class RuntimeLookup:
             status = _parsed(cri.ContainerStatusResponse, raw)
             sandbox_id = container_sandbox_id(status)
             info = container_info_from_status(status, await pods(sandbox_id))
-            return StoredContainer(sandbox_id, info, runtime_state(_name(cri.ContainerState, status.status.state)))
+            return StoredContainer.read_back(sandbox_id, info, runtime_state(_name(cri.ContainerState, status.status.state)))
         except RuntimeInfoError as error:
             raise Unreadable(f"{what}: {error}") from None
 

@@ -203,3 +203,15 @@ class UpdateContainerResources:
     def rewritten(self, before: ContainerHookRequest, after: ContainerHookRequest) -> bytes | None:
         changed = apply_to_update_container_resources(self.request, before, after)
         return self.request.SerializeToString() if changed else None
+
+
+class UpdatePodSandboxResources:
+    def __init__(self, request: cri.UpdatePodSandboxResourcesRequest) -> None:
+        self.request = request
+        self.sandbox_id = request.pod_sandbox_id
+
+    def resources(self) -> hook.LinuxContainerResources | None:
+        return as_hook_resources(self.request.resources) if self.request.HasField("resources") else None
+
+    def overhead(self) -> hook.LinuxContainerResources | None:
+        return as_hook_resources(self.request.overhead) if self.request.HasField("overhead") else None

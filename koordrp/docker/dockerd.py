@@ -177,7 +177,7 @@ class Dockerd:
             info = translate.stored_sandbox_from_inspect(inspect, await self.cgroup_driver())
         except translate.DockerShapeError as error:
             raise Unreadable(str(error)) from None
-        return StoredPod(info, stopped=_state(inspect) is ContainerState.STOPPED)
+        return StoredPod.read_back(info, _state(inspect) is ContainerState.STOPPED)
 
     async def container_from(self, inspect: dict[str, Any] | None, pods: PodSource) -> StoredContainer | None:
         if inspect is None or translate.kind_of_inspect(inspect) != "container":
@@ -186,7 +186,7 @@ class Dockerd:
             sandbox_id = translate.sandbox_id_of_inspect(inspect)
             pod = await pods(sandbox_id)
             info = translate.stored_container_from_inspect(inspect, pod, await self.cgroup_driver())
-            return StoredContainer(sandbox_id, info, _state(inspect))
+            return StoredContainer.read_back(sandbox_id, info, _state(inspect))
         except translate.DockerShapeError as error:
             raise Unreadable(str(error)) from None
 

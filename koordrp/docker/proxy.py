@@ -7,6 +7,7 @@ does and the next request on a client's keep-alive connection never slips past t
 the client reconnects for it, as HTTP/1.1 clients do when told ``Connection: close``.
 """
 
+import select
 from dataclasses import dataclass
 from typing import Callable
 
@@ -87,6 +88,7 @@ class DockerClientConnection(protocol.Protocol):
         self._client_done_writing = False
         self._intercepting = False
         self._handling: Deferred[Intercepted] | None = None
+        self._connecting: IConnector | None = None
         self._gone = False
 
     def dataReceived(self, data: bytes) -> None:
@@ -116,7 +118,7 @@ class DockerClientConnection(protocol.Protocol):
             self._intercepting = True
             self._read_body()
         else:
-            self.proxy.connect_upstream(_UpstreamFactory(self))
+            self._connecting = self.proxy.connect_upstream(_UpstreamFactory(self))
 
     def _read_body(self) -> None:
         head = self._head
@@ -169,6 +171,10 @@ class DockerClientConnection(protocol.Protocol):
 
     def upstream_ready(self, upstream: _Upstream) -> None:
         assert self._head is not None
+        self._connecting = None
+        if self._gone:
+            upstream.transport.abortConnection()  # type: ignore[union-attr]
+            return
         self._upstream = upstream
         upstream.transport.write(self._head.serialize() + self._buffer)  # type: ignore[union-attr]
         self._buffer = b""
@@ -180,6 +186,7 @@ class DockerClientConnection(protocol.Protocol):
             upstream.transport.loseWriteConnection()  # type: ignore[union-attr]
 
     def upstream_failed(self, reason: Failure) -> None:
+        self._connecting = None
         self._answer(self.proxy.unavailable(reason.getErrorMessage()))
 
     def upstream_gone(self) -> None:
@@ -190,12 +197,16 @@ class DockerClientConnection(protocol.Protocol):
 
     def readConnectionLost(self) -> None:
         self._client_done_writing = True
-        if self._upstream is not None:
+        if _hung_up(self.transport):
+            # The client closed its end whole (cri-dockerd gave up): nobody is left to answer, and
+            # whatever koordrp holds for it goes now (dockerd's own Go HTTP server cancels such a
+            # request too), even while dockerd does not answer.
+            self.transport.abortConnection()  # type: ignore[union-attr]
+        elif self._upstream is not None:
             # The client finished writing (an exec whose stdin ended): dockerd must see it too.
             self._upstream.transport.loseWriteConnection()  # type: ignore[union-attr]
         elif self._handling is not None or self._head is None or self._intercepting:
-            # A request the client stopped sending, or an intercepted call it stopped waiting for:
-            # nobody is left to answer (dockerd's own Go HTTP server cancels such a request too).
+            # A request the client stopped sending, or an intercepted call it stopped waiting for.
             self.transport.loseConnection()  # type: ignore[union-attr]
 
     def writeConnectionLost(self) -> None:
@@ -207,9 +218,12 @@ class DockerClientConnection(protocol.Protocol):
             # Whatever the call still waits for (dockerd, a hook) is dropped with it.
             self._handling.cancel()
         if self._upstream is not None:
+            # Nobody is left to read what dockerd sends: nothing to wait for.
             self._upstream.transport.unregisterProducer()  # type: ignore[union-attr]
-            self._upstream.transport.loseConnection()  # type: ignore[union-attr]
+            self._upstream.transport.abortConnection()  # type: ignore[union-attr]
             self._upstream = None
+        elif self._connecting is not None:
+            self._connecting.stopConnecting()
 
 
 class DockerProxyFactory(protocol.Factory):
@@ -230,5 +244,19 @@ class DockerProxyFactory(protocol.Factory):
     def buildProtocol(self, addr: IAddress | None) -> DockerClientConnection:
         return DockerClientConnection(self)
 
-    def connect_upstream(self, factory: protocol.ClientFactory) -> None:
-        self.reactor.connectUNIX(self.backend_path, factory, timeout=10)
+    def connect_upstream(self, factory: protocol.ClientFactory) -> IConnector:
+        return self.reactor.connectUNIX(self.backend_path, factory, timeout=10)
+
+
+def _hung_up(transport: object) -> bool:
+    """Whether the other end of a unix socket closed it whole, not only its writing side.
+
+    Both read as the end of the data; only a whole close leaves the socket hung up (POLLHUP), which
+    is how a client that gave up differs from one that only finished sending (an exec's stdin).
+    """
+    handle = getattr(transport, "getHandle", None)
+    if handle is None:
+        return False
+    poller = select.poll()
+    poller.register(handle(), select.POLLHUP)
+    return any(events & select.POLLHUP for _, events in poller.poll(0))

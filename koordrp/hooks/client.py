@@ -32,6 +32,11 @@ class HookCallError(Exception):
 
     timed_out = False
 
+    def __init__(self, reason: str, sent_back: bool = False) -> None:
+        super().__init__(reason)
+        self.sent_back = sent_back
+        """The server itself answered with this error: it is there, and it answers."""
+
 
 class HookTimedOut(HookCallError):
     timed_out = True
@@ -92,11 +97,14 @@ class HookClient:
         call = failed_call(error)
         if call is None:
             raise HookCallError(shortened(str(error)))
-        if call.code() is grpc.StatusCode.UNAVAILABLE:
+        code = call.code()
+        if code is grpc.StatusCode.UNAVAILABLE:
             self._lost = True
-        if call.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+        if code is grpc.StatusCode.DEADLINE_EXCEEDED:
             raise HookTimedOut(_timed_out(timeout))
-        raise HookCallError(f"{call.code().name}: {shortened(call.details() or '')}")
+        # UNAVAILABLE is grpc's own word for a server it could not reach; any other code the server sent.
+        sent_back = code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+        raise HookCallError(f"{code.name}: {shortened(call.details() or '')}", sent_back=sent_back)
 
     def close(self) -> None:
         self._channel.close()

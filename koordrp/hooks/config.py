@@ -8,6 +8,12 @@ from koordrp.unix import EndpointError, parse_unix_endpoint
 from koordrp.hooks.types import HOOKS_BY_NAME, FailurePolicy, HookServerConfig, HookType
 from koordrp.text import json_type
 
+DEFAULT_HOOK_TIMEOUT = 60.0
+"""koordrp's --hook-timeout: the hard cap on one hook call. Within it, a call's hooks get half of what is
+left of the CRI call's deadline (kubelet gives 2 minutes): Koordinator's proxy has no cap of its own,
+and koordlet's answers (which it computes writing cgroups) take seconds on a loaded node. The cap
+bounds calls that come with no deadline (Docker mode)."""
+
 MAX_CONFIG_BYTES = 1 << 20
 """A registration is a few hundred bytes; anything past this is a mistake and is not read whole."""
 
@@ -51,6 +57,7 @@ def parse_hook_server_config(name: str, data: bytes, default_timeout: float) -> 
         hooks=hooks,
         timeout=_timeout(document, default_timeout),
         ignored_stages=ignored,
+        apply_pod_resources=_flag(document, "apply-pod-resources"),
     )
 
 
@@ -156,6 +163,15 @@ def _timeout(document: dict[str, object], default: float) -> float:
             return seconds
         raise HookConfigError(f'"timeout-seconds" must be a positive finite number, not {_show(value)}')
     raise HookConfigError(f'"timeout-seconds" must be a positive finite number, not {json_type(value)}')
+
+
+def _flag(document: dict[str, object], key: str) -> bool:
+    value = document.get(key)
+    if value is None:
+        return False
+    if isinstance(value, bool):
+        return value
+    raise HookConfigError(f'"{key}" must be true or false, not {_show(value) if isinstance(value, str) else json_type(value)}')
 
 
 def permission_problem(mode: int, owner: int, koordrp_uid: int) -> str | None:

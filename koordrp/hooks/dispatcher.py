@@ -8,10 +8,12 @@ from twisted.internet.defer import CancelledError, Deferred, ensureDeferred, gat
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
-from koordrp.hooks.client import HookClients, HookTimedOut
-from koordrp.hooks.messages import HookRequest, merge_response
+from koordrp.hooks.answering import Answering
+from koordrp.hooks.client import HookCallError, HookClients, HookTimedOut
+from koordrp.hooks.messages import HookRequest, HookResponse, merge_response
 from koordrp.hooks.types import (
     ERROR,
+    NOT_ANSWERING,
     NOT_MADE,
     OK,
     TIMEOUT,
@@ -37,6 +39,14 @@ class Dispatcher:
         self._reactor = reactor
         self._metrics = metrics
         self._announced: set[Deferred[None]] = set()
+        self._answering = Answering(reactor, self._ask)
+
+    def _ask(self, endpoint: str, hook: HookType, request: HookRequest, timeout: float) -> "Deferred[HookResponse]":
+        return self._clients.get(endpoint).call(hook, request, timeout)
+
+    def retain(self, endpoints: Iterable[str]) -> None:
+        """The servers registered now: silences of others are forgotten."""
+        self._answering.retain(endpoints)
 
     def announce(self, stages: Sequence[PostStage]) -> None:
         """Start the post hook stages one call owes, without waiting for them.
@@ -56,11 +66,14 @@ class Dispatcher:
             await self.run(stage.hook, stage.servers, stage.request)
 
     def drain(self) -> "Deferred[list[None]]":
-        """Fires when every post hook stage announced so far has ended (each is bounded by its timeouts)."""
+        """Stop asking silent servers; fires when every post hook stage announced so far has ended (each is
+        bounded by its timeouts)."""
+        self._answering.stop()
         return gatherResults(list(self._announced), consumeErrors=True)
 
     def count_not_made(self, calls: Iterable[HookCall]) -> None:
-        """Count the hook calls a CRI call spared (SKIPPED, UNREADABLE); the others are counted as they are made."""
+        """Count the hook calls a CRI call spared (SKIPPED, UNREADABLE); the others (NOT_ANSWERING included)
+        are counted as they are made."""
         if self._metrics is not None:
             for call in calls:
                 if call.result in NOT_MADE:
@@ -92,6 +105,16 @@ class Dispatcher:
         deadline = None if budget is None else self._reactor.seconds() + budget
         changed_by: dict[str, str] = {}
         for server in servers:
+            silence = self._answering.silence(server)
+            if silence is not None:
+                # It let an earlier call time out: skipped at once until it answers again.
+                reason = silence.describe(self._reactor.seconds())
+                self._count(server, hook, NOT_ANSWERING, self._reactor.seconds())
+                outcome.calls.append(HookCall(server, hook, NOT_ANSWERING, reason=reason))
+                if server.must_be_heard(hook):
+                    outcome.failure = HookFailure(server, hook, reason)
+                    return outcome
+                continue
             timeout = server.timeout
             if deadline is not None:
                 timeout = min(timeout, deadline - self._reactor.seconds())
@@ -103,10 +126,15 @@ class Dispatcher:
             except CancelledError:
                 raise  # the call itself was given up (its client went away): not the server's failure
             except Exception as error:
-                result = TIMEOUT if isinstance(error, HookTimedOut) else ERROR
+                timed_out = isinstance(error, HookTimedOut)
+                result = TIMEOUT if timed_out else ERROR
                 seconds = self._count(server, hook, result, started)
                 reason = str(error) or type(error).__name__
                 outcome.calls.append(HookCall(server, hook, result, seconds, reason=reason))
+                if timed_out and timeout > 0:
+                    self._answering.timed_out(server, hook, request, reason)
+                elif isinstance(error, HookCallError) and error.sent_back:
+                    self._answering.answered(server)
                 if server.must_be_heard(hook):
                     outcome.failure = HookFailure(server, hook, reason)
                     self.log.warn(
@@ -123,10 +151,13 @@ class Dispatcher:
                     reason=reason,
                 )
                 continue
+            self._answering.answered(server)
             seconds = self._count(server, hook, OK, started)
-            changes = merge_response(request, response) if hook.is_pre else []
+            changes = merge_response(request, response, server.apply_pod_resources) if hook.is_pre else []
             outcome.calls.append(HookCall(server, hook, OK, seconds, tuple(changes)))
             for change in changes:
+                if not change.applied:
+                    continue
                 earlier = changed_by.get(change.path)
                 if earlier is not None:
                     self.log.debug(

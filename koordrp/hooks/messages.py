@@ -6,7 +6,7 @@ request (``koordrp.cri.translate``, ``koordrp.docker.translate``). Nothing here 
 grpc, the reactor or a wire format other than the hook API's.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Mapping, MutableMapping, Sequence, TypeAlias, TypeVar
 
 from google.protobuf.message import Message
@@ -27,6 +27,16 @@ _NON_ZERO_FIELDS = ("cpu_quota", "oom_score_adj")
 _CPUSET_FIELDS = ("cpuset_cpus", "cpuset_mems")
 
 
+AnyRequest = TypeVar("AnyRequest", bound=Message)
+
+
+def copied(request: AnyRequest) -> AnyRequest:
+    """A copy of a hook request that no change to the original reaches."""
+    copy = type(request)()
+    copy.CopyFrom(request)
+    return copy
+
+
 @dataclass(frozen=True)
 class Change:
     """One thing a hook's answer changed in the request, as a call's log line tells it.
@@ -41,6 +51,8 @@ class Change:
     after: object = None
     added: bool = False
     """A map key the request did not have."""
+    applied: bool = True
+    """False: what the answer asked for, left alone (the log names it all the same)."""
 
 
 Changes = list[Change]
@@ -125,14 +137,30 @@ def folded_update(
     return folded
 
 
-def merge_pod_response(request: PodHookRequest, response: hook.PodSandboxHookResponse) -> Changes:
+def merge_pod_response(
+    request: PodHookRequest, response: hook.PodSandboxHookResponse, apply_resources: bool = False
+) -> Changes:
+    """Merge a pod hook's answer; its ``resources`` only when the server asks for it (``apply_resources``).
+
+    koordlet answers with a copy of the request whose pod-level resources it sets for its own
+    bookkeeping (a CPU quota of -1 for cpuset pods); Koordinator's proxy never applies them, and the
+    sandbox must not be sized by them unless a server means it. What is left alone is still named.
+    """
     changes: Changes = []
     _merge_map(request.labels, response.labels, "labels", changes)
     _merge_map(request.annotations, response.annotations, "annotations", changes)
     if response.cgroup_parent:
         _set(request, "cgroup_parent", response.cgroup_parent, "", changes)
     if response.HasField("resources"):
-        changes += merge_resources(request.resources, response.resources, "resources.")
+        if apply_resources:
+            changes += merge_resources(request.resources, response.resources, "resources.")
+        else:
+            untouched = Resources()
+            untouched.CopyFrom(request.resources)
+            changes += [
+                replace(change, applied=False)
+                for change in merge_resources(untouched, response.resources, "resources.")
+            ]
     return changes
 
 
@@ -147,11 +175,11 @@ def merge_container_response(request: ContainerHookRequest, response: hook.Conta
     return changes
 
 
-def merge_response(request: HookRequest, response: HookResponse) -> Changes:
+def merge_response(request: HookRequest, response: HookResponse, apply_pod_resources: bool = False) -> Changes:
     """Merge ``response`` into ``request``, which the next server in the chain then sees; say what changed."""
     if isinstance(request, PodHookRequest):
         assert isinstance(response, hook.PodSandboxHookResponse)
-        return merge_pod_response(request, response)
+        return merge_pod_response(request, response, apply_pod_resources)
     assert isinstance(response, hook.ContainerResourceHookResponse)
     return merge_container_response(request, response)
 

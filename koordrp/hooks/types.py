@@ -55,6 +55,8 @@ class HookServerConfig:
     """Seconds one hook call may take."""
     ignored_stages: tuple[str, ...] = field(default=(), compare=False)
     """Stage names the file lists that koordrp has no hook point for (koordlet's PreRemoveRunPodSandbox)."""
+    apply_pod_resources: bool = False
+    """Its PreRunPodSandbox answer's ``resources`` size the sandbox (koordrp's own field; koordlet's file lacks it)."""
 
     def must_be_heard(self, hook: HookType) -> bool:
         """Whether a call must fail when this server cannot be heard at ``hook``: the Fail policy, at a pre hook.
@@ -115,14 +117,16 @@ class HookCall:
     server: HookServerConfig
     hook: HookType
     result: str
-    """OK, ERROR, TIMEOUT; or, for calls not made: SENT (a post hook, not waited for), SKIPPED (by the
-    pod's label), UNREADABLE (the CRI request could not be read)."""
+    """OK, ERROR, TIMEOUT; NOT_ANSWERING (skipped: the server let an earlier call time out and has not
+    answered since); or, for calls not made: SENT (a post hook, not waited for), SKIPPED (by the pod's
+    label), UNREADABLE (the CRI request could not be read)."""
     seconds: float | None = None
     changes: tuple[Change, ...] = ()
     reason: str = ""
 
 
 OK, ERROR, TIMEOUT, SENT, SKIPPED, UNREADABLE = "ok", "error", "timeout", "sent", "skipped", "unreadable"
+NOT_ANSWERING = "not-answering"
 NOT_MADE = (SKIPPED, UNREADABLE)
 """The results of hook calls a CRI call spared (a post hook SENT is still made, later)."""
 

@@ -113,7 +113,7 @@ def test_hook_servers_as_koordrp_reads_them_and_containerds_nri(
     node.write("/etc/containerd/config.toml", 'version = 2\n[plugins."io.containerd.nri.v1.nri"]\n  disable = false\n')
     code, output = run_check(node)
     assert code == 1
-    assert f"✓ {hooks}/10-serving.json registers 10-serving.json ({serving.path}, Ignore, 2s): PreCreateContainer; its socket accepts connections" in output
+    assert f"✓ {hooks}/10-serving.json registers 10-serving.json ({serving.path}, Ignore, 60s): PreCreateContainer; its socket accepts connections" in output
     assert f"✗ {hooks}/20-gone.json registers" in output and "its socket does not accept connections: No such file or directory" in output
     assert f'✗ {hooks}/30-bad.json is rejected: "failure-policy" must be "Fail" or "Ignore", not "Sometimes"' in output
     assert "✗ containerd's NRI is enabled" in output and "2 hook server(s) are registered" in output

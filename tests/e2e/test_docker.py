@@ -22,6 +22,7 @@ from tests.support.hook_registration import register
 from tests.support.images import BUSYBOX_REF, ImageSet
 from tests.support.koordrp_process import KoordrpProcess, rss_bytes
 from tests.support.relay import UnixRelay
+from tests.support.wedged import WedgedServer
 
 API = "/v1.41"
 
@@ -182,7 +183,8 @@ def test_kubernetes_creates_go_through_the_hooks(
         assert cpus.strip() == "0"
         started = server.calls("PreStartContainerHook")[-1]
         assert (started.pod_meta.name, started.container_meta.name) == ("tuned", "app")
-        assert started.container_resources.cpu_shares == 512
+        # Hooks are shown what kubelet asked (no CPU shares), not what PreCreateContainer made of it.
+        assert started.container_resources.cpu_shares == 0 and "KOORDRP_TEST" not in started.container_envs
         assert post(proxy.socket, f"/containers/{container_id}/stop?t=1") == 204
         server.rpcs_once(4)
         stopped = server.calls("PostStopContainerHook")[-1]
@@ -295,7 +297,9 @@ def test_restarted_koordrp_knows_the_pods(
     assert (after.pod_meta.name, after.pod_meta.uid, after.container_meta.name) == (
         before.pod_meta.name, before.pod_meta.uid, before.container_meta.name
     )
-    assert after.container_envs["TUNED"] == "1" and after.container_envs["FROM_KUBELET"] == "a=b"
+    # What kubelet asked came back from koordrp's state directory: not the hook's TUNED, nor the
+    # image's environment dockerd's inspect would add.
+    assert dict(after.container_envs) == dict(before.container_envs) == {"FROM_KUBELET": "a=b"}
     # dockerd's inspect merges the image's own labels into the container's: read back, they show up too.
     assert dict(after.pod_labels).items() >= dict(before.pod_labels).items()
 
@@ -428,3 +432,41 @@ def test_a_stop_the_client_gives_up_on_drops_koordrps_exchange_with_dockerd_and_
         relay.cut()
         if ids:
             dockerd.docker("rm", "-f", *ids)
+
+
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_clients_that_go_away_take_their_connections_to_a_wedged_dockerd_along(workdir: Path) -> None:
+    """cri-dockerd retrying against a wedged dockerd must not exhaust koordrp's file descriptors."""
+    wedged = WedgedServer(str(workdir / "wedged.sock"))
+    proxy = KoordrpProcess(workdir, f"unix://{wedged.path}", ["--backend-runtime-mode=Docker"])
+    proxy.start()
+    try:
+        assert wedged.wait_for(lambda: wedged.open_connections <= 1, 5)  # koordrp's own listing, at most
+        before = open_fds(proxy.pid)
+        requests = [
+            f"GET {API}/containers/json HTTP/1.1\r\nHost: docker\r\n\r\n",  # passed through
+            f"POST {API}/exec/abc/start HTTP/1.1\r\nHost: docker\r\nConnection: Upgrade\r\nUpgrade: tcp\r\n"
+            "Content-Type: application/json\r\nContent-Length: 2\r\n\r\n{}",  # hijacked
+            f"POST {API}/containers/abc/start HTTP/1.1\r\nHost: docker\r\nContent-Length: 0\r\n\r\n",  # intercepted
+        ]
+        clients = []
+        for index in range(40):
+            client = socket.socket(socket.AF_UNIX)
+            client.connect(str(proxy.socket))
+            client.sendall(requests[index % len(requests)].encode())
+            clients.append(client)
+        assert wedged.wait_for(lambda: wedged.accepted >= 40, 10), wedged.accepted
+        for client in clients:
+            client.close()
+        gone = time.monotonic()
+        assert wedged.wait_for(lambda: wedged.open_connections <= 1 and open_fds(proxy.pid) <= before + 1, 5), (
+            wedged.open_connections,
+            open_fds(proxy.pid) - before,
+        )
+        assert time.monotonic() - gone < 5
+    finally:
+        proxy.stop()
+        wedged.stop()

@@ -226,6 +226,10 @@ def test_repeated_stops_call_post_hooks_once(
         POST_STOP,
         POST_STOP_POD,
     ]
+    # Repeats name what they are about, from the store, like the first stop.
+    stops = [line for line in koordrp.log_lines("[koordrp.calls#info] Stop") if "Stop" in line.split("]", 1)[1][:16]]
+    assert len(stops) == 5 and all(f" pod default/twice ({pod.pod_config.metadata.uid})" in line for line in stops), stops
+    assert sum(" container twice:" in line for line in stops) == 2, stops
 
 
 def test_a_new_attempt_is_a_new_stop(runtime: Any, post_hooks: FakeHookServer, workdir: Path) -> None:

@@ -113,7 +113,7 @@ def test_json_lines_logging(containerd: Containerd, workdir: Path) -> None:
         [
             twistd_path(), "-n", "--pidfile=", "--logger=koordrp.jsonlogs.to_stdout", "koordrp",
             f"--koord-runtimeproxy-endpoint={listen}", f"--remote-runtime-service-endpoint={containerd.endpoint}",
-            f"--hook-config-dir={workdir / 'hooks'}",
+            f"--hook-config-dir={workdir / 'hooks'}", f"--state-dir={workdir / 'state'}",
         ],
         stdout=output, stderr=subprocess.STDOUT, cwd=workdir,
     )

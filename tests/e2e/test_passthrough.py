@@ -259,6 +259,8 @@ def test_daemonized_twistd_serves_and_stops(containerd: Containerd, workdir: Pat
             f"--logfile={workdir / 'daemon.log'}",
             "koordrp",
             f"--koord-runtimeproxy-endpoint={listen}",
+            f"--state-dir={workdir / 'state'}",
+            f"--hook-config-dir={workdir / 'hookserver.d'}",
             f"--remote-runtime-service-endpoint={containerd.endpoint}",
         ],
         cwd=workdir,

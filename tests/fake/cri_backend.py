@@ -134,6 +134,8 @@ class _Handler(BytesHandler):
             RUNTIME + "ExecSync": backend.exec_sync,
             RUNTIME + "CreateContainer": backend.create_container,
             RUNTIME + "StopContainer": backend.stop_container,
+            # containerd 2.1 and later resize pods in place; 1.6 and 1.7 answer UNIMPLEMENTED.
+            RUNTIME + "UpdatePodSandboxResources": lambda request, context: b"",
             IMAGE + "ListImages": backend.list_images,
         }
         self._unary = unary

@@ -2,7 +2,7 @@
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from twisted.internet.defer import Deferred, succeed
 
@@ -22,9 +22,12 @@ class StageRecord:
 
 @dataclass
 class ScriptedStages:
-    """``flows.Stages`` whose servers all answer ``answers[hook]`` (merged as the dispatcher merges), or fail."""
+    """``flows.Stages`` whose servers all answer ``answers[hook]`` (or what ``behaviours[hook]`` makes of the
+    request), merged as the dispatcher merges, or fail."""
 
     answers: dict[HookType, HookResponse] = field(default_factory=dict)
+    behaviours: dict[HookType, Callable[[HookRequest], HookResponse]] = field(default_factory=dict)
+    budgets: list[float | None] = field(default_factory=list)
     failures: dict[HookType, str] = field(default_factory=dict)
     ran: list[StageRecord] = field(default_factory=list)
     announced: list[PostStage] = field(default_factory=list)
@@ -46,13 +49,15 @@ class ScriptedStages:
         if waiting is not None:
             await waiting
         self.ran.append(StageRecord(hook, [server.name for server in servers], copy.deepcopy(request)))
+        self.budgets.append(budget)
         reason = self.failures.get(hook)
         if reason is not None:
             return StageOutcome(request, HookFailure(servers[0], hook, reason))
-        answer = self.answers.get(hook)
         calls = []
         for server in servers:
-            changes = merge_response(request, answer) if answer is not None else []
+            behaviour = self.behaviours.get(hook)
+            answer = behaviour(request) if behaviour is not None else self.answers.get(hook)
+            changes = merge_response(request, answer, server.apply_pod_resources) if answer is not None else []
             calls.append(HookCall(server, hook, OK, 0.001, tuple(changes)))
         return StageOutcome(request, calls=calls)
 
@@ -73,6 +78,7 @@ class RecordingRuntime:
     ok: bool = True
     created_id: str = "created-1"
     pods: dict[str, PodHookRequest] = field(default_factory=dict)
+    stopped_pods: set[str] = field(default_factory=set)
     containers: dict[str, StoredContainer] = field(default_factory=dict)
     broken: str | None = None
     """Set: every read-back fails with this reason."""
@@ -101,7 +107,7 @@ class RecordingRuntime:
         if self.broken is not None:
             raise LookupFailed(self.broken)
         pod = self.pods.get(sandbox_id)
-        return StoredPod(copy.deepcopy(pod)) if pod is not None else None
+        return StoredPod.read_back(copy.deepcopy(pod), sandbox_id in self.stopped_pods) if pod is not None else None
 
     async def read_container(self, container_id: str, pods: PodSource, timeout: float | None) -> StoredContainer | None:
         self.timeouts.append(timeout)
@@ -111,12 +117,12 @@ class RecordingRuntime:
         stored = self.containers.get(container_id)
         if stored is None:
             return None
-        info = copy.deepcopy(stored.info)
+        info = copy.deepcopy(stored.given)
         pod = await pods(stored.sandbox_id)
         if pod is not None:
             info.pod_labels.update(pod.labels)
             info.pod_cgroup_parent = pod.cgroup_parent
-        return StoredContainer(stored.sandbox_id, info, stored.state)
+        return StoredContainer.read_back(stored.sandbox_id, info, stored.state)
 
     async def listed(self, timeout: float | None) -> tuple[list[str], list[str]]:
         if self.broken is not None:

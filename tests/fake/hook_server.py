@@ -51,10 +51,12 @@ class FakeHookServer(FakeGrpcServer):
     delays: dict[str, float] = field(default_factory=dict)
     received: list[Received] = field(default_factory=list)
     _stopping: threading.Event = field(default_factory=threading.Event)
+    _waking: threading.Event = field(default_factory=threading.Event)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def start(self) -> "FakeHookServer":
         self._stopping.clear()
+        self._waking.clear()
         self._serve(lambda server: hook_grpc.add_RuntimeHookServiceServicer_to_server(_Servicer(self), server))
         return self
 
@@ -64,7 +66,13 @@ class FakeHookServer(FakeGrpcServer):
 
     def stop(self) -> None:
         self._stopping.set()
+        self._waking.set()
         super().stop()
+
+    def unwedge(self) -> None:
+        """No more delays: every call asleep in one is answered now, as a wedged server that recovers answers its backlog."""
+        self.delays.clear()
+        self._waking.set()
 
     def rpcs(self) -> list[str]:
         with self._lock:
@@ -82,8 +90,9 @@ class FakeHookServer(FakeGrpcServer):
             self.received.append(Received(rpc, request))
         delay = self.delays.get(rpc)
         if delay:
-            # Interrupted by stop(): a handler still asleep would keep the test process from exiting.
-            self._stopping.wait(delay)
+            # Interrupted by stop() or unwedge(): a handler still asleep would keep the test process
+            # from exiting, or a wedged server from ever answering again.
+            self._waking.wait(delay)
         code = self.failures.get(rpc)
         if code is not None:
             context.abort(code, f"{rpc} refused by the test")

@@ -48,6 +48,7 @@ class KoordrpProcess:
             f"--koord-runtimeproxy-endpoint={self.endpoint}",
             f"--remote-runtime-service-endpoint={self.runtime_endpoint}",
             f"--hook-config-dir={self.base / 'hookserver.d'}",
+            f"--state-dir={self.base / 'state'}",
             *self.extra_args,
         ]
 

@@ -54,7 +54,7 @@ class RecordTests(SynchronousTestCase):
         self.assertEqual(
             fields["hook_calls"],
             [{"hook": "PreCreateContainer", "server": "koordlet.json", "result": "ok", "duration_ms": 0.5,
-              "changed": ["envs ~TOKEN"], "reason": ""}],
+              "changed": ["envs ~TOKEN"], "left_alone": [], "reason": ""}],
         )
         self.assertNotIn("s3cr3t", json.dumps({key: value for key, value in fields.items()}))
         self.assertEqual(CallRecord("RunPodSandbox").fields("OK", 0.01)["hooks"], "none")

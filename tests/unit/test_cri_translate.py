@@ -201,7 +201,7 @@ class ApplyTests(SynchronousTestCase):
         before = translate.pod_hook_request(request)
         after = copy.deepcopy(before)
         messages.merge_pod_response(
-            after, hook.PodSandboxHookResponse(resources=hook.LinuxContainerResources(cpu_quota=20000))
+            after, hook.PodSandboxHookResponse(resources=hook.LinuxContainerResources(cpu_quota=20000)), apply_resources=True
         )
         self.assertTrue(translate.apply_to_run_pod_sandbox(request, before, after))
         self.assertEqual(request.config.linux.resources.cpu_quota, 20000)

@@ -15,6 +15,7 @@ from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
 from koordrp.hooks.client import HookClients
 from koordrp.hooks.dispatcher import Dispatcher
 from koordrp.hooks.types import FailurePolicy, HookServerConfig, HookType, PostStage
+from koordrp.metrics import Metrics
 from tests.fake.hook_server import FakeHookServer
 from tests.support.tempdirs import short_tempdir
 
@@ -34,6 +35,7 @@ class DispatcherTests(TestCase):
         self.clients = HookClients(reactor)
         self.addCleanup(self.clients.close_all)
         self.dispatcher = Dispatcher(self.clients, reactor)
+        self.addCleanup(self.dispatcher.drain)  # ends the questions to servers that stopped answering
         self.events: list[LogEvent] = []
         observer = cast(ILogObserver, self.events.append)
         globalLogPublisher.addObserver(observer)
@@ -118,12 +120,12 @@ class DispatcherTests(TestCase):
 
     @inlineCallbacks
     def test_a_slow_server_is_cut_off_at_its_timeout(self):  # type: ignore[no-untyped-def]
-        slow = self.server("slow")
-        slow.delays["PreCreateContainerHook"] = 3
         for policy in (FailurePolicy.IGNORE, FailurePolicy.FAIL):
+            slow = self.server(f"slow-{policy.value}")
+            slow.delays["PreCreateContainerHook"] = 3
             started = time.monotonic()
             outcome = yield self.dispatcher.run(
-                CREATE, (self.config("slow", slow, policy, timeout=0.3),), hook.ContainerResourceHookRequest(), None
+                CREATE, (self.config(f"slow-{policy.value}", slow, policy, timeout=0.3),), hook.ContainerResourceHookRequest(), None
             )
             elapsed = time.monotonic() - started
             self.assertTrue(0.25 < elapsed < 1.5, elapsed)
@@ -189,3 +191,51 @@ class DispatcherTests(TestCase):
         outcome = yield self.dispatcher.run(CREATE, servers, hook.ContainerResourceHookRequest(), 5)
         self.assertIsNone(outcome.failure, outcome.failure and outcome.failure.message)
         self.assertIn("UP", outcome.request.container_envs)
+
+    def policy_server(self, name: str, policy: FailurePolicy, timeout: float) -> tuple[FakeHookServer, HookServerConfig]:
+        fake = self.server(name)
+        return fake, self.config(name, fake, policy, timeout)
+
+    @inlineCallbacks
+    def test_a_slow_server_within_its_time_is_heard(self):  # type: ignore[no-untyped-def]
+        slow, config = self.policy_server("slow", FailurePolicy.IGNORE, timeout=5.0)
+        slow.delays["PreCreateContainerHook"] = 1.0
+        slow.behaviours["PreCreateContainerHook"] = add_env("LATE", "1")
+        outcome = yield self.dispatcher.run(CREATE, (config,), hook.ContainerResourceHookRequest(), 30.0)
+        self.assertEqual([call.result for call in outcome.calls], ["ok"])
+        self.assertIn("LATE", outcome.request.container_envs)
+
+    @inlineCallbacks
+    def test_a_server_that_let_a_call_time_out_is_skipped_at_once_until_it_answers_again(self):  # type: ignore[no-untyped-def]
+        metrics = Metrics()
+        self.dispatcher = Dispatcher(self.clients, reactor, metrics)
+        self.addCleanup(self.dispatcher.drain)
+        for policy in (FailurePolicy.IGNORE, FailurePolicy.FAIL):
+            wedged, config = self.policy_server(f"wedged-{policy.value}", policy, timeout=0.3)
+            wedged.delays["PreCreateContainerHook"] = 30
+            first = yield self.dispatcher.run(CREATE, (config,), hook.ContainerResourceHookRequest(), None)
+            self.assertEqual([call.result for call in first.calls], ["timeout"])
+            started = time.monotonic()
+            later = yield self.dispatcher.run(CREATE, (config,), hook.ContainerResourceHookRequest(), None)
+            self.assertLess(time.monotonic() - started, 0.1)
+            [skipped] = later.calls
+            self.assertEqual(skipped.result, "not-answering")
+            labels = {"server": f"wedged-{policy.value}.json", "hook": CREATE.value, "result": "not-answering"}
+            self.assertEqual(metrics.registry.get_sample_value("koordrp_hook_calls_total", labels), 1)
+            self.assertIn("no answer within 0.3s", skipped.reason)
+            if policy is FailurePolicy.FAIL:
+                self.assertIn(f"wedged-{policy.value}.json", later.failure.message)
+                self.assertIn("not answering", later.failure.message)
+            else:
+                self.assertIsNone(later.failure)
+            # It answers again: the background question hears it, and calls reach it within seconds.
+            del wedged.delays["PreCreateContainerHook"]
+            deadline = time.monotonic() + 5
+            while True:
+                outcome = yield self.dispatcher.run(CREATE, (config,), hook.ContainerResourceHookRequest(), None)
+                if outcome.calls[0].result == "ok" or time.monotonic() > deadline:
+                    break
+                yield deferLater(reactor, 0.05, lambda: None)
+            self.assertEqual(outcome.calls[0].result, "ok")
+            self.assertLess(time.monotonic() - started, 3.0)
+            self.assertTrue(any("answers again" in event["log_format"] for event in self.events))

@@ -530,6 +530,7 @@ class SandboxApplyTests(SynchronousTestCase):
                 cgroup_parent=POD_PATH.replace("burstable", "besteffort"),
                 resources=hook.LinuxContainerResources(cpu_shares=1024, cpuset_cpus="0-1"),
             ),
+            apply_resources=True,
         )
         self.assertTrue(translate.apply_to_sandbox_create(body, before, after, "systemd"))
 

@@ -21,7 +21,7 @@ from koordrp.cri import translate as cri_translate
 from koordrp.docker import translate as docker_translate
 from koordrp.hooks.client import HookClients
 from koordrp.hooks.dispatcher import Dispatcher
-from koordrp.hooks.messages import ContainerHookRequest, HookRequest, PodHookRequest
+from koordrp.hooks.messages import ContainerHookRequest, HookRequest, PodHookRequest, copied, placed_in_pod
 from koordrp.metrics import Metrics
 from koordrp.hooks.types import NOT_MADE, SKIPPED, UNREADABLE, FailurePolicy, HookServerConfig, HookServers, HookType, PostStage
 from koordrp.store import ContainerState, Store, StoredContainer, StoredPod
@@ -60,17 +60,25 @@ class CRIWire:
         config = cri.ContainerConfig(
             metadata=cri.ContainerMetadata(name="app"),
             envs=[cri.KeyValue(key=key, value=value.encode()) for key, value in envs],
-            linux=cri.LinuxContainerConfig(resources=cri.LinuxContainerResources(cpu_shares=2, cpuset_cpus="0-3")),
+            linux=cri.LinuxContainerConfig(
+                resources=cri.LinuxContainerResources(cpu_shares=2, cpu_quota=100000, cpuset_cpus="0-3")
+            ),
         )
         sandbox = cri.PodSandboxConfig(linux=cri.LinuxPodSandboxConfig(cgroup_parent=POD_PARENT))
         request = cri.CreateContainerRequest(pod_sandbox_id=sandbox_id, config=config, sandbox_config=sandbox)
         return cri_translate.CreateContainer(request)
 
-    def update(self, container_id: str, cpu_shares: int) -> flows.UpdateContainerResources:
+    def update(self, container_id: str, cpu_shares: int = 0, cpuset: str = "") -> flows.UpdateContainerResources:
         request = cri.UpdateContainerResourcesRequest(
-            container_id=container_id, linux=cri.LinuxContainerResources(cpu_shares=cpu_shares)
+            container_id=container_id, linux=cri.LinuxContainerResources(cpu_shares=cpu_shares, cpuset_cpus=cpuset)
         )
         return cri_translate.UpdateContainerResources(request)
+
+    def resize(self, sandbox_id: str, cpu_quota: int) -> flows.UpdatePodSandboxResources:
+        request = cri.UpdatePodSandboxResourcesRequest(
+            pod_sandbox_id=sandbox_id, resources=cri.LinuxContainerResources(cpu_quota=cpu_quota)
+        )
+        return cri_translate.UpdatePodSandboxResources(request)
 
     def sandbox_parent(self, sent: bytes) -> str:
         return cri.RunPodSandboxRequest.FromString(sent).config.linux.cgroup_parent
@@ -84,6 +92,11 @@ class CRIWire:
     def update_sent(self, sent: bytes) -> tuple[int, str]:
         request = cri.UpdateContainerResourcesRequest.FromString(sent)
         return request.linux.cpu_shares, request.linux.cpuset_cpus
+
+    def quota_sent(self, sent: bytes, create: bool = False) -> int:
+        if create:
+            return cri.CreateContainerRequest.FromString(sent).config.linux.resources.cpu_quota
+        return cri.UpdateContainerResourcesRequest.FromString(sent).linux.cpu_quota
 
 
 class DockerWire:
@@ -105,12 +118,15 @@ class DockerWire:
                 docker_translate.TYPE_LABEL: docker_translate.CONTAINER_TYPE,
                 docker_translate.SANDBOX_ID_LABEL: sandbox_id,
             },
-            "HostConfig": {"CgroupParent": POD_PARENT, "CpuShares": 2, "CpusetCpus": "0-3"},
+            "HostConfig": {"CgroupParent": POD_PARENT, "CpuShares": 2, "CpuQuota": 100000, "CpusetCpus": "0-3"},
         }
         return docker_translate.ContainerCreate("k8s_app_web_default_uid-1_0", body, self.DRIVER)
 
-    def update(self, container_id: str, cpu_shares: int) -> flows.UpdateContainerResources:
-        return docker_translate.ContainerUpdate(container_id, {"CpuShares": cpu_shares})
+    def update(self, container_id: str, cpu_shares: int = 0, cpuset: str = "") -> flows.UpdateContainerResources:
+        body: dict[str, object] = {"CpuShares": cpu_shares} if cpu_shares else {}
+        if cpuset:
+            body["CpusetCpus"] = cpuset
+        return docker_translate.ContainerUpdate(container_id, body)
 
     def sandbox_parent(self, sent: bytes) -> str:
         return str(json.loads(sent)["HostConfig"]["CgroupParent"])
@@ -124,6 +140,10 @@ class DockerWire:
     def update_sent(self, sent: bytes) -> tuple[int, str]:
         body = json.loads(sent)
         return body["CpuShares"], body["CpusetCpus"]
+
+    def quota_sent(self, sent: bytes, create: bool = False) -> int:
+        body = json.loads(sent)
+        return int((body["HostConfig"] if create else body)["CpuQuota"])
 
 
 class FlowTestCase(SynchronousTestCase):
@@ -171,7 +191,7 @@ class FlowTestCase(SynchronousTestCase):
 
     def put_pod(self, sandbox_id: str = "s-1", labels: dict[str, str] | None = None, parent: str = POD_PARENT) -> PodHookRequest:
         pod = PodHookRequest(pod_meta=hook.PodSandboxMetadata(name="web", uid="uid-1"), labels=labels or {}, cgroup_parent=parent)
-        self.store.put_pod(sandbox_id, pod)
+        self.store.put_pod(sandbox_id, pod, pod)
         return pod
 
     def put_container(self, container_id: str = "c-1", labels: dict[str, str] | None = None) -> ContainerHookRequest:
@@ -182,7 +202,7 @@ class FlowTestCase(SynchronousTestCase):
             container_envs={"A": "1"},
             container_resources=hook.LinuxContainerResources(cpu_shares=2, cpuset_cpus="0-3"),
         )
-        self.store.put_container(container_id, "s-1", container)
+        self.store.put_container(container_id, "s-1", container, container)
         return container
 
 
@@ -194,8 +214,9 @@ class RequestRules:
     def test_with_nobody_subscribed_the_request_goes_as_received_and_is_remembered(self: Any) -> None:
         self.drive(flows.run_pod_sandbox, self.wire.sandbox({"app": "web"}))
         self.assertEqual((self.stages.ran, self.runtime.forwarded), ([], [None]))
-        pod = self.store.pod("created-1")
-        self.assertEqual((dict(pod.labels), pod.cgroup_parent), ({"app": "web"}, POD_PARENT))
+        stored = self.store.pod("created-1")
+        self.assertEqual((dict(stored.given.labels), stored.given.cgroup_parent), ({"app": "web"}, POD_PARENT))
+        self.assertEqual(stored.asked, stored.given)
 
     def test_pre_hook_changes_reach_the_runtime_and_the_store(self: Any) -> None:
         self.subscribe(PRE_RUN, PRE_CREATE)
@@ -205,16 +226,19 @@ class RequestRules:
         )
         self.drive(flows.run_pod_sandbox, self.wire.sandbox({"app": "web"}))
         self.assertEqual(self.wire.sandbox_parent(self.runtime.forwarded[0]), "/moved")
-        self.assertEqual(self.store.pod("created-1").cgroup_parent, "/moved")
+        pod = self.store.pod("created-1")
+        self.assertEqual((pod.asked.cgroup_parent, pod.given.cgroup_parent), (POD_PARENT, "/moved"))
         self.runtime.created_id = "c-1"
         self.drive(flows.create_container, self.wire.container("created-1", [("A", "1"), ("B", "2")]))
         envs, cpuset, parent = self.wire.container_sent(self.runtime.forwarded[1])
         self.assertEqual((envs, cpuset, parent), ([("A", "1"), ("B", "2"), ("ADDED", "1")], "2-3", "/moved"))
         self.assertEqual(self.stages.ran[1].request.pod_cgroup_parent, "/moved")
         stored = self.store.container("c-1")
-        self.assertEqual((stored.sandbox_id, stored.info.container_meta.id), ("created-1", "c-1"))
-        self.assertEqual(dict(stored.info.container_envs), {"A": "1", "B": "2", "ADDED": "1"})
-        self.assertEqual(stored.info.container_resources.cpuset_cpus, "2-3")
+        self.assertEqual((stored.sandbox_id, stored.asked.container_meta.id, stored.given.container_meta.id), ("created-1", "c-1", "c-1"))
+        # What kubelet asked, apart from what the runtime was given.
+        self.assertEqual(dict(stored.asked.container_envs), {"A": "1", "B": "2"})
+        self.assertEqual(dict(stored.given.container_envs), {"A": "1", "B": "2", "ADDED": "1"})
+        self.assertEqual((stored.asked.container_resources.cpuset_cpus, stored.given.container_resources.cpuset_cpus), ("0-3", "2-3"))
 
     def test_the_pods_cgroup_parent_from_the_store_reaches_create_without_a_hook(self: Any) -> None:
         self.put_pod(parent="/moved/by/PreRunPodSandbox")
@@ -256,7 +280,7 @@ class RequestRules:
         self.assertEqual(self.store.sizes(), (1, 0))
         self.put_container()
         self.drive(flows.update_container_resources, self.wire.update("c-1", 512))
-        self.assertEqual(self.store.container("c-1").info.container_resources.cpu_shares, 2)
+        self.assertEqual(self.store.container("c-1").asked.container_resources.cpu_shares, 2)
 
     def test_an_update_folds_in_kubelets_values_writes_back_the_hooks_and_is_remembered(self: Any) -> None:
         self.put_container()
@@ -268,8 +292,32 @@ class RequestRules:
         seen = self.stages.ran[0].request.container_resources
         self.assertEqual((seen.cpu_shares, seen.cpuset_cpus), (512, "0-3"))
         self.assertEqual(self.wire.update_sent(self.runtime.forwarded[0]), (512, "1"))
-        stored = self.store.container("c-1").info.container_resources
-        self.assertEqual((stored.cpu_shares, stored.cpuset_cpus), (512, "1"))
+        stored = self.store.container("c-1")
+        asked, given = stored.asked.container_resources, stored.given.container_resources
+        self.assertEqual((asked.cpu_shares, asked.cpuset_cpus, given.cpu_shares, given.cpuset_cpus), (512, "0-3", 512, "1"))
+
+    def test_a_hook_that_scales_a_value_scales_kubelets_once_however_often_kubelet_updates(self: Any) -> None:
+        """kubelet's static CPU manager sends cpuset-only updates; a quota-halving hook must not compound."""
+        self.put_pod("s-1")
+        self.subscribe(PRE_CREATE, PRE_UPDATE)
+
+        def halve(request: HookRequest) -> hook.ContainerResourceHookResponse:
+            answer = hook.ContainerResourceHookResponse()
+            assert isinstance(request, ContainerHookRequest)
+            answer.container_resources.CopyFrom(request.container_resources)
+            answer.container_resources.cpu_quota = request.container_resources.cpu_quota // 2
+            return answer
+
+        self.stages.behaviours[PRE_CREATE] = self.stages.behaviours[PRE_UPDATE] = halve
+        self.runtime.created_id = "c-1"
+        self.drive(flows.create_container, self.wire.container("s-1", [("A", "1")]))
+        self.assertEqual(self.wire.quota_sent(self.runtime.forwarded[0], create=True), 50000)
+        for cpuset in ("1", "0-1", "1"):
+            self.drive(flows.update_container_resources, self.wire.update("c-1", cpuset=cpuset))
+            self.assertEqual(self.wire.quota_sent(self.runtime.forwarded[-1]), 50000)
+        self.assertEqual([record.request.container_resources.cpu_quota for record in self.stages.ran], [100000] * 4)
+        stored = self.store.container("c-1")
+        self.assertEqual((stored.asked.container_resources.cpu_quota, stored.given.container_resources.cpu_quota), (100000, 50000))
 
     def test_a_container_of_a_sandbox_nobody_knows_goes_unchanged_without_hooks(self: Any) -> None:
         self.subscribe(PRE_CREATE)
@@ -297,7 +345,8 @@ class IdentityRules(FlowTestCase):
         self.assertEqual(self.stages.hooks_run(), [PRE_START])
         self.assertEqual(self.runtime.forwarded, [None])
         [post] = self.announced
-        self.assertEqual((post.hook, container_request(post.request).container_envs["STARTED"]), (POST_START, "1"))
+        # The post hook is told what kubelet asked, not what the pre hook made of it.
+        self.assertEqual((post.hook, dict(container_request(post.request).container_envs)), (POST_START, {"A": "1"}))
 
     def test_no_post_stage_when_the_runtime_refused(self) -> None:
         self.put_container()
@@ -315,8 +364,9 @@ class IdentityRules(FlowTestCase):
         self.subscribe(POST_STOP, POST_STOP_POD)
         self.drive(flows.stop_container, "c-1")
         self.drive(flows.stop_pod_sandbox, "s-1")
+        in_pod = placed_in_pod(copied(stored), pod)
         self.assertEqual(
-            [(post.hook, post.request) for post in self.announced], [(POST_STOP, stored), (POST_STOP_POD, pod)]
+            [(post.hook, post.request) for post in self.announced], [(POST_STOP, in_pod), (POST_STOP_POD, pod)]
         )
 
     def posts_by_name(self) -> list[tuple[HookType, str]]:
@@ -351,7 +401,7 @@ class IdentityRules(FlowTestCase):
         self.assertEqual([container_request(post.request).container_meta.id for post in self.announced[:2]], ["c-1", "c-2"])
 
     def test_a_container_the_runtime_says_has_exited_owes_no_post_stop(self) -> None:
-        self.runtime.containers["c-1"] = StoredContainer("s-1", ContainerHookRequest(), ContainerState.STOPPED)
+        self.runtime.containers["c-1"] = StoredContainer.read_back("s-1", ContainerHookRequest(), ContainerState.STOPPED)
         self.subscribe(POST_STOP)
         self.drive(flows.stop_container, "c-1")
         self.assertEqual((self.announced, self.runtime.read_back), ([], ["c-1", "s-1"]))
@@ -373,7 +423,7 @@ class IdentityRules(FlowTestCase):
 
     def test_a_container_the_store_lacks_is_read_back_with_its_pod_and_remembered(self) -> None:
         self.runtime.pods["s-1"] = PodHookRequest(labels={"app": "web"}, cgroup_parent="/from/the/runtime")
-        self.runtime.containers["c-1"] = StoredContainer("s-1", ContainerHookRequest(container_envs={"A": "1"}))
+        self.runtime.containers["c-1"] = StoredContainer.read_back("s-1", ContainerHookRequest(container_envs={"A": "1"}), ContainerState.CREATED)
         self.subscribe(PRE_START)
         self.drive(flows.start_container, "c-1")
         self.assertEqual(self.runtime.read_back, ["c-1", "s-1"])
@@ -469,6 +519,7 @@ class IdentityRules(FlowTestCase):
             ("StopPodSandbox", flows.stop_pod_sandbox, ("s-1",)),
             ("RemoveContainer", flows.remove_container, ("c-1",)),
             ("RemovePodSandbox", flows.remove_pod_sandbox, ("s-1",)),
+            ("UpdatePodSandboxResources", flows.update_pod_sandbox_resources, (CRIWire().resize("s-1", 2000),)),
         ):
             self.store = Store()
             self.parts = flows.Parts(self.store, self.stages, lambda: self.servers, SKIP, self.clock)
@@ -507,7 +558,7 @@ class CancellationTests(FlowTestCase):
     def stop_cancelled(self, runtime_state: ContainerState) -> None:
         self.put_container()
         self.subscribe(POST_STOP)
-        self.runtime.containers["c-1"] = StoredContainer("s-1", ContainerHookRequest(), runtime_state)
+        self.runtime.containers["c-1"] = StoredContainer.read_back("s-1", ContainerHookRequest(), runtime_state)
         self.runtime.answering = Deferred()
         answer = self.start(flows.stop_container, "c-1")
         self.calls[-1].cancel()
@@ -553,7 +604,7 @@ class CancellationTests(FlowTestCase):
         class SlowReader(RecordingRuntime):
             async def read_container(self, container_id: str, pods: flows.PodSource, timeout: float | None) -> StoredContainer | None:
                 await reading
-                return StoredContainer("s-1", ContainerHookRequest(), ContainerState.STOPPED)
+                return StoredContainer.read_back("s-1", ContainerHookRequest(), ContainerState.STOPPED)
 
         reading: Deferred[None] = Deferred()
         self.runtime = SlowReader(answering=Deferred())
@@ -574,7 +625,7 @@ class CancellationTests(FlowTestCase):
         return [event for event in self.events if event.get("log_namespace") == "koordrp.calls"]
 
     def test_each_question_gets_what_is_left_of_the_callers_deadline(self) -> None:
-        self.runtime.containers["c-1"] = StoredContainer("s-1", ContainerHookRequest())
+        self.runtime.containers["c-1"] = StoredContainer.read_back("s-1", ContainerHookRequest(), ContainerState.CREATED)
         self.runtime.pods["s-1"] = PodHookRequest()
         self.runtime.answering = Deferred()
         call = self.call(timeout=10.0)
@@ -594,11 +645,11 @@ class CancellationTests(FlowTestCase):
 class ReadEverythingTests(FlowTestCase):
     def test_everything_with_each_container_given_its_pod(self) -> None:
         self.runtime.pods["s-1"] = PodHookRequest(cgroup_parent="/p")
-        self.runtime.containers["c-1"] = StoredContainer("s-1", ContainerHookRequest())
-        self.runtime.containers["c-2"] = StoredContainer("s-gone", ContainerHookRequest())
+        self.runtime.containers["c-1"] = StoredContainer.read_back("s-1", ContainerHookRequest(), ContainerState.CREATED)
+        self.runtime.containers["c-2"] = StoredContainer.read_back("s-gone", ContainerHookRequest(), ContainerState.CREATED)
         pods, containers = self.successResultOf(ensureDeferred(flows.read_everything(self.runtime, None)))
         self.assertEqual([sandbox_id for sandbox_id, _ in pods], ["s-1"])
-        self.assertEqual([(cid, stored.info.pod_cgroup_parent) for cid, stored in containers], [("c-1", "/p"), ("c-2", "")])
+        self.assertEqual([(cid, stored.given.pod_cgroup_parent) for cid, stored in containers], [("c-1", "/p"), ("c-2", "")])
 
     def test_an_entry_that_cannot_be_read_is_left_out_with_a_warning(self) -> None:
         class HalfReadable(RecordingRuntime):
@@ -616,3 +667,54 @@ class ReadEverythingTests(FlowTestCase):
     def test_a_runtime_that_cannot_be_asked_fails_the_whole_reading(self) -> None:
         self.runtime.broken = "UNAVAILABLE"
         self.failureResultOf(ensureDeferred(flows.read_everything(self.runtime, None)), flows.LookupFailed)
+
+
+class PodRulesTests(FlowTestCase):
+    def test_a_pod_resized_in_place_shows_its_new_resources_to_later_container_hooks(self) -> None:
+        self.put_pod("s-1")
+        self.put_container("c-1")
+        self.subscribe(PRE_START)
+        self.drive(flows.update_pod_sandbox_resources, CRIWire().resize("s-1", 200000))
+        self.drive(flows.start_container, "c-1")
+        self.assertEqual(container_request(self.stages.ran[0].request).pod_resources.cpu_quota, 200000)
+        stored = self.store.pod("s-1")
+        assert stored is not None
+        self.assertEqual((stored.asked.resources.cpu_quota, stored.given.resources.cpu_quota), (200000, 200000))
+
+    def test_a_resize_the_runtime_refuses_changes_nothing(self) -> None:
+        self.put_pod("s-1")
+        self.runtime.ok = False
+        self.drive(flows.update_pod_sandbox_resources, CRIWire().resize("s-1", 200000))
+        stored = self.store.pod("s-1")
+        assert stored is not None
+        self.assertFalse(stored.given.HasField("resources"))
+
+    def koordlet_like_pod_answer(self, apply_pod_resources: bool) -> None:
+        self.servers = HookServers(
+            (HookServerConfig("k.json", "/run/k.sock", FailurePolicy.IGNORE, frozenset({PRE_RUN}), 2.0, apply_pod_resources=apply_pod_resources),)
+        )
+        answer = hook.PodSandboxHookResponse(resources=hook.LinuxContainerResources(cpu_quota=-1, cpu_shares=2))
+        self.stages.answers[PRE_RUN] = answer
+        self.drive(flows.run_pod_sandbox, CRIWire().sandbox({}))
+
+    def test_a_pod_answers_resources_leave_the_sandbox_alone_unless_its_server_asks(self) -> None:
+        self.koordlet_like_pod_answer(apply_pod_resources=False)
+        sent = self.runtime.forwarded[0]
+        self.assertIsNone(sent)  # kubelet's bytes, unchanged
+        [call] = self.calls[-1].record.calls
+        self.assertEqual([(change.path, change.applied) for change in call.changes], [
+            ("resources.cpu_shares", False), ("resources.cpu_quota", False)
+        ])
+        self.koordlet_like_pod_answer(apply_pod_resources=True)
+        sent = self.runtime.forwarded[1]
+        assert sent is not None
+        applied = cri.RunPodSandboxRequest.FromString(sent).config.linux.resources
+        self.assertEqual((applied.cpu_quota, applied.cpu_shares), (-1, 2))
+
+    def test_hooks_get_half_of_what_is_left_of_the_callers_deadline(self) -> None:
+        self.put_container()
+        self.subscribe(PRE_START)
+        call = self.call(timeout=10.0)
+        self.clock.advance(2)
+        call.run(flows.start_container(call, "c-1"))
+        self.assertEqual(self.stages.budgets, [4.0])

@@ -87,6 +87,11 @@ class AcceptTests(SynchronousTestCase):
         self.assertEqual(self.parse(with_fields(timeout_seconds=0.25)).timeout, 0.25)
         self.assertIsInstance(self.parse(with_fields(timeout_seconds=2)).timeout, float)
 
+    def test_a_server_asks_for_its_pod_resources_answers_to_apply(self) -> None:
+        self.assertFalse(self.parse(encode(KOORDLET)).apply_pod_resources)  # koordlet's file lacks it
+        self.assertTrue(self.parse(with_fields(apply_pod_resources=True)).apply_pod_resources)
+        self.assertFalse(self.parse(with_fields(apply_pod_resources=False)).apply_pod_resources)
+
     def test_unknown_fields_are_ignored(self) -> None:
         data = with_fields(**{"future_field": {"nested": [1, 2]}, "x": None})
         self.assertEqual(self.parse(data), self.parse(encode(KOORDLET)))
@@ -217,6 +222,11 @@ class RejectTests(SynchronousTestCase):
         self.assertEqual(reason, '"timeout-seconds" must be a positive finite number, not boolean')
         self.assertIn("not string", self.reason(with_fields(timeout_seconds="3")))
         self.assertIn("not object", self.reason(with_fields(timeout_seconds={})))
+
+
+    def test_apply_pod_resources_not_a_boolean(self) -> None:
+        self.assertEqual(self.reason(with_fields(apply_pod_resources="yes")), '"apply-pod-resources" must be true or false, not "yes"')
+        self.assertIn("not number", self.reason(with_fields(apply_pod_resources=1)))
 
 
 class PermissionTests(SynchronousTestCase):

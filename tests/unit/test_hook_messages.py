@@ -105,16 +105,18 @@ class MergeTests(SynchronousTestCase):
         self.assertEqual(request.pod_cgroup_parent, "/q")
 
     def test_pod_response(self) -> None:
-        pod = translate.pod_hook_request(run_pod_request())
-        messages.merge_pod_response(
-            pod,
-            hook.PodSandboxHookResponse(
-                labels={"tier": "gold"}, cgroup_parent="/kubepods/besteffort",
-                resources=hook.LinuxContainerResources(cpu_shares=2),
-            ),
+        answer = hook.PodSandboxHookResponse(
+            labels={"tier": "gold"}, cgroup_parent="/kubepods/besteffort", resources=hook.LinuxContainerResources(cpu_shares=2)
         )
+        pod = translate.pod_hook_request(run_pod_request())
+        changes = messages.merge_pod_response(pod, answer)
         self.assertEqual(dict(pod.labels), {"app": "web", "tier": "gold"})
         self.assertEqual(pod.cgroup_parent, "/kubepods/besteffort")
+        # koordlet echoes pod-level resources it does not mean to set: named, left alone.
+        self.assertEqual((pod.resources.cpu_shares, pod.resources.memory_limit_in_bytes), (1024, 1 << 30))
+        self.assertEqual([(change.path, change.applied) for change in changes][-1], ("resources.cpu_shares", False))
+        pod = translate.pod_hook_request(run_pod_request())
+        messages.merge_pod_response(pod, answer, apply_resources=True)
         self.assertEqual((pod.resources.cpu_shares, pod.resources.memory_limit_in_bytes), (2, 1 << 30))
 
     def test_a_merge_says_what_it_changed_without_env_values(self) -> None:

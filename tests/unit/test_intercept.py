@@ -6,6 +6,7 @@ from concurrent import futures
 from typing import cast
 
 import grpc
+from cri_api.v1 import api_pb2 as kubelets
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred, inlineCallbacks
 from twisted.internet.interfaces import IReactorFromThreads
@@ -61,7 +62,7 @@ class InterceptTests(TestCase):
         pod = translate.pod_hook_request(
             cri.RunPodSandboxRequest(config=cri.PodSandboxConfig(metadata=cri.PodSandboxMetadata(name="p", uid="u")))
         )
-        self.store.put_pod("sandbox-1", pod)
+        self.store.put_pod("sandbox-1", pod, pod)
         servers = HookServers(
             (HookServerConfig("hook.json", self.hook_server.path, FailurePolicy.FAIL, frozenset(HookType), 2.0),)
         )
@@ -96,7 +97,8 @@ class InterceptTests(TestCase):
         self.assertIn(UNKNOWN_FIELD, config.SerializeToString())
         stored = self.store.container("created-1")
         assert stored is not None
-        self.assertEqual((stored.sandbox_id, dict(stored.info.container_envs)), ("sandbox-1", {"A": "1", "HOOKED": "1"}))
+        self.assertEqual((stored.sandbox_id, dict(stored.given.container_envs)), ("sandbox-1", {"A": "1", "HOOKED": "1"}))
+        self.assertEqual(dict(stored.asked.container_envs), {"A": "1"})
         self.assertEqual(self.hook_server.calls("PreCreateContainerHook")[0].pod_meta.uid, "u")
 
     @inlineCallbacks
@@ -124,6 +126,17 @@ class InterceptTests(TestCase):
         yield deferToThread(self.call, "/runtime.v1.RuntimeService/RemovePodSandbox", request)
         self.assertEqual(self.store.sizes(), (0, 0))
 
+    @inlineCallbacks
+    def test_a_pod_resized_in_place_is_resized_in_the_store(self):  # type: ignore[no-untyped-def]
+        # The bytes a kubelet of 1.33 or later sends, from cri-api's own message.
+        resize = kubelets.UpdatePodSandboxResourcesRequest(
+            pod_sandbox_id="sandbox-1", resources=kubelets.LinuxContainerResources(cpu_quota=200000, cpu_period=100000)
+        ).SerializeToString()
+        yield deferToThread(self.call, "/runtime.v1.RuntimeService/UpdatePodSandboxResources", resize)
+        stored = self.store.pod("sandbox-1")
+        assert stored is not None
+        self.assertEqual((stored.asked.resources.cpu_quota, stored.given.resources.cpu_quota), (200000, 200000))
+
     def call_lines(self) -> "list[LogEvent]":
         lines: list[LogEvent] = []
 
@@ -147,7 +160,7 @@ class InterceptTests(TestCase):
 
     def stored_container(self) -> None:
         container = ContainerHookRequest(container_meta=hook.ContainerMetadata(name="app", id="c-1"))
-        self.store.put_container("c-1", "sandbox-1", container)
+        self.store.put_container("c-1", "sandbox-1", container, container)
         self.store.started("c-1")
 
     @inlineCallbacks

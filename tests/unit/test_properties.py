@@ -331,10 +331,11 @@ def copied(original: Any) -> Any:
 
 
 def merged(request: Any, *responses: Any) -> Any:
-    """A fresh copy of ``request`` with ``responses`` merged in turn, as the hook chain does."""
+    """A fresh copy of ``request`` with ``responses`` merged in turn, as the hook chain does (by a server
+    that asks for its pod-level resources to apply)."""
     result = copied(request)
     for response in responses:
-        messages.merge_response(result, response)
+        messages.merge_response(result, response, apply_pod_resources=True)
     return result
 
 
@@ -413,6 +414,14 @@ class MergePropertyTests(SynchronousTestCase):
     @given(pod_requests(), st.lists(pod_responses(), min_size=1, max_size=3))
     def test_pod_merge_changes_only_what_the_answers_mention(self, request: Any, responses: list[Any]) -> None:
         self.check_merge(request, responses, MergeModel(self).pod)
+
+    @CI
+    @given(pod_requests(), pod_responses())
+    def test_pod_resources_are_left_alone_unless_the_server_asks(self, request: Any, response: Any) -> None:
+        result = copied(request)
+        messages.merge_response(result, response)
+        self.assertEqual(result.resources, request.resources)
+        self.assertEqual(result.HasField("resources"), request.HasField("resources"))
 
     @CI
     @given(container_requests(), st.lists(container_responses(), min_size=1, max_size=3))

@@ -1,9 +1,11 @@
 """The store: copies in and out, forgetting pods with their containers, reconciling with the runtime."""
 
+import os
 import threading
 
 from twisted.trial.unittest import SynchronousTestCase
 
+from koordrp.checkpoint import CheckpointError, DirectoryCheckpoint
 from koordrp.hooks.messages import ContainerHookRequest, PodHookRequest
 from koordrp.store import ContainerState, Store, StoredContainer, StoredPod
 
@@ -20,56 +22,60 @@ def container(name: str) -> ContainerHookRequest:
     return request
 
 
+def given(stored: StoredPod | None) -> PodHookRequest | None:
+    return None if stored is None else stored.given
+
+
 class StoreTests(SynchronousTestCase):
     def test_what_goes_in_and_out_is_a_copy(self) -> None:
         store = Store()
         original = pod("a")
-        store.put_pod("p1", original)
+        store.put_pod("p1", original, original)
         original.pod_meta.name = "changed by the caller"
         got = store.pod("p1")
         assert got is not None
-        got.labels["x"] = "y"
-        self.assertEqual(store.pod("p1"), pod("a"))
+        got.asked.labels["x"] = "y"
+        self.assertEqual(store.pod("p1"), StoredPod(pod("a"), pod("a")))
 
     def test_forgetting_a_pod_forgets_its_containers(self) -> None:
         store = Store()
-        store.put_pod("p1", pod("a"))
-        store.put_pod("p2", pod("b"))
-        store.put_container("c1", "p1", container("x"))
-        store.put_container("c2", "p2", container("y"))
+        store.put_pod("p1", pod("a"), pod("a"))
+        store.put_pod("p2", pod("b"), pod("b"))
+        store.put_container("c1", "p1", container("x"), container("x"))
+        store.put_container("c2", "p2", container("y"), container("y"))
         store.forget_pod("p1")
         self.assertIsNone(store.container("c1"))
         self.assertEqual(store.sizes(), (1, 1))
 
     def test_learn_keeps_what_calls_wrote(self) -> None:
         store = Store()
-        store.put_pod("p1", pod("from a call"))
-        store.learn([("p1", StoredPod(pod("from the runtime"))), ("p2", StoredPod(pod("new")))], [])
-        self.assertEqual(store.pod("p1"), pod("from a call"))
-        self.assertEqual(store.pod("p2"), pod("new"))
+        store.put_pod("p1", pod("from a call"), pod("from a call"))
+        store.learn([("p1", StoredPod.read_back(pod("from the runtime"), False)), ("p2", StoredPod.read_back(pod("new"), False))], [])
+        self.assertEqual(given(store.pod("p1")), pod("from a call"))
+        self.assertEqual(given(store.pod("p2")), pod("new"))
 
     def test_reconcile_forgets_what_went_and_learns_what_came(self) -> None:
         store = Store()
-        store.put_pod("gone", pod("gone"))
-        store.put_pod("kept", pod("kept"))
-        store.put_container("gone-c", "gone", container("gone"))
+        store.put_pod("gone", pod("gone"), pod("gone"))
+        store.put_pod("kept", pod("kept"), pod("kept"))
+        store.put_container("gone-c", "gone", container("gone"), container("gone"))
         before = store.ids()
-        store.put_pod("created-during-listing", pod("new"))
+        store.put_pod("created-during-listing", pod("new"), pod("new"))
         forgotten, learnt = store.reconcile(
-            [("kept", StoredPod(pod("kept, as the runtime says"))), ("appeared", StoredPod(pod("appeared")))],
-            [("appeared-c", StoredContainer("appeared", container("c")))],
+            [("kept", StoredPod.read_back(pod("kept, as the runtime says"), False)), ("appeared", StoredPod.read_back(pod("appeared"), False))],
+            [("appeared-c", StoredContainer.read_back("appeared", container("c"), ContainerState.CREATED))],
             before,
         )
         self.assertEqual((forgotten, learnt), (2, 2))
         self.assertIsNone(store.pod("gone"))
         self.assertIsNone(store.container("gone-c"))
-        self.assertEqual(store.pod("kept"), pod("kept"))
-        self.assertEqual(store.pod("created-during-listing"), pod("new"))
-        self.assertEqual(store.pod("appeared"), pod("appeared"))
+        self.assertEqual(given(store.pod("kept")), pod("kept"))
+        self.assertEqual(given(store.pod("created-during-listing")), pod("new"))
+        self.assertEqual(given(store.pod("appeared")), pod("appeared"))
 
     def test_a_container_starts_and_stops_once_until_it_starts_again(self) -> None:
         store = Store()
-        store.put_container("c1", "p1", container("x"))
+        store.put_container("c1", "p1", container("x"), container("x"))
         self.assertEqual((store.started("c1"), store.started("c1")), (True, False))
         self.assertEqual((store.stopped("c1"), store.stopped("c1")), (True, False))
         self.assertEqual((store.started("c1"), store.stopped("c1")), (True, True))
@@ -77,26 +83,26 @@ class StoreTests(SynchronousTestCase):
 
     def test_a_stopped_pod_stops_its_containers_once(self) -> None:
         store = Store()
-        store.put_pod("p1", pod("a"))
+        store.put_pod("p1", pod("a"), pod("a"))
         for name in ("c1", "c2", "c3"):
-            store.put_container(name, "p1", container(name))
-        store.put_container("other", "p2", container("other"))
+            store.put_container(name, "p1", container(name), container(name))
+        store.put_container("other", "p2", container("other"), container("other"))
         store.started("c1")
         store.stopped("c2")
         newly, containers = store.pod_stopped("p1")
         self.assertTrue(newly)
-        self.assertEqual([stored.info.container_meta.name for stored in containers], ["c1", "c3"])
+        self.assertEqual([stored.asked.container_meta.name for stored in containers], ["c1", "c3"])
         self.assertEqual(store.pod_stopped("p1"), (False, []))
         self.assertEqual(store.container("other").state, ContainerState.CREATED)  # type: ignore[union-attr]
 
     def test_a_revision_keeps_the_state_and_what_was_forgotten_stays_forgotten(self) -> None:
         store = Store()
-        store.put_container("c1", "p1", container("x"))
+        store.put_container("c1", "p1", container("x"), container("x"))
         store.started("c1")
-        store.revise_container("c1", container("y"))
-        self.assertEqual(store.container("c1"), StoredContainer("p1", container("y"), ContainerState.RUNNING))
+        store.revise_container("c1", container("y"), container("y, given"))
+        self.assertEqual(store.container("c1"), StoredContainer("p1", container("y"), container("y, given"), ContainerState.RUNNING))
         store.forget_container("c1")
-        store.revise_container("c1", container("z"))
+        store.revise_container("c1", container("z"), container("z"))
         self.assertIsNone(store.container("c1"))
 
     def test_safe_from_many_threads(self) -> None:
@@ -105,8 +111,8 @@ class StoreTests(SynchronousTestCase):
         def churn(worker: int) -> None:
             for index in range(300):
                 key = f"{worker}-{index}"
-                store.put_pod(key, pod(key))
-                store.put_container(key, key, container(key))
+                store.put_pod(key, pod(key), pod(key))
+                store.put_container(key, key, container(key), container(key))
                 store.pod(key)
                 store.forget_pod(key)
 
@@ -116,3 +122,77 @@ class StoreTests(SynchronousTestCase):
         for thread in threads:
             thread.join()
         self.assertEqual(store.sizes(), (0, 0))
+
+
+class CheckpointTests(SynchronousTestCase):
+    """What kubelet asked, where hooks changed it, survives koordrp's restart; nothing else is written."""
+
+    def setUp(self) -> None:
+        self.directory = self.mktemp()
+
+    def opened(self) -> DirectoryCheckpoint:
+        checkpoint = DirectoryCheckpoint(self.directory)
+        checkpoint.open()
+        return checkpoint
+
+    def files(self, kind: str) -> list[str]:
+        return sorted(os.listdir(os.path.join(self.directory, kind)))
+
+    def test_kubelets_values_come_back_after_a_restart_beside_what_the_runtime_has(self) -> None:
+        store = Store(self.opened())
+        store.put_pod("p1", pod("asked"), pod("given"))
+        store.put_container("c1", "p1", container("asked"), container("given"))
+        store.put_container("c2", "p1", container("same"), container("same"))
+        self.assertEqual((self.files("pods"), self.files("containers")), (["p1"], ["c1"]))
+        mode = os.stat(self.directory).st_mode & 0o777
+        self.assertEqual((mode, os.stat(os.path.join(self.directory, "containers", "c1")).st_mode & 0o777), (0o700, 0o600))
+
+        restarted = Store(self.opened())
+        restarted.reconcile(
+            [("p1", StoredPod.read_back(pod("given"), False))],
+            [
+                ("c1", StoredContainer.read_back("p1", container("given"), ContainerState.RUNNING)),
+                ("c2", StoredContainer.read_back("p1", container("same"), ContainerState.RUNNING)),
+            ],
+            restarted.ids(),
+        )
+        self.assertEqual(restarted.pod("p1"), StoredPod(pod("asked"), pod("given")))
+        self.assertEqual(
+            restarted.container("c1"), StoredContainer("p1", container("asked"), container("given"), ContainerState.RUNNING)
+        )
+        self.assertEqual(restarted.container("c2"), StoredContainer("p1", container("same"), container("same"), ContainerState.RUNNING))
+
+    def test_what_is_forgotten_or_no_longer_differs_is_removed(self) -> None:
+        store = Store(self.opened())
+        store.put_pod("p1", pod("asked"), pod("given"))
+        store.put_container("c1", "p1", container("asked"), container("given"))
+        store.put_container("c2", "p1", container("asked"), container("given"))
+        store.revise_container("c1", container("now the same"), container("now the same"))
+        self.assertEqual(self.files("containers"), ["c2"])
+        store.forget_pod("p1")
+        self.assertEqual((self.files("pods"), self.files("containers")), ([], []))
+
+    def test_what_was_kept_for_things_removed_while_koordrp_was_away_goes(self) -> None:
+        Store(self.opened()).put_container("gone", "p1", container("asked"), container("given"))
+        restarted = Store(self.opened())
+        restarted.reconcile([], [], restarted.ids())
+        self.assertEqual(self.files("containers"), [])
+
+    def test_a_file_that_cannot_be_read_leaves_what_the_runtime_has(self) -> None:
+        self.opened()
+        with open(os.path.join(self.directory, "containers", "c1"), "wb") as garbage:
+            garbage.write(b"\xff\xff\xff")
+        store = Store(self.opened())
+        store.learn([], [("c1", StoredContainer.read_back("p1", container("given"), ContainerState.RUNNING))])
+        self.assertEqual(store.container("c1").asked, container("given"))  # type: ignore[union-attr]
+
+    def test_a_directory_others_may_write_is_refused(self) -> None:
+        os.makedirs(self.directory)
+        os.chmod(self.directory, 0o777)
+        self.assertRaises(CheckpointError, DirectoryCheckpoint(self.directory).open)
+
+    def test_ids_that_are_no_file_names_are_not_kept(self) -> None:
+        checkpoint = self.opened()
+        checkpoint.write("containers", "../escape", b"x")
+        checkpoint.write("containers", "", b"x")
+        self.assertEqual((self.files("containers"), sorted(os.listdir(self.directory))), ([], ["containers", "pods"]))

@@ -1,0 +1,139 @@
+"""What kubelet asked for each pod and container, kept on disk where it differs from what the runtime has.
+
+The runtime keeps what it was given, hooks' changes included, and koordrp rebuilds its store from it
+after a restart; what kubelet asked before the hooks changed it is kept nowhere else. Hooks are asked
+with kubelet's values (a hook that scales a value must scale kubelet's, once), so koordrp keeps
+them here, one small file per pod or container whose hooks changed something, in a directory only
+root may read (environment values may be secrets): ``<dir>/pods/<id>``, ``<dir>/containers/<id>``,
+each the serialized hook request. The default directory is under /var/run: it lasts as long as the
+node's running containers do.
+"""
+
+import os
+import re
+import stat
+from typing import Literal, Protocol
+
+from twisted.logger import Logger
+
+Kind = Literal["pods", "containers"]
+KINDS: tuple[Kind, ...] = ("pods", "containers")
+
+# Runtime ids are hex; anything else (or absurdly long) is not given a file name.
+_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+DIRECTORY_MODE = 0o700
+
+
+class Checkpoint(Protocol):
+    def write(self, kind: Kind, identifier: str, data: bytes | None) -> None:
+        """Keep ``data`` for ``identifier``; None: keep nothing (forget what was kept)."""
+
+    def read(self, kind: Kind, identifier: str) -> bytes | None: ...
+
+    def retain(self, kind: Kind, identifiers: set[str]) -> None:
+        """Forget what is kept for every identifier not in ``identifiers``."""
+
+
+class NoCheckpoint:
+    """Nothing is kept: after a restart, what the runtime has stands for what kubelet asked."""
+
+    def write(self, kind: Kind, identifier: str, data: bytes | None) -> None:
+        pass
+
+    def read(self, kind: Kind, identifier: str) -> bytes | None:
+        return None
+
+    def retain(self, kind: Kind, identifiers: set[str]) -> None:
+        pass
+
+
+class CheckpointError(RuntimeError):
+    """The checkpoint directory cannot be used; the message says why, in one line."""
+
+
+class DirectoryCheckpoint:
+    """One file per identifier, written atomically (a temporary file, then a rename).
+
+    A file that cannot be written costs one warning per reason, and koordrp goes on: it then
+    knows what kubelet asked only until it restarts.
+    """
+
+    log = Logger()
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self._kept: dict[Kind, set[str]] = {kind: set() for kind in KINDS}
+        self._failing: str | None = None
+
+    def open(self) -> None:
+        """Create the directory or check it, 0700 (it holds environment values); learn what is kept there.
+
+        CheckpointError: it cannot be used, or someone else could change what it holds.
+        """
+        try:
+            for kind in KINDS:
+                os.makedirs(os.path.join(self.directory, kind), mode=DIRECTORY_MODE, exist_ok=True)
+            status = os.stat(self.directory)
+            if status.st_uid != os.geteuid() or status.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+                raise CheckpointError(f"{self.directory} may be written by others than koordrp's user; refusing it")
+            os.chmod(self.directory, DIRECTORY_MODE)  # makedirs' mode is cut by the umask, and spares parents
+            for kind in KINDS:
+                path = os.path.join(self.directory, kind)
+                os.chmod(path, DIRECTORY_MODE)
+                self._kept[kind] = {name for name in os.listdir(path) if _ID.fullmatch(name)}
+        except OSError as error:
+            raise CheckpointError(f"cannot use {self.directory}: {error.strerror}") from None
+
+    def _path(self, kind: Kind, identifier: str) -> str | None:
+        return os.path.join(self.directory, kind, identifier) if _ID.fullmatch(identifier) else None
+
+    def write(self, kind: Kind, identifier: str, data: bytes | None) -> None:
+        path = self._path(kind, identifier)
+        if path is None:
+            return
+        kept = self._kept[kind]
+        if data is None:
+            if identifier in kept:
+                kept.discard(identifier)
+                _remove(path)
+            return
+        temporary = os.path.join(self.directory, kind, f".{identifier}.new")
+        try:
+            descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.write(descriptor, data)
+            finally:
+                os.close(descriptor)
+            os.replace(temporary, path)
+        except OSError as error:
+            if error.strerror != self._failing:
+                self._failing = error.strerror
+                self.log.warn(
+                    "cannot keep what kubelet asked in {directory}: {reason}; it is kept in memory only",
+                    directory=self.directory,
+                    reason=error.strerror,
+                )
+            return
+        self._failing = None
+        kept.add(identifier)
+
+    def read(self, kind: Kind, identifier: str) -> bytes | None:
+        path = self._path(kind, identifier)
+        if path is None or identifier not in self._kept[kind]:
+            return None
+        try:
+            with open(path, "rb") as stream:
+                return stream.read()
+        except OSError:
+            return None
+
+    def retain(self, kind: Kind, identifiers: set[str]) -> None:
+        for identifier in self._kept[kind] - identifiers:
+            self.write(kind, identifier, None)
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

@@ -1,0 +1,40 @@
+"""/metrics and /healthz, served on a unix endpoint as on TCP."""
+
+import os
+import socket
+
+from twisted.internet import reactor
+from twisted.internet.defer import inlineCallbacks, succeed
+from twisted.internet.threads import deferToThread
+from twisted.trial.unittest import TestCase
+
+from koordrp.metrics import Metrics
+from koordrp.web import metrics_service
+from tests.support.tempdirs import short_tempdir
+
+
+def get(path: str, url_path: str) -> bytes:
+    """A whole HTTP/1.0 answer to GET ``url_path``, from the unix socket ``path``."""
+    with socket.socket(socket.AF_UNIX) as client:
+        client.connect(path)
+        client.sendall(f"GET {url_path} HTTP/1.0\r\n\r\n".encode())
+        answer = b""
+        while chunk := client.recv(65536):
+            answer += chunk
+    return answer
+
+
+class UnixEndpointTests(TestCase):
+    @inlineCallbacks
+    def test_metrics_and_health_answer_on_a_unix_socket(self):  # type: ignore[no-untyped-def]
+        path = os.path.join(short_tempdir(self), "metrics.sock")
+        metrics = Metrics()
+        metrics.cri_call("StartContainer", "OK", 0.002)
+        served = metrics_service(f"unix:{path}", metrics, lambda: succeed(None), reactor)
+        served.startService()
+        self.addCleanup(served.stopService)
+        scraped = yield deferToThread(get, path, "/metrics")
+        self.assertTrue(scraped.startswith(b"HTTP/1.0 200 OK"), scraped[:200])
+        self.assertIn(b'koordrp_cri_calls_total{code="OK",method="StartContainer"} 1.0', scraped)
+        health = yield deferToThread(get, path, "/healthz")
+        self.assertTrue(health.startswith(b"HTTP/1.0 200 OK") and health.endswith(b"ok: the backend answers\n"), health)
