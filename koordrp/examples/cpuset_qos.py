@@ -13,8 +13,11 @@ PreCreateContainer:
 PreRunPodSandbox is answered with nothing: the pod is created as kubelet asked. The container
 answer is ``reply(request)`` (the request as it came) with this server's changes: koordrp takes the
 cpuset an answer's resources carry, so an answer built from scratch would clear kubelet's cpuset.
+PostStopContainer, a notification, logs each container stop it is told of: once per stop, however
+often kubelet repeats it, and also for the containers a pod's stop takes along.
 """
 
+import logging
 import re
 
 from koordrp.api.runtime.v1alpha1 import api_pb2
@@ -43,6 +46,14 @@ class CpusetQoS(HookServer):
             response.container_resources.cpuset_cpus = cpuset
         response.container_envs[QOS_ENV] = request.pod_labels.get(QOS_LABEL, NO_QOS)
         return response
+
+    def PostStopContainer(self, request: api_pb2.ContainerResourceHookRequest) -> None:
+        logging.info(
+            "PostStopContainer: container %s of pod %s/%s stopped",
+            request.container_meta.name,
+            request.pod_meta.namespace,
+            request.pod_meta.name,
+        )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -51,12 +51,25 @@ from koordrp.unix import grpc_target, prepare_listening_path, umask
 __all__ = [
     "SERVICE",
     "ContainerHandler",
+    "ContainerResourceHookRequest",
+    "ContainerResourceHookResponse",
     "HookServer",
+    "HookType",
+    "LinuxContainerResources",
     "PodHandler",
+    "PodSandboxHookRequest",
+    "PodSandboxHookResponse",
     "RunningServer",
     "hook_type",
     "reply",
 ]
+
+# The messages a handler takes and returns, importable from here with the rest.
+PodSandboxHookRequest = api_pb2.PodSandboxHookRequest
+PodSandboxHookResponse = api_pb2.PodSandboxHookResponse
+ContainerResourceHookRequest = api_pb2.ContainerResourceHookRequest
+ContainerResourceHookResponse = api_pb2.ContainerResourceHookResponse
+LinuxContainerResources = api_pb2.LinuxContainerResources
 
 SOCKET_UMASK = 0o177
 """The socket is 0600: only its owner and root (koordrp) can call the hook server."""

@@ -43,6 +43,7 @@ from twisted.internet.defer import Deferred
 from koordrp.api.runtime.v1alpha1 import api_pb2
 from koordrp.hooks.messages import HookRequest
 from koordrp.hooks.types import HookType
+from koordrp.sdk import advice
 
 log = logging.getLogger("koordrp.sdk")
 
@@ -202,6 +203,7 @@ class Calls:
         """``handlers`` take their own hook's request type (pod or container), hence Any."""
         self._handlers = handlers
         self._asyncio = asyncio_loop
+        self._advised: set[HookType] = set()
 
     def generic_handler(self) -> grpc.GenericRpcHandler:  # type: ignore[type-arg]
         methods = {
@@ -233,7 +235,9 @@ class Calls:
     ) -> object:
         try:
             result = self._run(self._loop_for(handler), handler, request, context)
-            return _checked(hook, result)
+            answer = _checked(hook, result)
+            self._advise(hook, request, answer)
+            return answer
         except concurrent.futures.TimeoutError:
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"{hook.value} handler did not answer in time")
         except (concurrent.futures.CancelledError, asyncio.CancelledError):
@@ -242,6 +246,16 @@ class Calls:
             if not isinstance(error, HandlerError):
                 log.error("%s handler failed", hook.value, exc_info=error)
             context.abort(grpc.StatusCode.INTERNAL, f"{hook.value} handler failed: {_describe(error)}")
+
+    def _advise(self, hook: HookType, request: HookRequest, answer: object) -> None:
+        """Warn, once per handler, of an answer that clears what the request had without meaning to."""
+        if hook in self._advised or not isinstance(answer, api_pb2.ContainerResourceHookResponse):
+            return
+        assert isinstance(request, api_pb2.ContainerResourceHookRequest)
+        fields = advice.cleared(request, answer)
+        if fields:
+            self._advised.add(hook)
+            log.warning("%s", advice.advice(hook.value, fields))
 
     def _loop_for(self, handler: Callable[..., object]) -> _EventLoop:
         # Read at each call rather than at serve(): txaio's choice may be made after serving starts.

@@ -1,7 +1,9 @@
 """The README's demo and the benchmark keep working (short runs; the figures are not judged here)."""
 
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,12 +18,16 @@ def runtime_available() -> None:
     require_runtime()
 
 
-def run_module(module: str, *args: str) -> str:
+def run_module(module: str, *args: str, status: int = 0) -> str:
     result = subprocess.run(
         [sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True, timeout=300
     )
-    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.returncode == status, result.stdout + result.stderr
     return result.stdout
+
+
+def kubepods_cgroups() -> list[Path]:
+    return [path for path in Path("/sys/fs/cgroup").glob("*/kubepods") if path.is_dir()]
 
 
 def test_demo_walks_a_pod_through_koordrp_and_cleans_up() -> None:
@@ -37,20 +43,79 @@ def test_demo_walks_a_pod_through_koordrp_and_cleans_up() -> None:
     assert "cleaned up" in output
 
 
+def test_the_demos_pod_is_where_kubelet_puts_one_of_its_qos_class_and_its_cgroups_go_with_it() -> None:
+    before = kubepods_cgroups()
+    output = run_module("scripts.demo", "--qos", "besteffort")
+    [parent] = re.findall(r"pod cgroup parent   (\S+)", output)
+    assert re.fullmatch(r"/kubepods/besteffort/pod[0-9a-f-]{36}", parent), parent
+    assert f"cgroups path        {parent}/" in output  # the container is placed under it
+    assert kubepods_cgroups() == before
+    assert re.search(r"pod cgroup parent   /kubepods/burstable/pod", run_module("scripts.demo"))  # the default
+    custom = run_module("scripts.demo", "--pod-cgroup-parent", "/koordrp-demo/mine")
+    assert "pod cgroup parent   /koordrp-demo/mine" in custom
+    assert not [path for path in Path("/sys/fs/cgroup").glob("*/koordrp-demo") if path.is_dir()]
+
+
+def test_repeated_stops_and_a_pod_stopped_with_a_running_container_each_fire_post_stop_container_once() -> None:
+    output = run_module("scripts.demo", "--repeat-stops")
+    log = output.split("koordrp's log, one line per lifecycle call:", 1)[1]
+    calls = [line for line in log.splitlines() if line.startswith(("  StopContainer pod", "  StopPodSandbox pod"))]
+    assert [line.split("; hooks: ")[1] for line in calls] == [
+        "PostStopContainer@cpuset-qos.json: sent",
+        "none",
+        "PostStopContainer@cpuset-qos.json: sent",
+    ], calls
+    assert calls[2].startswith("  StopPodSandbox")
+    assert "container app of pod default/demo stopped" in output and "container sidecar of pod default/demo stopped" in output
+    assert 'koordrp_hook_calls_total{hook="PostStopContainer",result="ok",server="cpuset-qos.json"} 2.0' in output
+
+
+def test_a_hook_server_that_cannot_start_ends_the_demo_at_once_with_its_error_first(tmp_path: Path) -> None:
+    server = tmp_path / "misspelt.py"
+    server.write_text(
+        "from koordrp.sdk import HookServer\n\n\nclass Misspelt(HookServer):\n"
+        "    def pre_create_container(self, request):\n        return None\n"
+    )
+    started = time.monotonic()
+    output = run_module("scripts.demo", "--hook-server", str(server), status=1)
+    assert time.monotonic() - started < 25  # not koordrp's 30 s wait for a registration that never comes
+    summary = output.index("summary: the hook server")
+    assert summary < output.index("the hook server's own output")
+    assert "did not start: it exited with status 1: TypeError: Misspelt.pre_create_container looks like a handler" in output
+    assert "CRI calls made through koordrp" not in output
+
+
+def test_what_the_sdk_warns_of_comes_first_in_the_summary(tmp_path: Path) -> None:
+    server = tmp_path / "fresh.py"
+    server.write_text(
+        "from koordrp.sdk import ContainerResourceHookResponse, HookServer, LinuxContainerResources\n\n\n"
+        "class Fresh(HookServer):\n    def PreCreateContainer(self, request):\n"
+        "        return ContainerResourceHookResponse(container_resources=LinuxContainerResources(cpu_shares=1024))\n\n"
+        "    def PostStopContainers(self, request):\n        pass\n"
+    )
+    output = run_module("scripts.demo", "--hook-server", str(server), "--cpuset", "1", "--cpu-shares", "512")
+    summary = output.index("summary: the hook server warned (koordrp.sdk):")
+    assert summary < output.index("koordrp's log, one line per lifecycle call")
+    warned = output[summary:].splitlines()[1:3]
+    assert "Fresh.PostStopContainers looks like a handler but is no hook" in warned[0]
+    assert 'the PreCreateContainer answer clears cpuset_cpus "1" that the request had' in warned[1]
+    assert 'resources.cpuset_cpus "1"→""' in output  # koordrp's line still says what changed
+
+
 def test_demo_runs_an_authors_own_server_the_one_in_the_docs(tmp_path: Path) -> None:
     docs = (ROOT / "docs" / "hook-server.md").read_text()
     server = tmp_path / "pin_me.py"
     server.write_text(docs.split("```python\n", 1)[1].split("```", 1)[0])
     output = run_module(
-        "scripts.demo", "--hook-server", str(server), "--pod-label", "pin-me=true", "--cpuset", "0-1", "--env", "A=1"
+        "scripts.demo", "--hook-server", str(server), "--pod-label", "pin-me=true", "--cpuset", "1", "--env", "A=1"
     )
     assert "registered by" in output and "pin-me.json" in output
     assert "pod annotations     {}" in output  # the example's pod is not the author's
     assert "container env       A=1 PINNED_TO=0" in output
-    assert 'container resources {"cpuset_cpus": "0"}' in output  # pinned at create, kubelet asked "0-1"
+    assert 'container resources {"cpuset_cpus": "0"}' in output  # pinned at create, kubelet asked "1"
     # The example has no PreUpdateContainerResources handler: kubelet's update puts its cpuset back.
-    assert 'runtime spec cpu    {"cpus": "0-1"}' in output and "cpuset.cpus = 0-1" in output
-    assert "PreCreateContainer@pin-me.json: ok" in output and 'resources.cpuset_cpus "0-1"→"0"' in output
+    assert 'runtime spec cpu    {"cpus": "1"}' in output and "cpuset.cpus = 1" in output
+    assert "PreCreateContainer@pin-me.json: ok" in output and 'resources.cpuset_cpus "1"→"0"' in output
     assert "serving PreCreateContainer from" in output
 
 

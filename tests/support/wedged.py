@@ -23,16 +23,14 @@ class WedgedServer:
         self._ended: set[socket.socket] = set()
         self._stopping = False
         self.accepted = 0
-        threading.Thread(target=self._serve, daemon=True).start()
+        self._serving = threading.Thread(target=self._serve, daemon=True)
+        self._serving.start()
 
     def _serve(self) -> None:
         while not self._stopping:
             with self._lock:
                 reading = [connection for connection in self._open if connection not in self._ended]
-            try:
-                readable, _, _ = select.select([self._listener, *reading], [], [], 0.05)
-            except (OSError, ValueError):
-                return  # stopped
+            readable, _, _ = select.select([self._listener, *reading], [], [], 0.05)
             for ready in readable:
                 if ready is self._listener:
                     connection, _ = self._listener.accept()
@@ -64,6 +62,7 @@ class WedgedServer:
 
     def stop(self) -> None:
         self._stopping = True
+        self._serving.join()  # its select() waits at most 0.05 s; closing under it would race
         self._listener.close()
         with self._lock:
             for connection in self._open:

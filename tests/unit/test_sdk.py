@@ -33,7 +33,7 @@ from koordrp.examples.cpuset_qos import CpusetQoS
 from koordrp.hooks.config import parse_hook_server_config, permission_problem
 from koordrp.hooks.messages import merge_response
 from koordrp.hooks.types import FailurePolicy, HookType
-from koordrp.sdk import HookServer, RunningServer
+from koordrp.sdk import HookServer, RunningServer, advice, reply
 from koordrp.unix import SocketInUse, grpc_target
 from tests.support.tempdirs import short_tempdir
 
@@ -342,6 +342,55 @@ class MisnamedHandlerTests(ServingTestCase):
         )
 
 
+class AnswerAdviceTests(ServingTestCase):
+    """An answer built from scratch clears kubelet's cpuset without meaning to: the author is told, once."""
+
+    def kubelets(self) -> api_pb2.ContainerResourceHookRequest:
+        return container_request(
+            container_resources=api_pb2.LinuxContainerResources(cpu_period=100000, cpu_quota=50000, cpu_shares=512, cpuset_cpus="1"),
+            container_envs={"A": "1"},
+        )
+
+    def advice(self) -> list[str]:
+        return [record.getMessage() for record in self.logged if record.levelno == logging.WARNING]
+
+    async def test_a_fresh_answer_that_clears_the_cpuset_is_warned_about_once_naming_the_fix(self) -> None:
+        class Fresh(HookServer):
+            def PreCreateContainer(self, request: Any) -> api_pb2.ContainerResourceHookResponse:
+                return api_pb2.ContainerResourceHookResponse(
+                    container_resources=api_pb2.LinuxContainerResources(cpu_shares=1024), container_envs={"SET": "1"}
+                )
+
+        self.serve(Fresh())
+        for _ in range(2):
+            await self.call(HookType.PRE_CREATE_CONTAINER, self.kubelets())
+        [warning] = self.advice()
+        self.assertIn('the PreCreateContainer answer clears cpuset_cpus "1" that the request had', warning)
+        self.assertIn("Start from koordrp.sdk.reply(request)", warning)
+
+    async def test_a_copy_of_the_request_that_clears_the_cpuset_on_purpose_is_not(self) -> None:
+        class Koordlet(HookServer):
+            def PreCreateContainer(self, request: api_pb2.ContainerResourceHookRequest) -> api_pb2.ContainerResourceHookResponse:
+                answer = reply(request)
+                answer.container_resources.cpuset_cpus = ""  # a best-effort pod: kubelet's cpuset goes
+                return answer
+
+        self.serve(Koordlet())
+        await self.call(HookType.PRE_CREATE_CONTAINER, self.kubelets())
+        self.assertEqual(self.advice(), [])
+
+    def test_what_counts_as_built_from_the_request(self) -> None:
+        request = self.kubelets()
+        fresh = api_pb2.ContainerResourceHookResponse(container_resources=api_pb2.LinuxContainerResources(cpu_shares=2))
+        self.assertEqual(advice.cleared(request, fresh), ['cpuset_cpus "1"'])
+        fresh.container_resources.cpuset_cpus = "0"
+        self.assertEqual(advice.cleared(request, fresh), [])  # it sets the cpuset it means
+        self.assertEqual(advice.cleared(request, api_pb2.ContainerResourceHookResponse(container_envs={"A": "2"})), [])
+        only_a_cpuset = container_request(container_resources=api_pb2.LinuxContainerResources(cpuset_cpus="1"))
+        # Nothing in such a request tells a copy from a fresh answer: no advice rather than a wrong one.
+        self.assertEqual(advice.cleared(only_a_cpuset, fresh), [])
+
+
 class ExampleServerTests(ServingTestCase):
     """koordrp.examples.cpuset_qos answers with the request as it came, plus its changes."""
 
@@ -349,8 +398,8 @@ class ExampleServerTests(ServingTestCase):
         super().setUp()
         self.running = self.serve(CpusetQoS())
 
-    def test_subscribes_to_two_hooks(self) -> None:
-        self.assertEqual(self.running.hooks, {HookType.PRE_RUN_POD_SANDBOX, HookType.PRE_CREATE_CONTAINER})
+    def test_subscribes_to_its_three_hooks(self) -> None:
+        self.assertEqual(self.running.hooks, {HookType.PRE_RUN_POD_SANDBOX, HookType.PRE_CREATE_CONTAINER, HookType.POST_STOP_CONTAINER})
 
     async def test_pins_to_annotated_cpus_and_names_the_qos_class(self) -> None:
         request = container_request(
@@ -642,7 +691,7 @@ class ExampleProcessTests(SynchronousTestCase):
         self.assertIsNone(process.poll(), "the example exited")
         with open(registration, "rb") as stream:
             config = parse_hook_server_config("cpuset-qos.json", stream.read(), default_timeout=2.0)
-        self.assertEqual(config.hooks, {HookType.PRE_RUN_POD_SANDBOX, HookType.PRE_CREATE_CONTAINER})
+        self.assertEqual(config.hooks, {HookType.PRE_RUN_POD_SANDBOX, HookType.PRE_CREATE_CONTAINER, HookType.POST_STOP_CONTAINER})
         request = container_request(
             pod_annotations={"demo.koordrp.io/cpuset": "0"}, pod_labels={"koordinator.sh/qosClass": "BE"}
         )
