@@ -10,13 +10,13 @@ secrets. The same facts are the event's fields (``hook_calls``) for JSON logs.
 """
 
 import json
-from dataclasses import dataclass, field
-from typing import Iterable
+from dataclasses import dataclass, field, replace
+from typing import Iterable, Iterator
 
 from twisted.logger import Logger
 
-from koordrp.hooks.messages import Change, ContainerHookRequest, HookRequest
-from koordrp.hooks.types import ERROR, NOT_ANSWERING, TIMEOUT, HookCall
+from koordrp.hooks.messages import Change, ContainerHookRequest, HookRequest, left_alone
+from koordrp.hooks.types import ERROR, NOT_ANSWERING, TIMEOUT, HookCall, HookType
 from koordrp.text import shortened
 
 log = Logger(namespace="koordrp.calls")
@@ -57,12 +57,20 @@ def call_text(call: HookCall) -> str:
         fails = call.server.must_be_heard(call.hook)
         return f"{text} ({shortened(call.reason, 120)}; {'Fail policy: the call failed' if fails else 'went on without it'})"
     applied = [change_text(change) for change in call.changes if change.applied]
-    left = [change_text(change) for change in call.changes if not change.applied]
     if applied:
         text += ", changed " + ", ".join(applied)
-    if left:
-        text += ", left alone (the registration does not set apply-pod-resources) " + ", ".join(left)
+    left: dict[str, list[str]] = {}
+    for change in call.changes:
+        if not change.applied:
+            left.setdefault(change.why, []).append(change_text(change))
+    for why, texts in left.items():
+        text += f", left alone ({why}) " + ", ".join(texts)
     return text
+
+
+def field_name(change: Change) -> str:
+    """The field a change is to, without a map's key (which may be anything): for metrics labels."""
+    return _name(change.path.partition("[")[0])
 
 
 def call_fields(call: HookCall) -> dict[str, object]:
@@ -72,7 +80,7 @@ def call_fields(call: HookCall) -> dict[str, object]:
         "result": call.result,
         "duration_ms": None if call.seconds is None else round(call.seconds * 1000, 3),
         "changed": [change_text(change) for change in call.changes if change.applied],
-        "left_alone": [change_text(change) for change in call.changes if not change.applied],
+        "left_alone": [f"{change_text(change)} ({change.why})" for change in call.changes if not change.applied],
         "reason": shortened(call.reason, 200),
     }
 
@@ -87,6 +95,16 @@ class CallRecord:
 
     def add(self, calls: Iterable[HookCall]) -> None:
         self.calls.extend(calls)
+
+    def leave_alone(self, hook: HookType, path_prefix: str, why: str) -> None:
+        """What ``hook``'s answers changed under ``path_prefix`` was left alone (the front end could not write it)."""
+        self.calls = [
+            replace(call, changes=left_alone(call.changes, path_prefix, why)) if call.hook is hook else call
+            for call in self.calls
+        ]
+
+    def left_alone(self) -> Iterator[tuple[HookCall, Change]]:
+        return ((call, change) for call in self.calls for change in call.changes if not change.applied)
 
     def fields(self, outcome: str, seconds: float) -> dict[str, object]:
         subject = self.subject

@@ -11,6 +11,11 @@ anything is ✗:
   connection;
 - containerd's NRI while hook servers are registered: koordlet's hooks would run twice.
 
+With ``--backend-runtime-mode=NRI`` it checks an NRI node instead: kubelet calling containerd, not
+koordrp's socket; containerd's NRI socket accepting plugins; koordrp registered there (what it
+says in ``<state-dir>/nri-plugin.json``, from a live process). In either mode, a koordrp of the
+other mode on the same node is a ✗: every hook would run twice.
+
 Every path it reads is an option. ``python -m koordrp.check`` runs it too.
 """
 
@@ -31,7 +36,8 @@ from koordrp.api.cri.v1 import api_pb2 as cri
 from koordrp.hooks.config import DEFAULT_HOOK_TIMEOUT
 from koordrp.hooks.registry import Refusal, describe, list_registrations, read_registration, understand
 from koordrp.hooks.types import HookServers
-from koordrp.tap import DEFAULT_HOOK_CONFIG_DIR, DEFAULT_PROXY_ENDPOINT
+from koordrp.nri import registration
+from koordrp.tap import DEFAULT_HOOK_CONFIG_DIR, DEFAULT_NRI_SOCKET, DEFAULT_PROXY_ENDPOINT, DEFAULT_STATE_DIR, RUNTIME_MODES
 from koordrp.unix import EndpointError, connect_error, grpc_target, parse_unix_endpoint
 
 RUNTIME_FLAG = "--container-runtime-endpoint"
@@ -156,15 +162,8 @@ def kubelet_findings(proc: str, socket_path: str) -> list[Finding]:
         return [Finding(False, f"no kubelet process found in {proc}", "start kubelet, then check again")]
     findings = []
     for pid, argv in found:
-
-        def read(path: str, pid: int = pid) -> str:
-            cwd = os.path.join(proc, str(pid), "cwd")
-            where = path if os.path.isabs(path) else os.path.join(os.readlink(cwd), path)
-            with open(where, encoding="utf-8") as stream:
-                return stream.read()
-
         try:
-            runtime, image = kubelet_endpoints(argv, read)
+            runtime, image = kubelet_endpoints(argv, _reader(proc, pid))
         except (OSError, ValueError) as error:
             findings.append(Finding(False, f"kubelet (pid {pid}): cannot read its config file: {error}"))
             continue
@@ -176,6 +175,44 @@ def kubelet_findings(proc: str, socket_path: str) -> list[Finding]:
                 text = f"{kubelet} {endpoint.value} ({endpoint.source}), not to koordrp at {wanted}"
                 findings.append(Finding(False, text, _endpoint_fix(endpoint)))
     return findings
+
+
+def kubelet_nri_findings(proc: str, socket_path: str) -> list[Finding]:
+    """In NRI mode kubelet calls containerd itself: koordrp's proxy socket is no place for its calls."""
+    found = list(kubelet_processes(proc))
+    if not found:
+        return [Finding(False, f"no kubelet process found in {proc}", "start kubelet, then check again")]
+    findings = []
+    for pid, argv in found:
+        try:
+            runtime, image = kubelet_endpoints(argv, _reader(proc, pid))
+        except (OSError, ValueError) as error:
+            findings.append(Finding(False, f"kubelet (pid {pid}): cannot read its config file: {error}"))
+            continue
+        for what, endpoint in (("runtime", runtime), ("image", image)):
+            kubelet = f"kubelet (pid {pid}) sends {what} calls to {endpoint.value} ({endpoint.source})"
+            if same_socket(endpoint.value, socket_path):
+                findings.append(
+                    Finding(
+                        False,
+                        f"{kubelet}: koordrp's proxy socket, but koordrp runs as containerd's NRI plugin",
+                        "point kubelet at containerd again (remove koordrp's kubelet drop-in, "
+                        "tap/kubeadm/20-koordrp.conf), then restart kubelet",
+                    )
+                )
+            else:
+                findings.append(Finding(True, f"{kubelet}, which calls koordrp through NRI"))
+    return findings
+
+
+def _reader(proc: str, pid: int) -> Callable[[str], str]:
+    def read(path: str) -> str:
+        cwd = os.path.join(proc, str(pid), "cwd")
+        where = path if os.path.isabs(path) else os.path.join(os.readlink(cwd), path)
+        with open(where, encoding="utf-8") as stream:
+            return stream.read()
+
+    return read
 
 
 def _endpoint_fix(endpoint: Endpoint) -> str:
@@ -300,6 +337,70 @@ def nri_findings(config_path: str, hook_servers: int) -> list[Finding]:
 
 
 # ---------------------------------------------------------------------------------------------
+# koordrp as containerd's NRI plugin
+
+
+def live_registration(state_dir: str) -> registration.Registration | None:
+    """What an NRI-mode koordrp says of its registration, if its process still lives."""
+    said = registration.read(state_dir)
+    return said if said is not None and os.path.exists(f"/proc/{said.pid}") else None
+
+
+def nri_plugin_findings(nri_socket: str, state_dir: str, timeout: float) -> list[Finding]:
+    findings = []
+    error = connect_error(nri_socket, timeout)
+    if error is None:
+        findings.append(Finding(True, f"containerd's NRI accepts plugins at {nri_socket}"))
+    else:
+        findings.append(
+            Finding(
+                False,
+                f"containerd's NRI socket {nri_socket} does not accept connections: {error.strerror or error}",
+                'NRI needs containerd 1.7 or later with [plugins."io.containerd.nri.v1.nri"] disable = false in its '
+                "config (docs/operating.md, \"NRI mode\"); restart containerd",
+            )
+        )
+    said = live_registration(state_dir)
+    if said is None:
+        findings.append(
+            Finding(
+                False,
+                f"koordrp is not registered with containerd's NRI (nothing live in {state_dir}/{registration.FILE_NAME})",
+                "systemctl status koordrp: it must run with --backend-runtime-mode=NRI and this --state-dir",
+            )
+        )
+    else:
+        findings.append(
+            Finding(True, f"koordrp (pid {said.pid}) is plugin {said.plugin} of {said.runtime} at {said.socket} since {said.since}")
+        )
+    return findings
+
+
+_ONE_MODE = "run one koordrp per node, in one mode: stop the other"
+
+
+def proxy_too_findings(socket_path: str, timeout: float) -> list[Finding]:
+    """In NRI mode: a koordrp proxy on the node as well would run every hook a second time."""
+    if connect_error(socket_path, timeout) is not None:
+        return []
+    return [Finding(False, f"a koordrp proxy listens at unix://{socket_path} too: with both modes every hook runs twice", _ONE_MODE)]
+
+
+def nri_too_findings(state_dir: str) -> list[Finding]:
+    """In proxy mode: a koordrp registered with containerd's NRI as well would run every hook a second time."""
+    said = live_registration(state_dir)
+    if said is None:
+        return []
+    return [
+        Finding(
+            False,
+            f"koordrp (pid {said.pid}) is also plugin {said.plugin} of containerd's NRI: with both modes every hook runs twice",
+            _ONE_MODE,
+        )
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
 # The command
 
 
@@ -307,7 +408,12 @@ def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="koordrp check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--version", action="version", version=f"koordrp {koordrp_version()}")
     parser.add_argument("--proc", default="/proc", help="where to look for kubelet's process [%(default)s]")
+    parser.add_argument(
+        "--backend-runtime-mode", choices=RUNTIME_MODES, default="Containerd", help="koordrp's mode [%(default)s]"
+    )
     parser.add_argument("--socket", default=DEFAULT_PROXY_ENDPOINT, help="koordrp's socket [%(default)s]")
+    parser.add_argument("--nri-socket", default=DEFAULT_NRI_SOCKET, help="NRI mode: containerd's NRI socket [%(default)s]")
+    parser.add_argument("--state-dir", default=DEFAULT_STATE_DIR, help="koordrp's --state-dir [%(default)s]")
     parser.add_argument("--hook-config-dir", default=DEFAULT_HOOK_CONFIG_DIR, help="[%(default)s]")
     parser.add_argument("--containerd-config", default="/etc/containerd/config.toml", help="[%(default)s]")
     parser.add_argument(
@@ -323,9 +429,17 @@ def check(options: argparse.Namespace) -> list[Finding]:
     except EndpointError as error:
         raise SystemExit(f"koordrp check: --socket: {error}") from None
     hooks, registered = hook_findings(options.hook_config_dir, options.hook_timeout, options.timeout)
+    if options.backend_runtime_mode == "NRI":
+        return [
+            *kubelet_nri_findings(options.proc, socket_path),
+            *nri_plugin_findings(options.nri_socket, options.state_dir, options.timeout),
+            *proxy_too_findings(socket_path, options.timeout),
+            *hooks,
+        ]
     return [
         *kubelet_findings(options.proc, socket_path),
         *koordrp_findings(socket_path, options.timeout),
+        *nri_too_findings(options.state_dir),
         *hooks,
         *nri_findings(options.containerd_config, registered),
     ]

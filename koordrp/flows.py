@@ -120,6 +120,24 @@ AnyReply = TypeVar("AnyReply", bound=Reply)
 AnyReply_co = TypeVar("AnyReply_co", bound=Reply, covariant=True)
 
 
+@dataclass(frozen=True)
+class LeftAlone:
+    """What a front end could not write into its request: every change a hook answer made to a field whose
+    path starts with ``path_prefix`` ("" for all of them), and why."""
+
+    path_prefix: str
+    why: str
+
+
+@dataclass(frozen=True)
+class Written:
+    """A call's request with the hooks' changes, as its front end forwards it."""
+
+    request: bytes | None
+    """None: forward it as the caller sent it."""
+    left_alone: tuple[LeftAlone, ...] = ()
+
+
 class RefusalKind(Enum):
     HOOK_FAILED = "a Fail-policy hook server could not be heard"
     UNREADABLE = "a request a Fail-policy hook server must see cannot be read"
@@ -209,8 +227,8 @@ class Backend(RuntimeReader, Protocol[AnyReply_co]):
 class RunPodSandbox(Protocol):
     def hook_request(self) -> PodHookRequest: ...
 
-    def rewritten(self, sent: PodHookRequest, final: PodHookRequest) -> bytes | None:
-        """The request with every field where ``final`` differs from ``sent``; None: they do not differ."""
+    def rewritten(self, sent: PodHookRequest, final: PodHookRequest) -> Written:
+        """The request with every field where ``final`` differs from ``sent`` (None: they do not differ)."""
 
 
 class CreateContainer(Protocol):
@@ -220,7 +238,7 @@ class CreateContainer(Protocol):
     def hook_request(self) -> ContainerHookRequest:
         """The container as the request has it; ``pod_cgroup_parent`` is where the request places it."""
 
-    def rewritten(self, sent: ContainerHookRequest, final: ContainerHookRequest) -> bytes | None: ...
+    def rewritten(self, sent: ContainerHookRequest, final: ContainerHookRequest) -> Written: ...
 
     def envs_sent(self) -> dict[str, str]:
         """The environment the runtime is given, as a map (after ``rewritten``)."""
@@ -244,7 +262,7 @@ class UpdateContainerResources(Protocol):
 
     def annotations(self) -> Mapping[str, str]: ...
 
-    def rewritten(self, sent: ContainerHookRequest, final: ContainerHookRequest) -> bytes | None: ...
+    def rewritten(self, sent: ContainerHookRequest, final: ContainerHookRequest) -> Written: ...
 
 
 # The hook points of each CRI method (Docker calls stand for one of them); tests check the flows
@@ -304,8 +322,16 @@ class Call(Generic[AnyReply]):
 
     log = Logger()
 
-    def __init__(self, parts: Parts, method: str, backend: Backend[AnyReply], timeout: float | None = None) -> None:
-        """``method`` names the call in its log line; ``timeout`` is what is left of the caller's deadline."""
+    def __init__(
+        self,
+        parts: Parts,
+        method: str,
+        backend: Backend[AnyReply],
+        timeout: float | None = None,
+        hooks_share: float = HOOKS_SHARE,
+    ) -> None:
+        """``method`` names the call in its log line; ``timeout`` is what is left of the caller's deadline, of
+        which the hook stages may take ``hooks_share``."""
         self.store = parts.store
         self._parts = parts
         self.servers = parts.registrations()
@@ -319,6 +345,7 @@ class Call(Generic[AnyReply]):
         self._skipping = False
         self._started = parts.clock.seconds()
         self._deadline = None if timeout is None else self._started + timeout
+        self._hooks_share = hooks_share
         self._answer: Deferred[Outcome[AnyReply]] = Deferred(lambda _: self.cancel())
         self._running: Deferred[AnyReply] | None = None
         self._cancelled = False
@@ -387,10 +414,14 @@ class Call(Generic[AnyReply]):
         if self.posts:
             dispatcher.announce(self.posts)
         dispatcher.count_not_made(self.record.calls)
+        metrics = self._parts.metrics
+        if metrics is not None:
+            for call, change in self.record.left_alone():
+                metrics.changes_left_alone.labels(call.server.name, call.hook.value, calllog.field_name(change)).inc()
         if self.logged:
             calllog.write(self.record, outcome, self._seconds)
-            if self._parts.metrics is not None:
-                self._parts.metrics.cri_call(self.lifecycle, outcome, self._seconds)
+            if metrics is not None:
+                metrics.cri_call(self.lifecycle, outcome, self._seconds)
 
     # What flows do
 
@@ -419,7 +450,7 @@ class Call(Generic[AnyReply]):
         applied as long as the runtime keeps enough of the deadline to do the call.
         """
         remaining = self.remaining()
-        return None if remaining is None else remaining * HOOKS_SHARE
+        return None if remaining is None else remaining * self._hooks_share
 
     async def _run(self, hook: HookType, callees: Subscribers, request: HookRequest) -> None:
         outcome = await self._parts.dispatcher.run(hook, callees, request, self.hook_budget())
@@ -437,7 +468,7 @@ class Call(Generic[AnyReply]):
         self,
         hook: HookType,
         request: Request,
-        rewritten: Callable[[Request, Request], bytes | None],
+        rewritten: Callable[[Request, Request], Written],
         sent: Request | None = None,
     ) -> bytes | None:
         """Run a pre stage and write what it changed into the call's request; None: forward it as received.
@@ -451,7 +482,10 @@ class Call(Generic[AnyReply]):
             sent = copied(request) if callees else request
         if callees:
             await self._run(hook, callees, request)
-        return rewritten(sent, request)
+        written = rewritten(sent, request)
+        for left in written.left_alone:
+            self.record.leave_alone(hook, left.path_prefix, left.why)
+        return written.request
 
     def post(self, hook: HookType, request: HookRequest) -> None:
         callees = self._callees(hook)

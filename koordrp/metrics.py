@@ -36,6 +36,12 @@ class Metrics:
         self.hook_seconds = Histogram(
             "koordrp_hook_call_seconds", "hook call latency", ["server", "hook"], buckets=_HOOK_BUCKETS, registry=self.registry
         )
+        self.changes_left_alone = Counter(
+            "koordrp_hook_changes_left_alone",
+            "what hook answers asked that koordrp did not apply (the call's log line says why), by server, hook and field",
+            ["server", "hook", "field"],
+            registry=self.registry,
+        )
         self.hook_servers = Gauge("koordrp_hook_servers", "registered hook servers", registry=self.registry)
         self.store_entries = Gauge("koordrp_store_entries", "pods and containers koordrp remembers", ["kind"], registry=self.registry)
         self.backend_up = Gauge(

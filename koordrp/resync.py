@@ -1,7 +1,8 @@
 """Keeping the store in agreement with the runtime: at start, and after the runtime was away.
 
-Both front ends read what their runtime has with ``koordrp.flows.read_everything``; this decides
-what the store makes of it, and retries every second while the runtime cannot say, with one log
+Every front end reads what its runtime has with ``koordrp.flows.read_everything`` (NRI mode: what
+containerd tells at Synchronize); ``agree`` decides what the store makes of it. ``StoreSync`` reads
+it, and retries every second while the runtime cannot say, with one log
 line when that starts (or its reason changes) and one when it is over.
 """
 
@@ -17,6 +18,22 @@ from koordrp.store import Store
 from koordrp.text import shortened
 
 RETRY_SECONDS = 1.0
+
+log = Logger()
+
+
+def agree(store: Store, found: Inventory, known_before: tuple[set[str], set[str]], runtime: str) -> None:
+    """The store agrees with what ``runtime`` (named in the log line) has, read after ``known_before``."""
+    pods, containers = found
+    forgotten, learnt = store.reconcile(pods, containers, known_before)
+    log.info(
+        "store rebuilt from {runtime}: {pods} pods, {containers} containers ({learnt} learnt, {forgotten} forgotten)",
+        runtime=runtime,
+        pods=len(pods),
+        containers=len(containers),
+        learnt=learnt,
+        forgotten=forgotten,
+    )
 
 
 class StoreSync:
@@ -64,17 +81,8 @@ class StoreSync:
         self._reading = None
 
     def _agree(self, found: Inventory, known_before: tuple[set[str], set[str]]) -> None:
-        pods, containers = found
-        forgotten, learnt = self._store.reconcile(pods, containers, known_before)
+        agree(self._store, found, known_before, self._runtime)
         self._failing = None
-        self.log.info(
-            "store rebuilt from {runtime}: {pods} pods, {containers} containers ({learnt} learnt, {forgotten} forgotten)",
-            runtime=self._runtime,
-            pods=len(pods),
-            containers=len(containers),
-            learnt=learnt,
-            forgotten=forgotten,
-        )
 
     def _failed(self, failure: Failure) -> None:
         if isinstance(failure.value, CancelledError) and not self._running:

@@ -22,6 +22,8 @@ from koordrp.hooks.config import DEFAULT_HOOK_TIMEOUT
 from koordrp.hooks.dispatcher import Dispatcher
 from koordrp.hooks.registry import HookRegistry
 from koordrp.hooks.types import HookServers
+from koordrp.nri.plugin import PluginIdentity
+from koordrp.nri.service import NRIService, NRISettings
 from koordrp.shutdown import OrderlyStopOnSIGTERM
 from koordrp.store import Store
 from koordrp.systemd import SystemdNotifier
@@ -38,7 +40,10 @@ DEFAULT_SKIP_HOOK_KEY = "runtimeproxy.koordinator.sh/skip-hookserver"
 DEFAULT_SKIP_HOOK_VALUE = "true"
 DEFAULT_HOOK_CONFIG_DIR = "/etc/runtime/hookserver.d"
 DEFAULT_STATE_DIR = "/var/run/koord-runtimeproxy/state"
-RUNTIME_MODES = ("Containerd", "Docker")
+DEFAULT_NRI_SOCKET = "/var/run/nri/nri.sock"
+DEFAULT_NRI_PLUGIN_NAME = "koordrp"
+DEFAULT_NRI_PLUGIN_INDEX = "10"
+RUNTIME_MODES = ("Containerd", "Docker", "NRI")
 
 
 class Options(usage.Options):
@@ -62,7 +67,21 @@ class Options(usage.Options):
             None,
             "backend image service socket [default: the runtime service endpoint]",
         ],
-        ["backend-runtime-mode", None, "Containerd", "backend runtime: Containerd or Docker"],
+        [
+            "backend-runtime-mode",
+            None,
+            "Containerd",
+            "backend runtime: Containerd or Docker (koordrp serves kubelet's calls on its socket), "
+            "or NRI (koordrp is a plugin of containerd ≥ 1.7, which kubelet calls directly)",
+        ],
+        ["nri-socket", None, DEFAULT_NRI_SOCKET, "NRI mode: containerd's NRI socket"],
+        ["nri-plugin-name", None, DEFAULT_NRI_PLUGIN_NAME, "NRI mode: the plugin name koordrp registers"],
+        [
+            "nri-plugin-index",
+            None,
+            DEFAULT_NRI_PLUGIN_INDEX,
+            "NRI mode: the plugin's index, two digits: containerd calls plugins in ascending index order",
+        ],
         ["runtime-hook-server-key", None, DEFAULT_SKIP_HOOK_KEY, "pod label key that skips all hooks"],
         ["runtime-hook-server-val", None, DEFAULT_SKIP_HOOK_VALUE, "pod label value that skips all hooks"],
         ["hook-config-dir", None, DEFAULT_HOOK_CONFIG_DIR, "directory of hook server registrations (*.json)"],
@@ -116,6 +135,19 @@ class Options(usage.Options):
             raise usage.UsageError(f"--backend-runtime-mode: {value!r} is not one of {', '.join(RUNTIME_MODES)}")
         self["backend-runtime-mode"] = value
 
+    def opt_nri_socket(self, value: str) -> None:
+        self._absolute("nri-socket", value)
+
+    def opt_nri_plugin_index(self, value: str) -> None:
+        if len(value) != 2 or not value.isdigit():
+            raise usage.UsageError(f"--nri-plugin-index: {value!r} is not two digits (NRI's plugin index)")
+        self["nri-plugin-index"] = value
+
+    def opt_nri_plugin_name(self, value: str) -> None:
+        if not value or "/" in value:
+            raise usage.UsageError(f"--nri-plugin-name: {value!r} is not a plugin name")
+        self["nri-plugin-name"] = value
+
     def opt_socket_group(self, value: str) -> None:
         try:
             self["socket-group"] = int(value) if value.isdigit() else grp.getgrnam(value).gr_gid
@@ -161,7 +193,11 @@ class Options(usage.Options):
 
 
 def front_end(config: Options, reactor: IReactorCore, parts: Parts, metrics: Metrics | None) -> IFrontEnd:
-    """The service serving koordrp's socket in the chosen mode, on the parts both modes share."""
+    """The service of the chosen mode (koordrp's socket, or containerd's NRI), on the parts every mode shares."""
+    if config["backend-runtime-mode"] == "NRI":
+        identity = PluginIdentity(config["nri-plugin-name"], config["nri-plugin-index"])
+        nri = NRISettings(config["nri-socket"], identity, config["state-dir"])
+        return NRIService(nri, IReactorUNIX(reactor), parts)
     if config["backend-runtime-mode"] == "Docker":
         docker = DockerProxySettings(
             listen_path=config["koord-runtimeproxy-endpoint"],

@@ -8,8 +8,11 @@ as the very bytes kubelet sent. Nothing here does I/O.
 
 from typing import Iterable, Mapping, MutableMapping
 
+from google.protobuf.message import Message
+
 from koordrp.api.cri.v1 import api_pb2 as cri
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
+from koordrp.flows import Written
 from koordrp.hooks.messages import ContainerHookRequest, PodHookRequest, merged_envs
 
 
@@ -163,6 +166,10 @@ def apply_to_update_container_resources(
 # The requests as the flows see them (koordrp.flows): built from kubelet's, written back in place
 
 
+def _written(request: Message, changed: bool) -> Written:
+    return Written(request.SerializeToString() if changed else None)
+
+
 class RunPodSandbox:
     def __init__(self, request: cri.RunPodSandboxRequest) -> None:
         self.request = request
@@ -170,8 +177,8 @@ class RunPodSandbox:
     def hook_request(self) -> PodHookRequest:
         return pod_hook_request(self.request)
 
-    def rewritten(self, before: PodHookRequest, after: PodHookRequest) -> bytes | None:
-        return self.request.SerializeToString() if apply_to_run_pod_sandbox(self.request, before, after) else None
+    def rewritten(self, before: PodHookRequest, after: PodHookRequest) -> Written:
+        return _written(self.request, apply_to_run_pod_sandbox(self.request, before, after))
 
 
 class CreateContainer:
@@ -182,8 +189,8 @@ class CreateContainer:
     def hook_request(self) -> ContainerHookRequest:
         return container_hook_request(self.request)
 
-    def rewritten(self, before: ContainerHookRequest, after: ContainerHookRequest) -> bytes | None:
-        return self.request.SerializeToString() if apply_to_create_container(self.request, before, after) else None
+    def rewritten(self, before: ContainerHookRequest, after: ContainerHookRequest) -> Written:
+        return _written(self.request, apply_to_create_container(self.request, before, after))
 
     def envs_sent(self) -> dict[str, str]:
         return envs_of(self.request.config)
@@ -200,9 +207,8 @@ class UpdateContainerResources:
     def annotations(self) -> Mapping[str, str]:
         return self.request.annotations
 
-    def rewritten(self, before: ContainerHookRequest, after: ContainerHookRequest) -> bytes | None:
-        changed = apply_to_update_container_resources(self.request, before, after)
-        return self.request.SerializeToString() if changed else None
+    def rewritten(self, before: ContainerHookRequest, after: ContainerHookRequest) -> Written:
+        return _written(self.request, apply_to_update_container_resources(self.request, before, after))
 
 
 class UpdatePodSandboxResources:

@@ -25,7 +25,15 @@ import re
 from typing import Any, Literal, Mapping, MutableMapping
 
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
-from koordrp.hooks.messages import ContainerHookRequest, PodHookRequest, merged_envs, placed_in_pod
+from koordrp.flows import LeftAlone, Written
+from koordrp.hooks.messages import (
+    ContainerHookRequest,
+    PodHookRequest,
+    merged_envs,
+    oci_env_map,
+    oci_env_variable,
+    placed_in_pod,
+)
 from koordrp.text import json_type
 
 Kind = Literal["sandbox", "container"]
@@ -117,17 +125,6 @@ def _env(holder: Mapping[str, Any], what: str) -> list[str]:
         if not isinstance(entry, str):
             raise DockerShapeError(f"{what}.Env[{index}] is {json_type(entry)}, not a string")
     return list(value)
-
-
-def _env_variable(entry: str) -> tuple[str, str] | None:
-    key, sep, value = entry.partition("=")
-    return (key, value) if sep else None
-
-
-def _env_map(env: list[str]) -> dict[str, str]:
-    """``K=V`` entries as a map (the last of a repeated key wins); entries without ``=`` name no value."""
-    variables = (_env_variable(entry) for entry in env)
-    return dict(variable for variable in variables if variable is not None)
 
 
 def _resources(holder: Mapping[str, Any], what: str, keys: tuple[tuple[str, str], ...]) -> hook.LinuxContainerResources:
@@ -308,7 +305,7 @@ def _container_request(
     container = ContainerHookRequest(
         container_meta=hook.ContainerMetadata(name=name.container, attempt=name.attempt),
         container_annotations=annotations,
-        container_envs=_env_map(env),
+        container_envs=oci_env_map(env),
     )
     own_parent = ""
     if host is not None:
@@ -446,7 +443,7 @@ def _write_env(body: MutableMapping[str, Any], before: Mapping[str, str], after:
         return False
     env = _env(body, "body")
     # Entries without "=" name no value: hooks never saw them, and they keep their place.
-    result = merged_envs(env, _env_variable, lambda key, value: f"{key}={value}", before, after)
+    result = merged_envs(env, oci_env_variable, lambda key, value: f"{key}={value}", before, after)
     if result == env:
         return False
     body["Env"] = result
@@ -512,8 +509,24 @@ def apply_to_update(
 # The requests as the flows see them (koordrp.flows): built from the JSON body, written back into it
 
 
-def _encoded(body: JSONObject) -> bytes:
-    return json.dumps(body).encode()
+def _written(body: JSONObject, changed: bool, left_alone: tuple[LeftAlone, ...] = ()) -> Written:
+    return Written(json.dumps(body).encode() if changed else None, left_alone)
+
+
+def _left_alone(why: str, *paths: str) -> tuple[LeftAlone, ...]:
+    return tuple(LeftAlone(path, why) for path in paths)
+
+
+_NO_DOCKER_FIELD = "Docker has no field for it"
+_NOT_IN_A_SANDBOX = _left_alone(_NO_DOCKER_FIELD, "resources.unified", "resources.hugepage_limits")
+_NOT_IN_A_CONTAINER = _left_alone(_NO_DOCKER_FIELD, "container_resources.unified", "container_resources.hugepage_limits")
+_NOT_IN_AN_UPDATE = _NOT_IN_A_CONTAINER + _left_alone(
+    "a Docker update cannot change it",
+    "container_annotations",
+    "container_resources.oom_score_adj",
+    "pod_cgroup_parent",
+    "container_envs",
+)
 
 
 class SandboxCreate:
@@ -528,8 +541,8 @@ class SandboxCreate:
     def hook_request(self) -> PodHookRequest:
         return self._pod
 
-    def rewritten(self, before: PodHookRequest, after: PodHookRequest) -> bytes | None:
-        return _encoded(self._body) if apply_to_sandbox_create(self._body, before, after, self._driver) else None
+    def rewritten(self, before: PodHookRequest, after: PodHookRequest) -> Written:
+        return _written(self._body, apply_to_sandbox_create(self._body, before, after, self._driver), _NOT_IN_A_SANDBOX)
 
 
 class ContainerCreate:
@@ -545,11 +558,12 @@ class ContainerCreate:
     def hook_request(self) -> ContainerHookRequest:
         return self._container
 
-    def rewritten(self, before: ContainerHookRequest, after: ContainerHookRequest) -> bytes | None:
-        return _encoded(self._body) if apply_to_container_create(self._body, before, after, self._driver) else None
+    def rewritten(self, before: ContainerHookRequest, after: ContainerHookRequest) -> Written:
+        changed = apply_to_container_create(self._body, before, after, self._driver)
+        return _written(self._body, changed, _NOT_IN_A_CONTAINER)
 
     def envs_sent(self) -> dict[str, str]:
-        return _env_map(_env(self._body, "create body"))
+        return oci_env_map(_env(self._body, "create body"))
 
 
 class ContainerUpdate:
@@ -568,5 +582,5 @@ class ContainerUpdate:
     def annotations(self) -> Mapping[str, str]:
         return {}  # an update has no labels
 
-    def rewritten(self, before: ContainerHookRequest, after: ContainerHookRequest) -> bytes | None:
-        return _encoded(self._body) if apply_to_update(self._body, before, after) else None
+    def rewritten(self, before: ContainerHookRequest, after: ContainerHookRequest) -> Written:
+        return _written(self._body, apply_to_update(self._body, before, after), _NOT_IN_AN_UPDATE)

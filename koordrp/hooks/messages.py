@@ -52,10 +52,14 @@ class Change:
     added: bool = False
     """A map key the request did not have."""
     applied: bool = True
-    """False: what the answer asked for, left alone (the log names it all the same)."""
+    """False: what the answer asked for, left alone (the log names it all the same, with ``why``)."""
+    why: str = ""
+    """Why a change was left alone."""
 
 
 Changes = list[Change]
+
+NOT_APPLYING_POD_RESOURCES = "the registration does not set apply-pod-resources"
 
 
 def _set(target: Message, name: str, value: object, prefix: str, changes: Changes) -> None:
@@ -158,7 +162,7 @@ def merge_pod_response(
             untouched = Resources()
             untouched.CopyFrom(request.resources)
             changes += [
-                replace(change, applied=False)
+                replace(change, applied=False, why=NOT_APPLYING_POD_RESOURCES)
                 for change in merge_resources(untouched, response.resources, "resources.")
             ]
     return changes
@@ -173,6 +177,15 @@ def merge_container_response(request: ContainerHookRequest, response: hook.Conta
         _set(request, "pod_cgroup_parent", response.pod_cgroup_parent, "", changes)
     _merge_map(request.container_envs, response.container_envs, "container_envs", changes)
     return changes
+
+
+def left_alone(changes: Sequence[Change], path_prefix: str, why: str) -> tuple[Change, ...]:
+    """``changes`` with those whose path starts with ``path_prefix`` marked as left alone for ``why`` (a
+    change left alone already keeps its reason)."""
+    return tuple(
+        replace(change, applied=False, why=why) if change.applied and change.path.startswith(path_prefix) else change
+        for change in changes
+    )
 
 
 def merge_response(request: HookRequest, response: HookResponse, apply_pod_resources: bool = False) -> Changes:
@@ -237,3 +250,15 @@ def merged_envs(
         result.append(write(key, changed[key]) if key in changed else entry)
     result.extend(write(key, changed[key]) for key in sorted(changed) if key not in present)
     return result
+
+
+def oci_env_variable(entry: str) -> tuple[str, str] | None:
+    """An OCI (and Docker) environment entry ``K=V`` as a variable; None: an entry without ``=`` names no value."""
+    key, sep, value = entry.partition("=")
+    return (key, value) if sep else None
+
+
+def oci_env_map(env: Sequence[str]) -> dict[str, str]:
+    """``K=V`` entries as hooks see them: a map (the last of a repeated key wins, as in the container)."""
+    variables = (oci_env_variable(entry) for entry in env)
+    return dict(variable for variable in variables if variable is not None)

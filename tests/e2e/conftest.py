@@ -8,7 +8,7 @@ from typing import Any, Callable, Iterator
 import pytest
 
 from tests.fake.hook_server import FakeHookServer
-from tests.support.containerd import Containerd, ContainerdError, require_binaries
+from tests.support.containerd import Containerd, ContainerdError, require_binaries, require_containerd_1_7
 from tests.support.daemons import DaemonError
 from tests.support.images import ImageSet, build_test_images
 from tests.support.koordrp_process import KoordrpProcess
@@ -50,7 +50,18 @@ def images() -> Iterator[ImageSet]:
 
 @pytest.fixture(scope="session")
 def containerd(images: ImageSet) -> Iterator[Containerd]:
+    """The machine's containerd 1.6, private, with the test images."""
     runtime = start_containerd(images)
+    yield runtime
+    runtime.stop()
+
+
+@pytest.fixture(scope="session")
+def containerd_1_7(images: ImageSet) -> Iterator[Containerd]:
+    """Debian 13's containerd 1.7 (unpacked under .deps by scripts/debian-13), private, with the test images,
+    and NRI enabled on its `paths.nri_socket`. Skipped where it is not unpacked; in CI that is a failure."""
+    require(require_containerd_1_7, "containerd 1.7")
+    runtime = start_containerd(images, release="1.7", nri=True)
     yield runtime
     runtime.stop()
 

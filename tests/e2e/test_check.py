@@ -17,7 +17,7 @@ from tests.fake.hook_server import FakeHookServer
 from tests.support.containerd import Containerd
 from tests.support.hook_registration import register
 from tests.support.koordrp_process import KoordrpProcess
-from tests.support.node import CONTAINERD_SOCKET, DROP_IN, FakeNode
+from tests.support.node import CONTAINERD_SOCKET, DROP_IN, FakeNode, run_check
 
 KUBEADM_FLAGS = f'KUBELET_KUBEADM_ARGS="--container-runtime-endpoint={CONTAINERD_SOCKET} --pod-infra-container-image=registry.k8s.io/pause:3.9"\n'
 # What kubeadm's docs tell users to put in /etc/default/kubelet (or /etc/sysconfig/kubelet).
@@ -28,18 +28,6 @@ OLD_DROP_IN = (
     '[Service]\nEnvironment="KUBELET_EXTRA_ARGS=--container-runtime-endpoint=unix:///var/run/koord-runtimeproxy/'
     'runtimeproxy.sock --image-service-endpoint=unix:///var/run/koord-runtimeproxy/runtimeproxy.sock"\n'
 )
-
-
-def run_check(node: FakeNode, *extra: str) -> tuple[int, str]:
-    command = Path(sys.executable).with_name("koordrp")
-    argv = [
-        str(command), "check", f"--proc={node.proc}", f"--socket={node.koordrp_socket}",
-        f"--hook-config-dir={node.root}/etc/runtime/hookserver.d", f"--containerd-config={node.root}/etc/containerd/config.toml",
-        *extra,
-    ]
-    result = subprocess.run(argv, capture_output=True, text=True, timeout=60)
-    print(result.stdout)
-    return result.returncode, result.stdout
 
 
 @pytest.fixture

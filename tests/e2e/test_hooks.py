@@ -1,9 +1,16 @@
-"""Runtime hooks end to end: koordrp between a real containerd and real hook servers."""
+"""Runtime hooks end to end: koordrp between a real containerd and real hook servers.
+
+Every test here runs three ways (the `mode` fixture): koordrp in CRI mode in front of the machine's
+containerd 1.6, the same in front of Debian 13's containerd 1.7, and koordrp as containerd 1.7's NRI
+plugin, kubelet's calls going to containerd itself (`runtime` is then containerd's own CRI). The hook
+servers are the same. A test of what only the proxy can do (change a pod's sandbox) runs in the two
+CRI ways; tests/e2e/test_nri.py has NRI mode's own.
+"""
 
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import grpc
 import pytest
@@ -24,6 +31,45 @@ CGROUP_PARENT = "/koordrp-e2e"
 CREATE = "PreCreateContainerHook"
 
 
+# The ways koordrp runs here: the containerd release, and whether koordrp is its NRI plugin.
+MODES = {"containerd-1.6": ("1.6", False), "containerd-1.7": ("1.7", False), "nri": ("1.7", True)}
+PROXY_MODES = ["containerd-1.6", "containerd-1.7"]
+
+
+@pytest.fixture(params=list(MODES))
+def mode(request: pytest.FixtureRequest) -> str:
+    name: str = request.param
+    return name
+
+
+@pytest.fixture
+def containerd(request: pytest.FixtureRequest, mode: str, containerd: Containerd) -> Containerd:
+    """The session's containerd of the mode's release: the conftest's (1.6), or `containerd_1_7`."""
+    if MODES[mode][0] == containerd.release:
+        return containerd
+    runtime: Containerd = request.getfixturevalue("containerd_1_7")
+    return runtime
+
+
+@pytest.fixture
+def koordrp(mode: str, containerd: Containerd, workdir: Path) -> Iterator[KoordrpProcess]:
+    nri_socket = containerd.paths.nri_socket if MODES[mode][1] else None
+    process = KoordrpProcess(workdir, containerd.endpoint, nri_socket=nri_socket)
+    process.start()
+    yield process
+    process.stop()
+
+
+@pytest.fixture
+def runtime(mode: str, koordrp: KoordrpProcess, containerd: Containerd) -> Iterator[Any]:
+    """Where kubelet's calls go: koordrp's socket, or in NRI mode containerd's."""
+    if MODES[mode][1]:
+        yield containerd.runtime()
+        return
+    with koordrp.channel() as channel:
+        yield koordrp.runtime(channel)
+
+
 def container_env(runtime: Any, container_id: str) -> list[str]:
     request = api_pb2.ExecSyncRequest(container_id=container_id, cmd=["env"], timeout=10)
     result: api_pb2.ExecSyncResponse = runtime.ExecSync(request)
@@ -34,6 +80,7 @@ def remove_cgroup_parent() -> None:
     remove_cgroup(CGROUP_PARENT)
 
 
+@pytest.mark.parametrize("mode", PROXY_MODES, indirect=True)
 def test_pre_hooks_change_what_the_container_gets(
     koordrp: KoordrpProcess, runtime: Any, servers: dict[str, FakeHookServer], workdir: Path, hooks_dir: Path
 ) -> None:
@@ -226,6 +273,7 @@ def test_post_hooks_see_what_kubelet_asked_and_their_failures_do_not_fail_the_ca
         assert request.container_meta.id == pod.container_id
 
 
+@pytest.mark.parametrize("mode", PROXY_MODES, indirect=True)
 def test_after_a_restart_hooks_get_the_same_information(
     containerd: Containerd, servers: dict[str, FakeHookServer], workdir: Path, hooks_dir: Path
 ) -> None:

@@ -29,7 +29,7 @@ class InlineThreadsReactor(MemoryReactorClock):
     """A memory reactor plus the thread methods koordrp's services use, all run inline and recorded."""
 
     def __init__(self) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]  # MemoryReactorClock.__init__ is untyped
+        super().__init__()
         self.pool = InlineThreadPool()
         self.from_threads: list[tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]] = []
 

@@ -1,11 +1,17 @@
 """A private containerd instance for integration tests, driven through CRI v1.
 
 Each ``Containerd`` owns one base directory: its config, root, state, log,
-CNI dirs and (when the path is short enough) its sockets live under it, so
-several instances can run side by side and nothing touches the system
+CNI dirs, NRI dirs and (when the path is short enough) its sockets live under
+it, so several instances can run side by side and nothing touches the system
 containerd's /var/lib/containerd or /run/containerd (except the shim sockets,
-which containerd 1.6 always puts in /run/containerd/s; ``stop()`` removes those
-of shims it had to SIGKILL).
+which containerd 1.6 and 1.7 always put in /run/containerd/s; ``stop()``
+removes those of shims it had to SIGKILL).
+
+Two releases run (``RELEASES``): the machine's own containerd 1.6 (Debian 12),
+found on PATH, and Debian 13's containerd 1.7, which has NRI built in, unpacked
+but never installed under .deps/debian-13 by ``scripts/debian-13 containerd``
+(``scripts/bootstrap`` runs it). Each runs its own shim and ctr; both use the
+machine's runc.
 """
 
 from __future__ import annotations
@@ -50,6 +56,25 @@ require_binaries = functools.partial(
     packages="containerd runc busybox-static",
 )
 
+# The project's root (this file is tests/support/containerd.py): .deps/ sits there.
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+# Where scripts/debian-13 unpacks Debian 13's containerd 1.7 (containerd, its shims, ctr).
+CONTAINERD_1_7_BIN = PROJECT_ROOT / ".deps" / "debian-13" / "root" / "usr" / "bin"
+
+# What containerd 1.7 brings of its own; runc is the machine's (Debian 13's does not run on Debian 12).
+CONTAINERD_1_7_BINARIES: tuple[str, ...] = ("containerd", "containerd-shim-runc-v2", "ctr")
+
+# Raises MissingBinariesError naming every tool a containerd 1.7 lacks.
+require_containerd_1_7 = functools.partial(
+    check_binaries,
+    ("runc",),
+    files=[CONTAINERD_1_7_BIN / name for name in CONTAINERD_1_7_BINARIES] + [BUSYBOX_PATH],
+    tests="containerd 1.7 tests",
+    packages="",
+    remedy="run scripts/bootstrap, or scripts/debian-13 containerd, to unpack Debian 13's containerd there",
+)
+
 # Plugins that either cannot work here (no btrfs/zfs/aufs/devmapper on an ext4
 # disk), would write outside our tree (opt writes /opt/containerd), or only add
 # noise to the log (tracing). The legacy io.containerd.runtime.v1.linux must
@@ -63,6 +88,37 @@ DISABLED_PLUGINS: tuple[str, ...] = (
     "io.containerd.snapshotter.v1.zfs",
     "io.containerd.tracing.processor.v1.otlp",
 )
+
+# containerd 1.7 has one more plugin that cannot load here: the blockfile snapshotter, which is
+# skipped without a scratch file configured. Nothing else of 1.7's writes outside our tree.
+DISABLED_PLUGINS_1_7: tuple[str, ...] = DISABLED_PLUGINS + ("io.containerd.snapshotter.v1.blockfile",)
+
+NRI_PLUGIN = "io.containerd.nri.v1.nri"
+
+
+@dataclass(frozen=True)
+class Release:
+    """A containerd release the harness runs."""
+
+    name: str
+    bin_dir: Path | None  # where its containerd, shims and ctr are; None: the machine's, on PATH
+    disabled_plugins: tuple[str, ...]
+    require: Callable[[], None]  # raises MissingBinariesError if it cannot run here
+    nri: bool  # whether it has NRI built in
+
+    def binary(self, name: str) -> str:
+        """What to run for one of its binaries."""
+        return name if self.bin_dir is None else str(self.bin_dir / name)
+
+    def path_first(self) -> tuple[Path, ...]:
+        """Ahead of everything on its daemon's PATH: containerd finds its shims on PATH."""
+        return () if self.bin_dir is None else (self.bin_dir,)
+
+
+RELEASES: dict[str, Release] = {
+    "1.6": Release("1.6", None, DISABLED_PLUGINS, require_binaries, nri=False),
+    "1.7": Release("1.7", CONTAINERD_1_7_BIN, DISABLED_PLUGINS_1_7, require_containerd_1_7, nri=True),
+}
 
 # Pods and images may need a few seconds each on a loaded 2-core machine.
 CRI_CALL_TIMEOUT = 30.0
@@ -94,9 +150,13 @@ class ContainerdPaths(DaemonPaths):
     cni_bin_dir: Path
     pod_logs: Path  # a convenient parent for tests' PodSandboxConfig.log_directory
     ttrpc_socket: Path
+    nri_socket: Path  # where containerd 1.7 listens for NRI plugins, when NRI is enabled
+    nri_plugins: Path  # NRI's plugin_path (plugins it would start itself): kept empty
+    nri_plugin_config: Path  # NRI's plugin_config_path: kept empty
 
     @classmethod
     def under(cls, base: Path) -> ContainerdPaths:
+        # c.sock.ttrpc is the longest of the sockets (c.sock, c.sock.ttrpc, nri.sock).
         socket_dir = socket_dir_for(base, "c.sock.ttrpc", prefix="kcd-")
         return cls(
             base=base,
@@ -111,6 +171,9 @@ class ContainerdPaths(DaemonPaths):
             cni_bin_dir=base / "cni" / "bin",
             pod_logs=base / "pod-logs",
             ttrpc_socket=socket_dir / "c.sock.ttrpc",
+            nri_socket=socket_dir / "nri.sock",
+            nri_plugins=base / "nri" / "plugins",
+            nri_plugin_config=base / "nri" / "conf.d",
         )
 
 
@@ -119,10 +182,35 @@ def _toml_str(value: str | Path) -> str:
     return json.dumps(str(value))
 
 
-def render_config(paths: ContainerdPaths, sandbox_image: str, log_level: str) -> str:
-    """Return a version 2 containerd config.toml for a private CRI instance."""
+def render_nri(paths: ContainerdPaths, enabled: bool) -> str:
+    """containerd 1.7's NRI section: NRI on our own socket, with no plugins of its own to start; or off."""
+    section = f'[plugins."{NRI_PLUGIN}"]'
+    if not enabled:
+        return f"""\
+  {section}
+    disable = true
+"""
+    return f"""\
+  {section}
+    disable = false
+    socket_path = {_toml_str(paths.nri_socket)}
+    plugin_path = {_toml_str(paths.nri_plugins)}
+    plugin_config_path = {_toml_str(paths.nri_plugin_config)}
+    plugin_registration_timeout = "5s"
+    plugin_request_timeout = "2s"
+    disable_connections = false
+"""
+
+
+def render_config(
+    paths: ContainerdPaths, sandbox_image: str, log_level: str, *, release: str = "1.6", nri: bool = False
+) -> str:
+    """Return a version 2 containerd config.toml for a private CRI instance of `release` (with NRI if `nri`)."""
+    of = RELEASES[release]
+    if nri and not of.nri:
+        raise ValueError(f"containerd {release} has no NRI")
     cri = '[plugins."io.containerd.grpc.v1.cri"]'
-    disabled = ", ".join(_toml_str(p) for p in DISABLED_PLUGINS)
+    disabled = ", ".join(_toml_str(p) for p in of.disabled_plugins)
     return f"""\
 version = 2
 root = {_toml_str(paths.root)}
@@ -175,7 +263,7 @@ required_plugins = ["io.containerd.grpc.v1.cri"]
           # other containerd; keeping it private lets stop() find our leftovers.
           Root = {_toml_str(paths.runc_root)}
           SystemdCgroup = false
-"""
+""" + ("\n" + render_nri(paths, nri) if of.nri else "")
 
 
 class Containerd(Daemon[ContainerdPaths]):
@@ -192,13 +280,22 @@ class Containerd(Daemon[ContainerdPaths]):
         self,
         base_dir: Path,
         *,
+        release: str = "1.6",
+        nri: bool = False,
         sandbox_image: str = PAUSE_REF,
         log_level: str = "info",
         start_timeout: float = 30.0,
     ) -> None:
+        """`release`: a key of RELEASES; `nri`: NRI enabled on `paths.nri_socket` (containerd 1.7 only)."""
+        if release not in RELEASES:
+            raise ValueError(f"no containerd release {release!r}; the harness runs {', '.join(RELEASES)}")
+        if nri and not RELEASES[release].nri:
+            raise ValueError(f"containerd {release} has no NRI: nri=True needs release 1.7")
         base_dir.mkdir(parents=True, exist_ok=True)
         paths = ContainerdPaths.under(base_dir.resolve())
         super().__init__(paths, start_timeout, containerd_socket=paths.socket, containerd_state=paths.state)
+        self.release = release
+        self.nri = nri
         self.sandbox_image = sandbox_image
         self.log_level = log_level
         self._channel: grpc.Channel | None = None
@@ -238,17 +335,28 @@ class Containerd(Daemon[ContainerdPaths]):
             self.paths.cni_conf_dir,
             self.paths.cni_bin_dir,
             self.paths.pod_logs,
+            self.paths.nri_plugins,
+            self.paths.nri_plugin_config,
         ):
             directory.mkdir(parents=True, exist_ok=True)
-        self.paths.config.write_text(render_config(self.paths, self.sandbox_image, self.log_level))
+        config = render_config(self.paths, self.sandbox_image, self.log_level, release=self.release, nri=self.nri)
+        self.paths.config.write_text(config)
         return self.paths.config
 
     def argv(self) -> list[str]:
-        return ["containerd", "--config", str(self.paths.config)]
+        return [self._release.binary("containerd"), "--config", str(self.paths.config)]
+
+    def env(self) -> dict[str, str]:
+        # containerd finds its shim on PATH: the release's own first.
+        return daemon_env(self._release.path_first())
 
     def prepare(self) -> None:
-        require_binaries()
+        self._release.require()
         self.write_config()
+
+    @property
+    def _release(self) -> Release:
+        return RELEASES[self.release]
 
     def probe(self) -> str | None:
         try:
@@ -263,8 +371,9 @@ class Containerd(Daemon[ContainerdPaths]):
         """Import docker-archive tars with ctr, then wait until CRI lists them."""
         images = list(images)
         for image in images:
-            cmd = ["ctr", "--address", self.address, "-n", CRI_NAMESPACE, "images", "import", str(image.archive)]
-            result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=daemon_env())
+            ctr = self._release.binary("ctr")
+            cmd = [ctr, "--address", self.address, "-n", CRI_NAMESPACE, "images", "import", str(image.archive)]
+            result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=self.env())
             if result.returncode != 0:
                 raise ContainerdError(
                     f"{' '.join(cmd)} failed ({result.returncode}): {result.stderr.strip() or result.stdout.strip()}"

@@ -28,7 +28,7 @@ from typing import ClassVar, Generic, Self, TypeVar
 # Leave room for the ".ttrpc" suffix under the kernel's 108-byte sun_path.
 MAX_SOCKET_PATH = 100
 
-# containerd 1.6 hard-codes the shim socket directory, whatever `state` says.
+# containerd 1.6 and 1.7 hard-code the shim socket directory, whatever `state` says.
 SHIM_SOCKET_DIR = Path("/run/containerd/s")
 
 MNT_DETACH = 2
@@ -49,11 +49,16 @@ class CleanupError(DaemonError):
 # -- environment and binaries ----------------------------------------------------
 
 
-def daemon_env() -> dict[str, str]:
-    """Our environment, with a PATH on which daemons and shims find their helpers."""
+def daemon_env(path_first: Iterable[Path] = ()) -> dict[str, str]:
+    """Our environment, with a PATH on which daemons and shims find their helpers.
+
+    `path_first`: directories searched before anything else, e.g. an unpacked containerd release's
+    bin dir, so that its containerd finds its own shim (containerd looks its shims up on PATH).
+    """
     env = dict(os.environ)
+    first = [str(directory) for directory in path_first]
     # runc lives in /usr/sbin, which a non-login PATH may lack.
-    parts = env.get("PATH", "").split(os.pathsep)
+    parts = first + [p for p in env.get("PATH", "").split(os.pathsep) if p not in first]
     for extra in ("/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin"):
         if extra not in parts:
             parts.append(extra)
@@ -69,17 +74,25 @@ def missing_binaries(names: Iterable[str]) -> list[str]:
     return [name for name in names if shutil.which(name, path=path) is None]
 
 
-def check_binaries(names: Iterable[str], *, files: Iterable[Path] = (), tests: str, packages: str) -> None:
+def check_binaries(
+    names: Iterable[str],
+    *,
+    files: Iterable[Path] = (),
+    tests: str,
+    packages: str,
+    remedy: str | None = None,
+) -> None:
     """Raise MissingBinariesError naming every one of `names` (on PATH) and `files` this machine lacks.
 
-    `tests` and `packages` complete the message: who needs them, what to install.
+    `tests` and `packages` complete the message: who needs them, what to install; `remedy`, if
+    given, says how to get them instead of "Debian: apt-get install `packages`".
     """
     missing = missing_binaries(names) + [str(f) for f in files if not os.access(f, os.X_OK)]
     if missing:
         raise MissingBinariesError(
             f"{tests} need these binaries, which were not found: "
             + ", ".join(missing)
-            + f" (Debian: apt-get install {packages})"
+            + f" ({remedy or f'Debian: apt-get install {packages}'})"
         )
 
 
@@ -432,6 +445,10 @@ class Daemon(abc.ABC, Generic[PathsT]):
     def exited(self) -> None:
         """Called once the daemon process is gone (killed or terminated), to wait for what dies with it."""
 
+    def env(self) -> dict[str, str]:
+        """The daemon's environment (its shims inherit it)."""
+        return daemon_env()
+
     # -- the process ----------------------------------------------------------------
 
     @property
@@ -459,7 +476,7 @@ class Daemon(abc.ABC, Generic[PathsT]):
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env=daemon_env(),
+                env=self.env(),
                 cwd=self._cwd,
                 start_new_session=True,
             )

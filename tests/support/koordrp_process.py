@@ -22,11 +22,23 @@ def twistd_path() -> str:
     return found
 
 
+# What koordrp logs once it serves: its socket in proxy mode; in NRI mode, once containerd has synchronized it.
+_SERVING = "] serving "
+_SYNCHRONIZED = "] store rebuilt from containerd's NRI"
+
+
 class KoordrpProcess:
     def __init__(
-        self, base: Path, runtime_endpoint: str, extra_args: Sequence[str] = (), environ: Mapping[str, str] | None = None
+        self,
+        base: Path,
+        runtime_endpoint: str,
+        extra_args: Sequence[str] = (),
+        environ: Mapping[str, str] | None = None,
+        nri_socket: Path | None = None,
     ) -> None:
+        """``nri_socket``: koordrp runs as a plugin of the containerd NRI listens there (NRI mode)."""
         self.base = base
+        self.nri_socket = nri_socket
         self.environ = {**os.environ, **(environ or {})}
         self.socket = base / "koordrp" / "koordrp.sock"
         self.logfile = base / "koordrp.log"
@@ -49,19 +61,27 @@ class KoordrpProcess:
             f"--remote-runtime-service-endpoint={self.runtime_endpoint}",
             f"--hook-config-dir={self.base / 'hookserver.d'}",
             f"--state-dir={self.base / 'state'}",
+            *self.mode_args(),
             *self.extra_args,
         ]
+
+    def mode_args(self) -> list[str]:
+        return [] if self.nri_socket is None else ["--backend-runtime-mode=NRI", f"--nri-socket={self.nri_socket}"]
+
+    @property
+    def ready_line(self) -> str:
+        return _SERVING if self.nri_socket is None else _SYNCHRONIZED
 
     def start(self, timeout: float = 20.0) -> None:
         earlier = len(self.log())
         self.process = subprocess.Popen(self.argv(), cwd=self.base, stdin=subprocess.DEVNULL, env=self.environ)
         deadline = time.monotonic() + timeout
         # The log line, not the socket file: a stale socket may already be there.
-        while "] serving " not in self.log()[earlier:]:
+        while self.ready_line not in self.log()[earlier:]:
             if self.process.poll() is not None:
                 raise RuntimeError(f"koordrp exited with {self.process.returncode}:\n{self.log()}")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"koordrp did not listen within {timeout}s:\n{self.log()}")
+                raise RuntimeError(f"koordrp did not log {self.ready_line!r} within {timeout}s:\n{self.log()}")
             time.sleep(0.05)
 
     def channel(self) -> grpc.Channel:

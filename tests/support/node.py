@@ -8,6 +8,8 @@ files name (``/var/lib/kubelet``, ``/etc/default/kubelet``, ...) are moved under
 
 import os
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -99,3 +101,16 @@ class FakeNode:
         units = [(KUBEADM / "kubelet.service").read_text(), kubeadm, *drop_ins]
         read = {path: Path(target).read_text() for path, target in written.items()}
         return self.run_kubelet(exec_start([self.rooted(text) for text in units], read))
+
+
+def run_check(node: FakeNode, *extra: str) -> tuple[int, str]:
+    """``koordrp check`` (the installed command) on ``node``; its exit status and output."""
+    command = Path(sys.executable).with_name("koordrp")
+    argv = [
+        str(command), "check", f"--proc={node.proc}", f"--socket={node.koordrp_socket}",
+        f"--hook-config-dir={node.root}/etc/runtime/hookserver.d", f"--containerd-config={node.root}/etc/containerd/config.toml",
+        *extra,
+    ]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    print(result.stdout)
+    return result.returncode, result.stdout

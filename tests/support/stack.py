@@ -10,8 +10,9 @@ from tests.support.images import ImageSet, build_test_images
 from tests.support.koordrp_process import KoordrpProcess
 
 
-def start_containerd(images: ImageSet, base: Path | None = None) -> Containerd:
-    runtime = Containerd(base or Path(tempfile.mkdtemp(prefix="krp-cd-", dir="/tmp")))
+def start_containerd(images: ImageSet, base: Path | None = None, release: str = "1.6", nri: bool = False) -> Containerd:
+    """A private containerd of `release` (with NRI if `nri`: 1.7 only), running, with `images` imported."""
+    runtime = Containerd(base or Path(tempfile.mkdtemp(prefix="krp-cd-", dir="/tmp")), release=release, nri=nri)
     runtime.start()
     try:
         runtime.import_images(images)

@@ -142,7 +142,7 @@ class ApplyTests(SynchronousTestCase):
         sent, container = placed(request, pod)
         self.assertFalse(translate.apply_to_create_container(request, sent, copy.deepcopy(container)))
         self.assertEqual(request.SerializeToString(), original)
-        self.assertIsNone(translate.CreateContainer(request).rewritten(sent, container))
+        self.assertIsNone(translate.CreateContainer(request).rewritten(sent, container).request)
 
     def test_create_container_gets_the_hooks_changes_and_nothing_else(self) -> None:
         request = create_request()
@@ -176,7 +176,7 @@ class ApplyTests(SynchronousTestCase):
         create = translate.CreateContainer(request)
         sent = create.hook_request()
         final = messages.placed_in_pod(copy.deepcopy(sent), pod)
-        rewritten = create.rewritten(sent, final)
+        rewritten = create.rewritten(sent, final).request
         assert rewritten is not None
         self.assertEqual(
             cri.CreateContainerRequest.FromString(rewritten).sandbox_config.linux.cgroup_parent,

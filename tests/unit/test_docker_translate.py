@@ -491,7 +491,7 @@ class NothingChangedTests(SynchronousTestCase):
             sent = create.hook_request()
             container = placed(sent, pod)
             self.assertFalse(translate.apply_to_container_create(body, sent, copy_of(container), driver))
-            self.assertIsNone(create.rewritten(sent, container))
+            self.assertIsNone(create.rewritten(sent, container).request)
             self.assertEqual(json.dumps(body), json.dumps(container_body()))
 
             body = update_body()
@@ -613,7 +613,7 @@ class ContainerApplyTests(SynchronousTestCase):
         create = translate.ContainerCreate(CONTAINER_NAME, body, "systemd")
         sent = create.hook_request()
         final = placed(sent, pod)
-        rewritten = create.rewritten(sent, final)
+        rewritten = create.rewritten(sent, final).request
         expected = container_body()
         expected["HostConfig"]["CgroupParent"] = "kubepods-besteffort-podmoved.slice"
         assert rewritten is not None

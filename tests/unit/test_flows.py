@@ -16,9 +16,11 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from koordrp import flows
 from koordrp.api.cri.v1 import api_pb2 as cri
+from koordrp.api.nri.v1alpha1 import api_pb2 as nri
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
 from koordrp.cri import translate as cri_translate
 from koordrp.docker import translate as docker_translate
+from koordrp.nri import translate as nri_translate
 from koordrp.hooks.client import HookClients
 from koordrp.hooks.dispatcher import Dispatcher
 from koordrp.hooks.messages import ContainerHookRequest, HookRequest, PodHookRequest, copied, placed_in_pod
@@ -144,6 +146,69 @@ class DockerWire:
     def quota_sent(self, sent: bytes, create: bool = False) -> int:
         body = json.loads(sent)
         return int((body["HostConfig"] if create else body)["CpuQuota"])
+
+
+class NRIWire:
+    """containerd's NRI requests, as NRI mode reads them, and what the container gets from koordrp's answers
+    (applied as containerd applies an adjustment or an update over the request)."""
+
+    def __init__(self) -> None:
+        self._container = nri.Container()
+        self._update = nri.LinuxResources()
+
+    def pod(self) -> nri.PodSandbox:
+        return nri.PodSandbox(
+            id="s-1", name="web", namespace="default", uid="uid-1", linux=nri.LinuxPodSandbox(cgroup_parent=POD_PARENT)
+        )
+
+    def sandbox(self, labels: dict[str, str]) -> flows.RunPodSandbox:
+        pod = self.pod()
+        pod.labels.update(labels)
+        return nri_translate.RunPodSandbox(pod)
+
+    def container(self, sandbox_id: str, envs: Sequence[tuple[str, str]]) -> flows.CreateContainer:
+        resources = nri.LinuxResources()
+        resources.cpu.shares.value, resources.cpu.quota.value, resources.cpu.cpus = 2, 100000, "0-3"
+        self._container = nri.Container(
+            id="c-new",
+            pod_sandbox_id=sandbox_id,
+            name="app",
+            env=[f"{key}={value}" for key, value in envs],
+            linux=nri.LinuxContainer(resources=resources, cgroups_path=f"{POD_PARENT}/c-new"),
+        )
+        return nri_translate.CreateContainer(self.pod(), self._container)
+
+    def update(self, container_id: str, cpu_shares: int = 0, cpuset: str = "") -> flows.UpdateContainerResources:
+        self._update = nri.LinuxResources()
+        self._update.cpu.shares.value, self._update.cpu.cpus = cpu_shares, cpuset
+        return nri_translate.UpdateContainer(nri.Container(id=container_id), self._update)
+
+    def sandbox_parent(self, sent: bytes | None) -> str:
+        assert sent is None  # NRI cannot change a sandbox
+        return POD_PARENT
+
+    def container_sent(self, sent: bytes | None) -> tuple[list[tuple[str, str]], str, str]:
+        adjust = nri.CreateContainerResponse.FromString(sent or b"").adjust
+        adjusted = {entry.key: entry.value for entry in adjust.env}
+        sent_envs = [entry.split("=", 1) for entry in self._container.env]
+        envs = [(key, adjusted.pop(key, value)) for key, value in sent_envs] + list(adjusted.items())
+        cpuset = adjust.linux.resources.cpu.cpus or self._container.linux.resources.cpu.cpus
+        path = adjust.linux.cgroups_path or self._container.linux.cgroups_path
+        return envs, cpuset, path.rsplit("/", 1)[0]
+
+    def update_sent(self, sent: bytes | None) -> tuple[int, str]:
+        [update] = nri.UpdateContainerResponse.FromString(sent or b"").update
+        cpu = update.linux.resources.cpu
+        shares = cpu.shares.value if cpu.HasField("shares") else self._update.cpu.shares.value
+        return shares, cpu.cpus or self._update.cpu.cpus
+
+    def quota_sent(self, sent: bytes | None, create: bool = False) -> int:
+        if create:
+            quota = nri.CreateContainerResponse.FromString(sent or b"").adjust.linux.resources.cpu.quota
+        else:
+            [update] = nri.UpdateContainerResponse.FromString(sent or b"").update
+            quota = update.linux.resources.cpu.quota
+        return quota.value
 
 
 class FlowTestCase(SynchronousTestCase):
@@ -332,6 +397,55 @@ class CRIRequestRules(RequestRules, FlowTestCase):
 
 class DockerRequestRules(RequestRules, FlowTestCase):
     wire = DockerWire()
+
+
+class NRIRequestRules(RequestRules, FlowTestCase):
+    wire = NRIWire()
+
+    def test_pre_hook_changes_reach_the_runtime_and_the_store(self) -> None:
+        """NRI cannot change a sandbox: its hooks' answer is named as left alone, and recorded for later hooks."""
+        self.subscribe(PRE_RUN, PRE_CREATE)
+        self.stages.answers[PRE_RUN] = hook.PodSandboxHookResponse(cgroup_parent="/moved", labels={"seen": "1"})
+        self.stages.answers[PRE_CREATE] = hook.ContainerResourceHookResponse(
+            container_envs={"ADDED": "1"}, container_resources=hook.LinuxContainerResources(cpuset_cpus="2-3")
+        )
+        self.drive(flows.run_pod_sandbox, self.wire.sandbox({"app": "web"}))
+        self.assertEqual(self.runtime.forwarded, [None])
+        [run] = self.calls[0].record.calls
+        self.assertEqual(
+            [(change.path, change.applied, change.why) for change in run.changes],
+            [("labels[seen]", False, nri_translate.NO_SANDBOX_CHANGES), ("cgroup_parent", False, nri_translate.NO_SANDBOX_CHANGES)],
+        )
+        pod = self.store.pod("created-1")
+        assert pod is not None
+        self.assertEqual((pod.asked.cgroup_parent, pod.given.cgroup_parent), (POD_PARENT, "/moved"))
+        self.runtime.created_id = "c-1"
+        self.drive(flows.create_container, self.wire.container("created-1", [("A", "1"), ("B", "2")]))
+        # The container is placed under the parent the pod's hooks chose: its cgroups path moves.
+        envs, cpuset, parent = self.wire.container_sent(self.runtime.forwarded[1])
+        self.assertEqual((envs, cpuset, parent), ([("A", "1"), ("B", "2"), ("ADDED", "1")], "2-3", "/moved"))
+        stored = self.store.container("c-1")
+        assert stored is not None
+        self.assertEqual(dict(stored.given.container_envs), {"A": "1", "B": "2", "ADDED": "1"})
+        self.assertEqual((stored.asked.container_resources.cpuset_cpus, stored.given.container_resources.cpuset_cpus), ("0-3", "2-3"))
+
+    def test_what_nri_cannot_set_is_left_alone_and_named(self) -> None:
+        self.put_pod()
+        self.subscribe(PRE_CREATE)
+        # koordlet's answer for a best-effort pod: a copy of the request whose cpuset is cleared.
+        self.stages.behaviours[PRE_CREATE] = lambda request: hook.ContainerResourceHookResponse(
+            container_resources=hook.LinuxContainerResources(cpu_shares=2, cpuset_cpus="", oom_score_adj=5)
+        )
+        self.drive(flows.create_container, self.wire.container("s-1", [("A", "1")]))
+        self.assertEqual(self.runtime.forwarded, [None])  # nothing NRI can express changed
+        [create] = self.calls[0].record.calls
+        self.assertEqual(
+            [(change.path, change.applied, change.why) for change in create.changes],
+            [
+                ("container_resources.oom_score_adj", False, nri_translate.NO_OOM_SCORE),
+                ("container_resources.cpuset_cpus", False, nri_translate.NO_CLEARING),
+            ],
+        )
 
 
 class IdentityRules(FlowTestCase):

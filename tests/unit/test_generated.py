@@ -1,5 +1,6 @@
-"""The committed stubs are exactly what scripts/generate-stubs makes: the hook API from proto/, the CRI
-schema from the container-runtime-interface-api package's descriptors."""
+"""The committed stubs are exactly what scripts/generate-stubs makes: the hook API and ttrpc's envelope from
+proto/, the CRI schema from the container-runtime-interface-api package's descriptors, NRI's messages from
+the api.proto of Debian 13's golang-github-containerd-nri-dev."""
 
 import os
 import subprocess
@@ -14,6 +15,8 @@ ROOT = Path(__file__).resolve().parents[2]
 GENERATED = {
     Path("koordrp/api/runtime/v1alpha1"): ["api_pb2.py", "api_pb2.pyi", "api_pb2_grpc.py"],
     Path("koordrp/api/cri/v1"): ["api_pb2.py", "api_pb2.pyi"],
+    Path("koordrp/api/nri/v1alpha1"): ["api_pb2.py", "api_pb2.pyi"],
+    Path("koordrp/api/ttrpc"): ["ttrpc_pb2.py", "ttrpc_pb2.pyi"],
 }
 
 

@@ -7,6 +7,8 @@ from twisted.trial.unittest import SynchronousTestCase
 from koordrp import tap
 from koordrp.cri.server import CRIProxyService
 from koordrp.hooks.registry import HookRegistry
+from koordrp.nri.plugin import PluginIdentity
+from koordrp.nri.service import NRIService, NRISettings
 from koordrp.shutdown import OrderlyStopOnSIGTERM
 from koordrp.systemd import SystemdNotifier
 from tests.fake.reactor import InlineThreadsReactor
@@ -60,6 +62,10 @@ class OptionsTests(SynchronousTestCase):
             "--runtime-hook-server-key=": "--runtime-hook-server-key",
             "--hook-timeout=0": "--hook-timeout",
             "--socket-group=no-such-group-here": "--socket-group",
+            "--nri-socket=nri.sock": "--nri-socket",
+            "--nri-plugin-index=1": "--nri-plugin-index",
+            "--nri-plugin-index=ab": "--nri-plugin-index",
+            "--nri-plugin-name=a/b": "--nri-plugin-name",
         }
         for argument, flag in cases.items():
             with self.assertRaises(usage.UsageError) as error:
@@ -77,6 +83,15 @@ class OptionsTests(SynchronousTestCase):
 
 
 class MakeServiceTests(SynchronousTestCase):
+    def test_nri_mode_makes_koordrp_a_plugin_of_containerds_nri(self) -> None:
+        top = tap.makeService(
+            parse("--backend-runtime-mode=NRI", "--nri-plugin-index=05", "--state-dir=/run/k"), reactor=InlineThreadsReactor()
+        )
+        plugin = list(IServiceCollection(top))[1]
+        assert isinstance(plugin, NRIService)
+        self.assertEqual(plugin.settings, NRISettings(tap.DEFAULT_NRI_SOCKET, PluginIdentity("koordrp", "05"), "/run/k"))
+        self.assertFalse(plugin.running)
+
     def test_builds_a_cri_proxy_without_starting_grpc(self) -> None:
         top = tap.makeService(parse("--koord-runtimeproxy-endpoint=/run/p.sock"), reactor=InlineThreadsReactor())
         services = list(IServiceCollection(top))

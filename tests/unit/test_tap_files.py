@@ -17,17 +17,27 @@ ROOT = Path(__file__).resolve().parents[2]
 TAP = ROOT / "tap"
 KUBEADM = ROOT / "tests" / "fixtures" / "kubeadm"
 DROP_IN = TAP / "kubeadm" / "20-koordrp.conf"
+NRI_DROP_IN = TAP / "nri" / "10-nri-mode.conf"
 
 
 class TapFilesTests(SynchronousTestCase):
-    def test_the_unit_runs_options_koordrp_accepts(self) -> None:
-        unit = (TAP / "koordrp.service").read_text()
-        command = unit.split("ExecStart=", 1)[1].split("\n#", 1)[0].replace("\\\n", " ")
+    def options_of(self, unit: Path) -> tap.Options:
+        """The options the unit's (last) ExecStart= gives koordrp."""
+        command = unit.read_text().rsplit("ExecStart=", 1)[1].split("\n#", 1)[0].replace("\\\n", " ")
         argv = shlex.split(command)
         self.assertEqual(argv[1:4], ["-n", "--pidfile=", "--logfile=-"])
         options = tap.Options()
         options.parseOptions(argv[argv.index("koordrp") + 1 :])
+        return options
+
+    def test_the_unit_runs_options_koordrp_accepts(self) -> None:
+        options = self.options_of(TAP / "koordrp.service")
         self.assertEqual(options["metrics-endpoint"], "tcp:9316:interface=127.0.0.1")
+
+    def test_the_nri_drop_in_runs_koordrp_as_containerds_plugin(self) -> None:
+        options = self.options_of(NRI_DROP_IN)
+        self.assertEqual((options["backend-runtime-mode"], options["nri-socket"]), ("NRI", tap.DEFAULT_NRI_SOCKET))
+        self.assertIn("\nExecStart=\nExecStart=", NRI_DROP_IN.read_text())
 
     def test_the_kubelet_drop_in_points_both_endpoints_at_koordrp(self) -> None:
         drop_in = DROP_IN.read_text()
@@ -57,10 +67,11 @@ class TapFilesTests(SynchronousTestCase):
         root = Path(short_tempdir(self))
         units, drop_ins = root / "etc/systemd/system", root / "etc/systemd/system/kubelet.service.d"
         drop_ins.mkdir(parents=True)
+        (units / "koordrp.service.d").mkdir()
         shutil.copytree("/usr/lib/systemd/system", root / "usr/lib/systemd/system", symlinks=True)
         for source, target in (
             (KUBEADM / "kubelet.service", units), (TAP / "koordrp.service", units),
-            (KUBEADM / "10-kubeadm.conf", drop_ins), (DROP_IN, drop_ins),
+            (KUBEADM / "10-kubeadm.conf", drop_ins), (DROP_IN, drop_ins), (NRI_DROP_IN, units / "koordrp.service.d"),
         ):
             shutil.copy(source, target)
         for executable in ("usr/bin/kubelet", "opt/koordrp/venv/bin/twistd"):

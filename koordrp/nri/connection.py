@@ -1,0 +1,183 @@
+"""One connection to containerd's NRI socket, on the reactor: ttrpc both ways over NRI's multiplexer.
+
+containerd calls the plugin (``IPluginCalls``) on one multiplexed connection; the plugin calls
+containerd (``NRIConnection.call``, to register) on the other. Bytes that break the framing end the
+connection: containerd does the same, and the plugin connects again.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from twisted.internet.defer import CancelledError, Deferred, TimeoutError as DeferredTimeout, fail
+from twisted.internet.interfaces import IReactorTime
+from twisted.internet.protocol import Protocol as TwistedProtocol, connectionDone
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+
+from koordrp.api.ttrpc import ttrpc_pb2
+from koordrp.nri.wire import (
+    PLUGIN_SERVICE_CONNECTION,
+    REQUEST,
+    RESPONSE,
+    RUNTIME_SERVICE_CONNECTION,
+    MuxReader,
+    TtrpcReader,
+    WireError,
+    mux_frames,
+    ttrpc_message,
+)
+from koordrp.text import shortened
+
+PLUGIN_SERVICE = "nri.pkg.api.v1alpha1.Plugin"
+RUNTIME_SERVICE = "nri.pkg.api.v1alpha1.Runtime"
+
+# gRPC status codes, as ttrpc carries them.
+UNKNOWN = 2
+UNIMPLEMENTED = 12
+
+
+class NRIError(Exception):
+    """A failed call, either way: a status code and its message."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class IPluginCalls(Protocol):
+    """What containerd calls on the plugin: ``method`` of the Plugin service, its request's bytes, and what
+    is left of containerd's deadline for it (None: it set none). The Deferred fires with the response's
+    bytes, or fails (NRIError: with its code) for containerd to hear of the failure."""
+
+    def made(self, connection: "NRIConnection") -> object:
+        """The connection is up: the plugin may call containerd on it."""
+
+    def called(self, method: str, payload: bytes, timeout: float | None) -> Deferred[bytes]: ...
+
+    def lost(self, reason: Failure) -> None:
+        """The connection is gone; nothing more will be called, and answers will go nowhere."""
+
+
+class NRIConnection(TwistedProtocol):
+    log = Logger()
+
+    def __init__(self, plugin: IPluginCalls, clock: IReactorTime) -> None:
+        self._plugin = plugin
+        self._clock = clock
+        self._trunk = MuxReader()
+        self._served = TtrpcReader()
+        self._answers = TtrpcReader()
+        self._next_stream = 1
+        self._pending: dict[int, Deferred[bytes]] = {}
+        self._serving: set[Deferred[bytes]] = set()
+        self._lost = False
+
+    def connectionMade(self) -> None:
+        self._plugin.made(self)
+
+    # containerd calling the plugin
+
+    def dataReceived(self, data: bytes) -> None:
+        try:
+            for connection, payload in self._trunk.feed(data):
+                if connection == PLUGIN_SERVICE_CONNECTION:
+                    for message in self._served.feed(payload):
+                        if message.kind == REQUEST:
+                            self._serve(message.stream_id, message.payload)
+                elif connection == RUNTIME_SERVICE_CONNECTION:
+                    for message in self._answers.feed(payload):
+                        if message.kind == RESPONSE:
+                            self._answered(message.stream_id, message.payload)
+        except WireError as error:
+            self.log.error("containerd's NRI connection sent what NRI does not frame so: {error}; reconnecting", error=str(error))
+            self._abort()
+
+    def _serve(self, stream_id: int, payload: bytes) -> None:
+        try:
+            request = ttrpc_pb2.Request.FromString(payload)
+        except Exception as error:  # protobuf's DecodeError, or worse: never the reactor's problem
+            self._respond(stream_id, _status(UNKNOWN, f"koordrp cannot read the ttrpc request: {error}"))
+            return
+        if request.service != PLUGIN_SERVICE:
+            self._respond(stream_id, _status(UNIMPLEMENTED, f"koordrp serves no {request.service}"))
+            return
+        timeout = request.timeout_nano / 1e9 if request.timeout_nano > 0 else None
+        answer = self._plugin.called(request.method, request.payload, timeout)
+        self._serving.add(answer)
+        answer.addCallbacks(
+            lambda response: ttrpc_pb2.Response(payload=response),
+            lambda failure: _status_of(failure, request.method),
+        ).addCallback(lambda response: self._respond(stream_id, response)).addBoth(
+            lambda _: self._serving.discard(answer)
+        )
+
+    def _respond(self, stream_id: int, response: ttrpc_pb2.Response) -> None:
+        if not self._lost:
+            message = ttrpc_message(stream_id, RESPONSE, response.SerializeToString())
+            self.transport.write(mux_frames(PLUGIN_SERVICE_CONNECTION, message))  # type: ignore[union-attr]
+
+    # the plugin calling containerd
+
+    def call(self, method: str, payload: bytes, timeout: float) -> Deferred[bytes]:
+        """Call ``method`` of containerd's Runtime service; fails with NRIError, or TimeoutError after ``timeout``."""
+        if self._lost:
+            return fail(NRIError(UNKNOWN, "the NRI connection is closed"))
+        stream_id = self._next_stream
+        self._next_stream += 2  # ttrpc: a client's streams are odd and increase
+        request = ttrpc_pb2.Request(service=RUNTIME_SERVICE, method=method, payload=payload, timeout_nano=int(timeout * 1e9))
+        answer: Deferred[bytes] = Deferred(lambda _: self._forget(stream_id))
+        self._pending[stream_id] = answer
+        answer.addTimeout(timeout, self._clock)
+        message = ttrpc_message(stream_id, REQUEST, request.SerializeToString())
+        self.transport.write(mux_frames(RUNTIME_SERVICE_CONNECTION, message))  # type: ignore[union-attr]
+        return answer
+
+    def _forget(self, stream_id: int) -> None:
+        self._pending.pop(stream_id, None)
+
+    def _answered(self, stream_id: int, payload: bytes) -> None:
+        answer = self._pending.pop(stream_id, None)
+        if answer is None:
+            return  # it timed out
+        try:
+            response = ttrpc_pb2.Response.FromString(payload)
+        except Exception as error:
+            answer.errback(NRIError(UNKNOWN, f"containerd's answer cannot be read: {error}"))
+            return
+        if response.status.code:
+            answer.errback(NRIError(response.status.code, response.status.message))
+        else:
+            answer.callback(response.payload)
+
+    # the connection's end
+
+    def _abort(self) -> None:
+        if self.transport is not None:
+            self.transport.abortConnection()  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.loseConnection()
+
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
+        self._lost = True
+        pending, self._pending = self._pending, {}
+        for answer in pending.values():
+            answer.errback(NRIError(UNKNOWN, f"the NRI connection was lost: {reason.getErrorMessage()}"))
+        for serving in list(self._serving):
+            serving.cancel()
+        self._plugin.lost(reason)
+
+
+def _status(code: int, message: str) -> ttrpc_pb2.Response:
+    return ttrpc_pb2.Response(status=ttrpc_pb2.Status(code=code, message=message))
+
+
+def _status_of(failure: Failure, method: str) -> ttrpc_pb2.Response:
+    if isinstance(failure.value, NRIError):
+        return _status(failure.value.code, str(failure.value))
+    if isinstance(failure.value, (CancelledError, DeferredTimeout)):
+        return _status(UNKNOWN, f"koordrp gave up on {method}")
+    NRIConnection.log.failure("{method} failed inside koordrp", failure, method=method)
+    return _status(UNKNOWN, f"koordrp: {method} failed: {shortened(failure.getErrorMessage())}")

@@ -1,0 +1,384 @@
+"""koordrp as an NRI plugin, for one connection to containerd: registration, configuration, and each
+lifecycle event run through its flow (``koordrp.flows``), the third front end beside CRI and Docker.
+
+NRI tells a plugin of a lifecycle call at the point where containerd is about to do it (create,
+start, update: the answer may change it) or has done it (run a sandbox, stop, remove). The flows
+are written for a front end that forwards the call and hears how it went; here "forwarding" is
+answering containerd, and how it went is containerd's next event about the same container: its
+PostCreateContainer, PostStartContainer or PostUpdateContainer (``Confirmations``). So a
+PostStartContainer hook runs once the container has started, as in the proxy, and a create that
+containerd then failed is not stored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Coroutine
+
+from twisted.internet.defer import Deferred, ensureDeferred, fail, succeed
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+
+from koordrp import flows
+from koordrp.api.nri.v1alpha1 import api_pb2 as nri
+from koordrp.hooks.messages import placed_in_pod
+from koordrp.nri import translate
+from koordrp.nri.connection import UNKNOWN, UNIMPLEMENTED, NRIConnection, NRIError
+from koordrp.resync import agree
+from koordrp.store import StoredContainer, StoredPod
+from koordrp.text import shortened
+
+# Every event the store needs to follow pods and containers, and their Post variants for Confirmations.
+SUBSCRIBED = (
+    nri.RUN_POD_SANDBOX,
+    nri.STOP_POD_SANDBOX,
+    nri.REMOVE_POD_SANDBOX,
+    nri.CREATE_CONTAINER,
+    nri.POST_CREATE_CONTAINER,
+    nri.START_CONTAINER,
+    nri.POST_START_CONTAINER,
+    nri.UPDATE_CONTAINER,
+    nri.POST_UPDATE_CONTAINER,
+    nri.STOP_CONTAINER,
+    nri.REMOVE_CONTAINER,
+)
+EVENT_MASK = sum(1 << (event - 1) for event in SUBSCRIBED)
+
+ANSWER_MARGIN = 0.1
+"""Seconds of containerd's deadline kept for koordrp's answer to reach it: containerd drops a plugin
+that answers late (it takes a missed deadline as the plugin's death) and goes on without it."""
+
+CONFIRM_SECONDS = 120.0
+"""How long a create, start or update waits for containerd to say it happened (kubelet's own bound)."""
+
+REGISTER_SECONDS = 5.0
+
+# What each Post event confirms, and the events after which it will not come.
+_CONFIRMED_BY: dict[int, str] = {
+    nri.POST_CREATE_CONTAINER: "create",
+    nri.POST_START_CONTAINER: "start",
+    nri.POST_UPDATE_CONTAINER: "update",
+}
+_EMPTY = nri.Empty().SerializeToString()
+
+
+@dataclass(frozen=True)
+class NRIReply:
+    """containerd's part of a call (flows.Reply): whether it said it did it."""
+
+    ok: bool
+    created_id: str = ""
+
+    @property
+    def label(self) -> str:
+        return "OK" if self.ok else "NOT-CONFIRMED"
+
+
+class Confirmations:
+    """containerd's word, by its next event about a container, that it did what the plugin was told of."""
+
+    def __init__(self, clock: IReactorTime) -> None:
+        self._clock = clock
+        self._waiting: dict[tuple[str, str], tuple[Deferred[bool], IDelayedCall]] = {}
+
+    def expect(self, kind: str, container_id: str) -> Deferred[bool]:
+        """Fires True once ``kind`` (create, start, update) of the container is confirmed; False if containerd
+        stopped or removed it first, told of a newer one, or said nothing in CONFIRM_SECONDS."""
+        key = (kind, container_id)
+        self._settle(key, False)
+        waiting: Deferred[bool] = Deferred(lambda _: self._forget(key))
+        timer = self._clock.callLater(CONFIRM_SECONDS, self._settle, key, False)
+        self._waiting[key] = (waiting, timer)
+        return waiting
+
+    def happened(self, event: int, container_id: str) -> None:
+        kind = _CONFIRMED_BY.get(event)
+        if kind is not None:
+            self._settle((kind, container_id), True)
+        elif event in (nri.STOP_CONTAINER, nri.REMOVE_CONTAINER):
+            for waiting in ("create", "start", "update"):
+                self._settle((waiting, container_id), False)
+
+    def _forget(self, key: tuple[str, str]) -> None:
+        found = self._waiting.pop(key, None)
+        if found is not None and found[1].active():
+            found[1].cancel()
+
+    def _settle(self, key: tuple[str, str], done: bool) -> None:
+        found = self._waiting.pop(key, None)
+        if found is not None:
+            waiting, timer = found
+            if timer.active():
+                timer.cancel()
+            waiting.callback(done)
+
+    def cancel_all(self) -> None:
+        for waiting, _ in list(self._waiting.values()):
+            waiting.cancel()
+
+
+class NRIBackend:
+    """``flows.Backend`` for one NRI request: answering containerd, and what the request says of its pod and container."""
+
+    def __init__(
+        self,
+        answer: Deferred[bytes],
+        empty: bytes,
+        pod: nri.PodSandbox,
+        container: nri.Container | None,
+        confirm: Callable[[], Deferred[bool]] | None,
+    ) -> None:
+        self._answer = answer
+        self._empty = empty
+        self._pod = pod
+        self._container = container
+        self._confirm = confirm
+
+    async def forward(self, rewritten: bytes | None, timeout: float | None) -> NRIReply:
+        """Answer containerd (``rewritten``: with the hooks' changes); then wait for its word that it did it."""
+        created = self._container.id if self._container is not None else self._pod.id
+        if not self._answer.called:
+            self._answer.callback(self._empty if rewritten is None else rewritten)
+        if self._confirm is None:
+            return NRIReply(True, created)
+        return NRIReply(await self._confirm(), created)
+
+    async def read_pod(self, sandbox_id: str, timeout: float | None) -> StoredPod | None:
+        if sandbox_id != self._pod.id:
+            return None
+        return StoredPod.read_back(translate.pod_hook_request(self._pod), stopped=False)
+
+    async def read_container(self, container_id: str, pods: flows.PodSource, timeout: float | None) -> StoredContainer | None:
+        container = self._container
+        if container is None or container_id != container.id:
+            return None
+        return await _stored_container(container, self._pod, pods)
+
+
+async def _stored_container(container: nri.Container, pod: nri.PodSandbox, pods: flows.PodSource) -> StoredContainer:
+    """``container`` as the store keeps it, in its pod as ``pods`` has it (or as NRI told of it)."""
+    request = translate.container_hook_request(container, pod.linux.cgroup_parent)
+    stored_pod = await pods(container.pod_sandbox_id)
+    if stored_pod is not None:
+        placed_in_pod(request, stored_pod)
+    return StoredContainer.read_back(container.pod_sandbox_id, request, translate.container_state(container.state))
+
+
+class Inventory:
+    """What containerd told at Synchronize, as ``flows.RuntimeInventory`` (for the store to agree with)."""
+
+    def __init__(self, request: nri.SynchronizeRequest) -> None:
+        self._pods = {pod.id: pod for pod in request.pods}
+        self._containers = {container.id: container for container in request.containers}
+
+    async def listed(self, timeout: float | None) -> tuple[list[str], list[str]]:
+        return list(self._pods), list(self._containers)
+
+    async def read_pod(self, sandbox_id: str, timeout: float | None) -> StoredPod | None:
+        pod = self._pods.get(sandbox_id)
+        return None if pod is None else StoredPod.read_back(translate.pod_hook_request(pod), stopped=False)
+
+    async def read_container(self, container_id: str, pods: flows.PodSource, timeout: float | None) -> StoredContainer | None:
+        container = self._containers.get(container_id)
+        if container is None:
+            return None
+        return await _stored_container(container, self._pods.get(container.pod_sandbox_id, nri.PodSandbox()), pods)
+
+
+def outcome_label(outcome: flows.Outcome[NRIReply]) -> str:
+    if isinstance(outcome, NRIReply):
+        return outcome.label
+    if isinstance(outcome, flows.Refusal):
+        return "UNKNOWN"
+    return "CANCELLED"
+
+
+@dataclass(frozen=True)
+class PluginIdentity:
+    name: str
+    index: str
+
+    @property
+    def full_name(self) -> str:
+        return f"{self.index}-{self.name}"
+
+
+class NRIPlugin:
+    """One connection's plugin: registers, answers containerd's calls, and runs each event's flow."""
+
+    log = Logger()
+
+    def __init__(
+        self, parts: flows.Parts, identity: PluginIdentity, on_synchronized: Callable[[str], None] = lambda runtime: None
+    ) -> None:
+        """``on_synchronized`` is told containerd's name and version once it has synchronized the plugin."""
+        self._parts = parts
+        self._identity = identity
+        self._confirmations = Confirmations(parts.clock)
+        self._calls: set[flows.Call[NRIReply]] = set()
+        self._on_synchronized = on_synchronized
+        self._connection: NRIConnection | None = None
+        self._runtime = "containerd"
+
+    # the connection
+
+    def made(self, connection: NRIConnection) -> Deferred[None]:
+        """Register with containerd (which then configures and synchronizes the plugin)."""
+        self._connection = connection
+        request = nri.RegisterPluginRequest(plugin_name=self._identity.name, plugin_idx=self._identity.index)
+        registering = connection.call("RegisterPlugin", request.SerializeToString(), REGISTER_SECONDS)
+
+        def failed(failure: Failure) -> None:
+            self.log.error(
+                "containerd's NRI refused to register koordrp as {plugin}: {reason}",
+                plugin=self._identity.full_name,
+                reason=shortened(failure.getErrorMessage()),
+            )
+            connection.close()
+
+        return registering.addCallbacks(lambda _: None, failed)
+
+    def lost(self, reason: Failure) -> None:
+        self._confirmations.cancel_all()
+        for call in list(self._calls):
+            call.cancel()
+
+    # containerd's calls
+
+    def called(self, method: str, payload: bytes, timeout: float | None) -> Deferred[bytes]:
+        handler = self._HANDLERS.get(method)
+        if handler is None:
+            return fail(NRIError(UNIMPLEMENTED, f"koordrp does not handle {method}"))
+        try:
+            return handler(self, payload, timeout)
+        except Exception as error:  # protobuf's DecodeError: containerd sent what koordrp cannot read
+            self.log.warn("cannot read containerd's NRI {method} request: {error}", method=method, error=str(error))
+            return fail(NRIError(UNKNOWN, f"koordrp cannot read the {method} request: {error}"))
+
+    def _configure(self, payload: bytes, timeout: float | None) -> Deferred[bytes]:
+        request = nri.ConfigureRequest.FromString(payload)
+        self._runtime = f"{request.runtime_name} {request.runtime_version}"
+        self.log.info(
+            "registered with {runtime} {version}'s NRI as plugin {plugin}",
+            runtime=request.runtime_name,
+            version=request.runtime_version,
+            plugin=self._identity.full_name,
+        )
+        return succeed(nri.ConfigureResponse(events=EVENT_MASK).SerializeToString())
+
+    def _synchronize(self, payload: bytes, timeout: float | None) -> Deferred[bytes]:
+        request = nri.SynchronizeRequest.FromString(payload)
+        known_before = self._parts.store.ids()
+        reading = ensureDeferred(flows.read_everything(Inventory(request), None))
+
+        def agreed(found: flows.Inventory) -> bytes:
+            agree(self._parts.store, found, known_before, "containerd's NRI")
+            self._on_synchronized(self._runtime)
+            return nri.SynchronizeResponse().SerializeToString()
+
+        return reading.addCallback(agreed)
+
+    def _shutdown(self, payload: bytes, timeout: float | None) -> Deferred[bytes]:
+        self.log.info("containerd's NRI is shutting down")
+        return succeed(_EMPTY)
+
+    def _create_container(self, payload: bytes, timeout: float | None) -> Deferred[bytes]:
+        request = nri.CreateContainerRequest.FromString(payload)
+        empty = nri.CreateContainerResponse().SerializeToString()
+        return self._run(
+            "CreateContainer",
+            timeout,
+            lambda answer: NRIBackend(answer, empty, request.pod, request.container, self._expect("create", request.container.id)),
+            lambda call: flows.create_container(call, translate.CreateContainer(request.pod, request.container)),
+        )
+
+    def _update_container(self, payload: bytes, timeout: float | None) -> Deferred[bytes]:
+        request = nri.UpdateContainerRequest.FromString(payload)
+        empty = nri.UpdateContainerResponse().SerializeToString()
+        resources = request.linux_resources if request.HasField("linux_resources") else None
+        return self._run(
+            "UpdateContainerResources",
+            timeout,
+            lambda answer: NRIBackend(answer, empty, request.pod, request.container, self._expect("update", request.container.id)),
+            lambda call: flows.update_container_resources(call, translate.UpdateContainer(request.container, resources)),
+        )
+
+    def _stop_container(self, payload: bytes, timeout: float | None) -> Deferred[bytes]:
+        request = nri.StopContainerRequest.FromString(payload)
+        self._confirmations.happened(nri.STOP_CONTAINER, request.container.id)
+        empty = nri.StopContainerResponse().SerializeToString()
+        # Not read back when the store lacks it: after Synchronize the store has every container koordrp
+        # could be told of, so this is one whose create failed (containerd tells of its undoing as a stop).
+        return self._run(
+            "StopContainer",
+            timeout,
+            lambda answer: NRIBackend(answer, empty, request.pod, None, None),
+            lambda call: flows.stop_container(call, request.container.id),
+        )
+
+    def _state_change(self, payload: bytes, timeout: float | None) -> Deferred[bytes]:
+        event = nri.StateChangeEvent.FromString(payload)
+        pod, container = event.pod, event.container
+        self._confirmations.happened(event.event, container.id)
+        flow: Callable[[flows.Call[NRIReply]], Coroutine[Any, Any, NRIReply]]
+        confirm = None
+        if event.event == nri.RUN_POD_SANDBOX:
+            method, flow = "RunPodSandbox", lambda call: flows.run_pod_sandbox(call, translate.RunPodSandbox(pod))
+        elif event.event == nri.START_CONTAINER:
+            method, flow = "StartContainer", lambda call: flows.start_container(call, container.id)
+            confirm = self._expect("start", container.id)
+        elif event.event == nri.STOP_POD_SANDBOX:
+            method, flow = "StopPodSandbox", lambda call: flows.stop_pod_sandbox(call, pod.id)
+        elif event.event == nri.REMOVE_CONTAINER:
+            method, flow = "RemoveContainer", lambda call: flows.remove_container(call, container.id)
+        elif event.event == nri.REMOVE_POD_SANDBOX:
+            method, flow = "RemovePodSandbox", lambda call: flows.remove_pod_sandbox(call, pod.id)
+        else:
+            return succeed(_EMPTY)  # a Post event: its Confirmation is all it is for
+        own_container = container if event.HasField("container") else None
+        return self._run(method, timeout, lambda answer: NRIBackend(answer, _EMPTY, pod, own_container, confirm), flow)
+
+    _HANDLERS: dict[str, Callable[[NRIPlugin, bytes, float | None], Deferred[bytes]]] = {
+        "Configure": _configure,
+        "Synchronize": _synchronize,
+        "Shutdown": _shutdown,
+        "CreateContainer": _create_container,
+        "UpdateContainer": _update_container,
+        "StopContainer": _stop_container,
+        "StateChange": _state_change,
+    }
+
+    # running a flow
+
+    def _expect(self, kind: str, container_id: str) -> Callable[[], Deferred[bool]]:
+        return lambda: self._confirmations.expect(kind, container_id)
+
+    def _run(
+        self,
+        method: str,
+        timeout: float | None,
+        backend: Callable[[Deferred[bytes]], NRIBackend],
+        flow: Callable[[flows.Call[NRIReply]], Coroutine[Any, Any, NRIReply]],
+    ) -> Deferred[bytes]:
+        """Run ``flow`` for containerd's request; the Deferred is containerd's answer (the flow may go on after it)."""
+        answer: Deferred[bytes] = Deferred(lambda _: call.cancel())
+        call = flows.Call(
+            self._parts,
+            method,
+            backend(answer),
+            None if timeout is None else max(timeout - ANSWER_MARGIN, 0.0),
+            # Nothing is forwarded after the hooks: they may take what containerd gives.
+            hooks_share=1.0,
+        )
+        self._calls.add(call)
+
+        def over(outcome: flows.Outcome[NRIReply]) -> None:
+            self._calls.discard(call)
+            if not answer.called:
+                message = outcome.message if isinstance(outcome, flows.Refusal) else "koordrp: the call was given up"
+                answer.errback(NRIError(UNKNOWN, message))
+            call.ended(outcome_label(outcome))
+
+        call.run(flow(call)).addCallback(over)
+        return answer

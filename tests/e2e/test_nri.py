@@ -1,0 +1,280 @@
+"""NRI mode end to end: koordrp as a plugin of a real containerd 1.7 with NRI, kubelet's calls going to
+containerd itself, hook servers as in the proxy (tests/e2e/test_hooks.py runs the hook tests that
+apply to both in both). Here: what NRI cannot do (a sandbox, a cleared cpuset) named; containerd's
+deadline on each plugin call; post hooks once; containerd and koordrp restarting, and koordrp
+starting first.
+"""
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import grpc
+import pytest
+from cri_api.v1 import api_pb2
+
+from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
+from tests.e2e.conftest import hook_server, wait_registered
+from tests.fake.hook_server import FakeHookServer, koordlet_cpuset_rule
+from tests.support import koordlet
+from tests.support.containerd import Containerd
+from tests.support.cri_objects import container_config, linux_resources, pod_sandbox_config
+from tests.support.dockerd import remove_cgroup
+from tests.support.hook_registration import register
+from tests.support.images import BUSYBOX_REF, ImageSet
+from tests.support.koordrp_process import KoordrpProcess
+from tests.support.node import FakeNode, run_check
+from tests.support.pods import TIMEOUT, remove_pod, running_container, runtime_spec, start_container
+from tests.support.stack import start_containerd
+
+CREATE = "PreCreateContainerHook"
+CGROUP_PARENT = "/koordrp-nri-e2e"
+BESTEFFORT = "/kubepods/besteffort/pod-nri-e2e"
+
+
+@pytest.fixture
+def plugin(containerd_1_7: Containerd, workdir: Path) -> Iterator[KoordrpProcess]:
+    """koordrp in NRI mode, registered with the session's containerd 1.7."""
+    koordrp = KoordrpProcess(workdir, containerd_1_7.endpoint, nri_socket=containerd_1_7.paths.nri_socket)
+    koordrp.start()
+    yield koordrp
+    koordrp.stop()
+
+
+@pytest.fixture
+def runtime(containerd_1_7: Containerd) -> Any:
+    """containerd's own RuntimeService: in NRI mode kubelet calls containerd."""
+    return containerd_1_7.runtime()
+
+
+def call_line(koordrp: KoordrpProcess, text: str) -> str:
+    [line] = koordrp.log_lines(f"[koordrp.calls#info] {text}")
+    return line
+
+
+def test_hooks_change_the_container_and_what_nri_cannot_change_is_named(
+    plugin: KoordrpProcess, runtime: Any, servers: dict[str, FakeHookServer], workdir: Path, hooks_dir: Path
+) -> None:
+    server = hook_server(servers, workdir, "tuner")
+    server.behaviours["PreRunPodSandboxHook"] = lambda request: hook.PodSandboxHookResponse(
+        cgroup_parent=CGROUP_PARENT, annotations={"koordrp.test/pod": "1"}
+    )
+    server.behaviours[CREATE] = lambda request: hook.ContainerResourceHookResponse(
+        container_envs={"KOORDRP_TEST": "1"},
+        container_resources=hook.LinuxContainerResources(cpu_shares=512, cpuset_cpus="0", memory_limit_in_bytes=64 << 20),
+        container_annotations={"koordrp.test/tuned": "yes"},
+    )
+    register(hooks_dir, "tuner", server.path, ["PreRunPodSandbox", "PreCreateContainer"])
+    wait_registered(plugin, 1)
+    try:
+        options = {"env": {"FROM_KUBELET": "a=b"}}
+        with running_container(runtime, "tuned", workdir, container_options=options, cgroup_parent=BESTEFFORT) as pod:
+            spec = runtime_spec(runtime, pod.container_id)
+            assert "KOORDRP_TEST=1" in spec["process"]["env"] and "FROM_KUBELET=a=b" in spec["process"]["env"]
+            resources = spec["linux"]["resources"]
+            assert (resources["cpu"]["shares"], resources["cpu"]["cpus"], resources["memory"]["limit"]) == (512, "0", 64 << 20)
+            assert spec["annotations"]["koordrp.test/tuned"] == "yes"
+            # The sandbox stays where kubelet put it; its containers go where the pod's hooks said.
+            assert spec["linux"]["cgroupsPath"].startswith(CGROUP_PARENT + "/")
+            sandbox = runtime.PodSandboxStatus(api_pb2.PodSandboxStatusRequest(pod_sandbox_id=pod.sandbox_id, verbose=True))
+            assert json.loads(sandbox.info["info"])["runtimeSpec"]["linux"]["cgroupsPath"].startswith(BESTEFFORT + "/")
+            assert server.calls(CREATE)[0].pod_cgroup_parent == CGROUP_PARENT
+    finally:
+        remove_cgroup(CGROUP_PARENT)
+        remove_cgroup(BESTEFFORT)
+    run = call_line(plugin, "RunPodSandbox pod default/tuned")
+    assert ": OK in " in run
+    assert "left alone (NRI cannot change a pod's sandbox; later hooks see it as answered) annotations +koordrp.test/pod, " in run
+    assert f'cgroup_parent "{BESTEFFORT}"→"{CGROUP_PARENT}"' in run
+    create = call_line(plugin, "CreateContainer pod default/tuned")
+    for change in ("resources.cpu_shares 0→512", 'resources.cpuset_cpus ""→"0"', "envs +KOORDRP_TEST"):
+        assert change in create, create
+    assert "left alone" not in create
+
+
+def test_koordlets_cleared_cpuset_cannot_be_applied_and_is_named(
+    plugin: KoordrpProcess, runtime: Any, servers: dict[str, FakeHookServer], workdir: Path, hooks_dir: Path
+) -> None:
+    server = hook_server(servers, workdir, "koordlet")
+    server.behaviours[CREATE] = koordlet_cpuset_rule
+    koordlet.register(hooks_dir, koordlet.registration(server.path, koordlet.DEFAULT_STAGES))
+    wait_registered(plugin, 1)
+    try:
+        options = {"resources": linux_resources(cpuset_cpus="0-1", cpu_shares=2)}
+        with running_container(runtime, "besteffort", workdir, container_options=options, cgroup_parent=BESTEFFORT) as pod:
+            assert runtime_spec(runtime, pod.container_id)["linux"]["resources"]["cpu"]["cpus"] == "0-1"
+    finally:
+        remove_cgroup(BESTEFFORT)
+    create = call_line(plugin, "CreateContainer pod default/besteffort")
+    assert 'PreCreateContainer@koordlet.json: ok' in create
+    assert 'left alone (NRI can set a cpuset but not clear it) resources.cpuset_cpus "0-1"→""' in create
+
+
+def test_a_server_slower_than_containerds_deadline_is_cut_short_and_koordrp_stays_its_plugin(
+    plugin: KoordrpProcess, runtime: Any, servers: dict[str, FakeHookServer], workdir: Path, hooks_dir: Path
+) -> None:
+    """containerd gives a plugin 2 s and drops one that answers later: the hooks get what is left of it."""
+    slow = hook_server(servers, workdir, "slow")
+    slow.delays[CREATE] = 30
+    slow.behaviours[CREATE] = lambda request: hook.ContainerResourceHookResponse(container_envs={"SLOW": "1"})
+    register(hooks_dir, "slow", slow.path, ["PreCreateContainer"], policy="Ignore", **{"timeout-seconds": 20})
+    wait_registered(plugin, 1)
+    started = time.monotonic()
+    with running_container(runtime, "slow", workdir) as pod:
+        assert "SLOW=1" not in runtime_spec(runtime, pod.container_id)["process"]["env"]
+    assert time.monotonic() - started < 10
+    create = call_line(plugin, "CreateContainer pod default/slow")
+    assert "PreCreateContainer@slow.json: timeout 1" in create and "went on without it" in create, create
+    slow.unwedge()  # it answers again: the next container gets its hooks, koordrp is still containerd's plugin
+    deadline = time.monotonic() + 10
+    while "SLOW=1" not in env_of_new_container(runtime, workdir, "again"):
+        assert time.monotonic() < deadline, plugin.log()
+    assert "the connection was lost" not in plugin.log()
+
+
+def env_of_new_container(runtime: Any, workdir: Path, name: str) -> list[str]:
+    with running_container(runtime, name, workdir) as pod:
+        env: list[str] = runtime_spec(runtime, pod.container_id)["process"]["env"]
+        return env
+
+
+def test_post_hooks_once_each_after_what_they_tell_of(
+    plugin: KoordrpProcess, runtime: Any, servers: dict[str, FakeHookServer], workdir: Path, hooks_dir: Path
+) -> None:
+    watcher = hook_server(servers, workdir, "watcher")
+    register(hooks_dir, "watcher", watcher.path, ["PostStartContainer", "PostStopContainer", "PostStopPodSandbox"])
+    wait_registered(plugin, 1)
+    pod = pod_sandbox_config("posts", log_directory=workdir / "posts")
+    sandbox_id = runtime.RunPodSandbox(api_pb2.RunPodSandboxRequest(config=pod), timeout=TIMEOUT).pod_sandbox_id
+    try:
+        first = start_container(runtime, sandbox_id, pod, container_config("first", image=BUSYBOX_REF, command=["sleep", "3600"]))
+        second = start_container(runtime, sandbox_id, pod, container_config("second", image=BUSYBOX_REF, command=["sleep", "3600"]))
+        for _ in range(2):  # kubelet stops again what is stopped
+            runtime.StopContainer(api_pb2.StopContainerRequest(container_id=first, timeout=0), timeout=TIMEOUT)
+        runtime.StopPodSandbox(api_pb2.StopPodSandboxRequest(pod_sandbox_id=sandbox_id), timeout=TIMEOUT)
+        calls = watcher.rpcs_once(5, timeout=10)
+        assert calls == ["PostStartContainerHook", "PostStartContainerHook", "PostStopContainerHook", "PostStopContainerHook", "PostStopPodSandboxHook"]
+        stopped = [request.container_meta.id for request in watcher.calls("PostStopContainerHook")]
+        assert stopped == [first, second]
+    finally:
+        remove_pod(runtime, sandbox_id)
+    assert watcher.rpcs_once(6, timeout=0.5) == calls  # and nothing more
+
+
+def test_after_containerd_restarts_koordrp_is_its_plugin_again_and_knows_its_pods(
+    containerd_1_7: Containerd, plugin: KoordrpProcess, runtime: Any, servers: dict[str, FakeHookServer], workdir: Path, hooks_dir: Path
+) -> None:
+    server = hook_server(servers, workdir, "memory")
+    server.behaviours[CREATE] = lambda request: hook.ContainerResourceHookResponse(container_envs={"TUNED": "1"})
+    register(hooks_dir, "memory", server.path, ["PreCreateContainer", "PostStopContainer"])
+    wait_registered(plugin, 1)
+    with running_container(runtime, "survivor", workdir, container_options={"env": {"A": "1"}}) as pod:
+        containerd_1_7.restart()
+        plugin.log_lines("store rebuilt from containerd's NRI", count=2, timeout=20)
+        assert "the connection was lost" in plugin.log()
+        runtime = containerd_1_7.runtime()
+        runtime.StopContainer(api_pb2.StopContainerRequest(container_id=pod.container_id, timeout=0), timeout=TIMEOUT)
+        [stopped] = server.rpcs_once(2, timeout=5)[1:]
+        assert stopped == "PostStopContainerHook"
+        # The container as containerd was to make it (NRI shows the image's environment too), not as the hooks did.
+        seen = server.calls("PostStopContainerHook")[0].container_envs
+        assert seen["A"] == "1" and "TUNED" not in seen
+        assert "TUNED=1" in env_of_new_container(runtime, workdir, "newcomer")
+
+
+def test_after_koordrp_restarts_hooks_get_the_same_information(
+    containerd_1_7: Containerd, runtime: Any, servers: dict[str, FakeHookServer], workdir: Path, hooks_dir: Path
+) -> None:
+    server = hook_server(servers, workdir, "memory")
+    server.behaviours[CREATE] = lambda request: hook.ContainerResourceHookResponse(
+        container_envs={"KOORDRP_TEST": "1"}, container_resources=hook.LinuxContainerResources(cpu_shares=700)
+    )
+    register(hooks_dir, "memory", server.path, ["PreCreateContainer", "PreStartContainer", "PostStopContainer"])
+    nri_socket = containerd_1_7.paths.nri_socket
+    first = KoordrpProcess(workdir, containerd_1_7.endpoint, nri_socket=nri_socket)
+    first.start()
+    try:
+        with running_container(runtime, "restart", workdir, container_options={"env": {"B": "2", "A": "1"}}) as pod:
+            before = server.calls("PreStartContainerHook")[-1]
+            assert first.terminate() == 0
+            second = KoordrpProcess(workdir, containerd_1_7.endpoint, nri_socket=nri_socket)
+            second.start()
+            try:
+                runtime.StopContainer(api_pb2.StopContainerRequest(container_id=pod.container_id, timeout=0), timeout=TIMEOUT)
+                server.rpcs_once(3, timeout=5)
+            finally:
+                second.stop()
+    finally:
+        first.stop()
+    after = server.calls("PostStopContainerHook")[-1]
+    assert after == before
+    # What kubelet asked came back from the state directory: containerd has the hooks' changes.
+    assert (after.container_envs["B"], after.container_envs["A"]) == ("2", "1") and "KOORDRP_TEST" not in after.container_envs
+    assert after.container_resources.cpu_shares == 0  # not the hooks' 700
+
+
+def test_koordrp_started_before_containerd_registers_once_it_is_up(
+    images: ImageSet, servers: dict[str, FakeHookServer], workdir: Path, hooks_dir: Path
+) -> None:
+    containerd = Containerd(workdir / "containerd", release="1.7", nri=True)
+    koordrp = KoordrpProcess(workdir, containerd.endpoint, nri_socket=containerd.paths.nri_socket)
+    server = hook_server(servers, workdir, "early")
+    server.behaviours[CREATE] = lambda request: hook.ContainerResourceHookResponse(container_envs={"EARLY": "1"})
+    register(hooks_dir, "early", server.path, ["PreCreateContainer"])
+    try:
+        with pytest.raises(RuntimeError, match="did not log"):
+            koordrp.start(timeout=2.5)  # no containerd: it keeps trying
+        [warning] = koordrp.log_lines("pods run without koordrp's hooks until it is back")
+        assert "cannot connect" in warning
+        started = start_containerd(images, containerd.paths.base, release="1.7", nri=True)
+        try:
+            koordrp.log_lines("store rebuilt from containerd's NRI", timeout=10)
+            assert "EARLY=1" in env_of_new_container(started.runtime(), workdir, "early")
+            # One line for all the tries while containerd was not there.
+            assert len(koordrp.log_lines("pods run without koordrp's hooks until it is back")) == 1
+        finally:
+            started.stop()
+    finally:
+        koordrp.stop()
+
+
+def test_a_fail_policy_server_fails_the_call_kubelet_made_to_containerd(
+    plugin: KoordrpProcess, runtime: Any, servers: dict[str, FakeHookServer], workdir: Path, hooks_dir: Path
+) -> None:
+    broken = hook_server(servers, workdir, "broken")
+    broken.failures[CREATE] = grpc.StatusCode.INTERNAL
+    register(hooks_dir, "broken", broken.path, ["PreCreateContainer"], policy="Fail")
+    wait_registered(plugin, 1)
+    with pytest.raises(grpc.RpcError) as error:
+        with running_container(runtime, "refused", workdir):
+            pass
+    details = error.value.details() or ""
+    assert "koordrp: hook server broken.json" in details and "PreCreateContainer" in details, details
+    assert ": UNKNOWN in " in call_line(plugin, "CreateContainer pod default/refused")
+
+
+def test_koordrp_check_knows_nri_mode_and_that_two_modes_are_one_too_many(
+    containerd_1_7: Containerd, plugin: KoordrpProcess, workdir: Path
+) -> None:
+    node = FakeNode(workdir / "node", str(plugin.socket))
+    node.run_kubelet(["kubelet", f"--container-runtime-endpoint=unix://{containerd_1_7.paths.socket}"])
+    nri = [f"--nri-socket={containerd_1_7.paths.nri_socket}", f"--state-dir={workdir / 'state'}"]
+    code, output = run_check(node, "--backend-runtime-mode=NRI", *nri)
+    assert code == 0, output
+    assert f"sends runtime calls to unix://{containerd_1_7.paths.socket} (its flag --container-runtime-endpoint), which calls koordrp through NRI" in output
+    assert f"✓ containerd's NRI accepts plugins at {containerd_1_7.paths.nri_socket}" in output
+    assert f"✓ koordrp (pid {plugin.pid}) is plugin 10-koordrp of containerd 1.7.24" in output
+    proxy = KoordrpProcess(workdir / "proxy", containerd_1_7.endpoint)
+    (workdir / "proxy").mkdir()
+    proxy.start()
+    try:
+        code, output = run_check(node, "--backend-runtime-mode=NRI", f"--socket={proxy.socket}", *nri)
+        assert code == 1 and f"✗ a koordrp proxy listens at unix://{proxy.socket} too: with both modes every hook runs twice" in output
+        code, output = run_check(node, f"--socket={proxy.socket}", *nri)
+        assert code == 1 and f"✗ koordrp (pid {plugin.pid}) is also plugin 10-koordrp of containerd's NRI" in output
+    finally:
+        proxy.stop()
+    plugin.stop()
+    code, output = run_check(node, "--backend-runtime-mode=NRI", *nri)
+    assert code == 1 and "✗ koordrp is not registered with containerd's NRI" in output

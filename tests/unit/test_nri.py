@@ -1,0 +1,394 @@
+"""NRI mode: the wire (multiplexer and ttrpc), the connection, the plugin's events run through the flows, and
+the service's reconnecting. containerd's side is tests/fake/nri.py; the hook stages are scripted."""
+
+import os
+from typing import Any, cast
+
+from twisted.internet.defer import Deferred, fail, succeed
+from twisted.internet.error import ConnectionRefusedError
+from twisted.internet.task import Clock
+from twisted.internet.testing import MemoryReactorClock, StringTransport
+from twisted.logger import ILogObserver, LogEvent, globalLogPublisher
+from twisted.python.failure import Failure
+from twisted.trial.unittest import SynchronousTestCase
+
+from koordrp import flows
+from koordrp.api.nri.v1alpha1 import api_pb2 as nri
+from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
+from koordrp.hooks.types import FailurePolicy, HookServerConfig, HookServers, HookType
+from koordrp.nri import registration, translate
+from koordrp.nri.connection import UNIMPLEMENTED, UNKNOWN, NRIConnection, NRIError
+from koordrp.nri.plugin import ANSWER_MARGIN, CONFIRM_SECONDS, EVENT_MASK, NRIPlugin, PluginIdentity
+from koordrp.nri.service import RETRY_SECONDS, NRIService, NRISettings
+from koordrp.nri.wire import MAX_MUX_FRAME_SENT, PLUGIN_SERVICE_CONNECTION, MuxReader, WireError, mux_frames
+from koordrp.store import ContainerState, Store
+from tests.fake.flows import ScriptedStages
+from tests.fake.nri import FakeContainerd
+
+SKIP = flows.SkipLabel("runtimeproxy.koordinator.sh/skip-hookserver", "true")
+POD_PARENT = "/kubepods/besteffort/pod-uid-1"
+PRE_CREATE = HookType.PRE_CREATE_CONTAINER
+POST_START = HookType.POST_START_CONTAINER
+POST_STOP = HookType.POST_STOP_CONTAINER
+
+
+class LogCapture(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.events: list[LogEvent] = []
+        observer = cast(ILogObserver, self.events.append)
+        globalLogPublisher.addObserver(observer)
+        self.addCleanup(globalLogPublisher.removeObserver, observer)
+
+    def logged(self, text: str) -> list[LogEvent]:
+        return [event for event in self.events if text in event.get("log_format", "")]
+
+
+class WireTests(SynchronousTestCase):
+    def test_frames_larger_than_containerd_reads_are_split_and_whatever_the_chunks_come_back_whole(self) -> None:
+        data = bytes(range(256)) * 40
+        framed = mux_frames(PLUGIN_SERVICE_CONNECTION, data)
+        reader = MuxReader()
+        frames = [frame for index in range(len(framed)) for frame in reader.feed(framed[index : index + 1])]
+        self.assertEqual([len(payload) for _, payload in frames], [MAX_MUX_FRAME_SENT, MAX_MUX_FRAME_SENT, len(data) - 2 * MAX_MUX_FRAME_SENT])
+        self.assertEqual(b"".join(payload for _, payload in frames), data)
+        self.assertEqual({connection for connection, _ in frames}, {PLUGIN_SERVICE_CONNECTION})
+
+    def test_a_frame_beyond_the_multiplexers_limit_is_an_error(self) -> None:
+        self.assertRaises(WireError, MuxReader().feed, b"\x00\x00\x00\x01\xff\xff\xff\xff")
+
+
+class RecordingPlugin:
+    """``IPluginCalls``: what containerd called, answered with ``answers`` (or a Deferred the test fires)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, bytes, float | None]] = []
+        self.answers: dict[str, Deferred[bytes]] = {}
+        self.lost_because: list[Failure] = []
+        self.connection: NRIConnection | None = None
+
+    def made(self, connection: NRIConnection) -> None:
+        self.connection = connection
+
+    def called(self, method: str, payload: bytes, timeout: float | None) -> Deferred[bytes]:
+        self.calls.append((method, payload, timeout))
+        return self.answers.get(method, succeed(b"answer"))
+
+    def lost(self, reason: Failure) -> None:
+        self.lost_because.append(reason)
+
+
+class ConnectionTests(LogCapture):
+    def setUp(self) -> None:
+        super().setUp()
+        self.clock = Clock()
+        self.plugin = RecordingPlugin()
+        self.connection = NRIConnection(self.plugin, self.clock)
+        self.containerd = FakeContainerd(self.connection)
+
+    def test_containerds_call_reaches_the_plugin_and_its_answer_goes_back_on_the_same_stream(self) -> None:
+        stream = self.containerd.call("Configure", nri.ConfigureRequest(runtime_name="containerd"), timeout=2.0)
+        [(method, payload, timeout)] = self.plugin.calls
+        self.assertEqual((method, nri.ConfigureRequest.FromString(payload).runtime_name, timeout), ("Configure", "containerd", 2.0))
+        self.assertEqual(self.containerd.answers()[stream].payload, b"answer")
+        self.assertIs(self.plugin.connection, self.connection)
+
+    def test_failures_reach_containerd_as_a_status(self) -> None:
+        self.plugin.answers["CreateContainer"] = fail(NRIError(UNKNOWN, "koordrp: hook server a.json failed"))
+        self.plugin.answers["StateChange"] = fail(ZeroDivisionError("oops"))
+        first = self.containerd.call("CreateContainer", nri.CreateContainerRequest())
+        second = self.containerd.call("StateChange", nri.StateChangeEvent())
+        third = self.containerd.call("Anything", nri.Empty(), service="nri.pkg.api.v1alpha1.Elsewhere")
+        answers = self.containerd.answers()
+        self.assertEqual((answers[first].status.code, answers[first].status.message), (UNKNOWN, "koordrp: hook server a.json failed"))
+        self.assertEqual(answers[second].status.code, UNKNOWN)
+        self.assertIn("StateChange failed: oops", answers[second].status.message)
+        self.assertEqual(answers[third].status.code, UNIMPLEMENTED)
+        self.assertEqual(len(self.flushLoggedErrors(ZeroDivisionError)), 1)
+
+    def test_the_plugins_calls_use_odd_streams_and_get_containerds_answers(self) -> None:
+        first = self.connection.call("RegisterPlugin", b"one", timeout=5)
+        second = self.connection.call("RegisterPlugin", b"two", timeout=5)
+        [one, two] = self.containerd.sent()
+        self.assertEqual((one.stream_id, two.stream_id), (1, 3))
+        assert one.request is not None
+        self.assertEqual((one.request.service, one.request.method, one.request.timeout_nano), ("nri.pkg.api.v1alpha1.Runtime", "RegisterPlugin", 5 * 10**9))
+        self.containerd.answer(3, code=3, error="invalid plugin index")
+        self.containerd.answer(1, nri.Empty())
+        self.assertEqual(self.successResultOf(first), b"")
+        self.assertEqual(str(self.failureResultOf(second, NRIError).value), "invalid plugin index")
+
+    def test_a_call_containerd_does_not_answer_times_out(self) -> None:
+        answer = self.connection.call("RegisterPlugin", b"", timeout=5)
+        self.clock.advance(5)
+        self.failureResultOf(answer)
+        self.containerd.answer(1, nri.Empty())  # too late: dropped
+
+    def test_a_lost_connection_fails_what_waits_and_cancels_what_is_served(self) -> None:
+        cancelled: list[object] = []
+        self.plugin.answers["StateChange"] = Deferred(cancelled.append)
+        self.containerd.call("StateChange", nri.StateChangeEvent())
+        waiting = self.connection.call("RegisterPlugin", b"", timeout=5)
+        self.containerd.sent()
+        self.connection.connectionLost(Failure(ConnectionRefusedError()))
+        self.failureResultOf(waiting, NRIError)
+        self.assertEqual(len(cancelled), 1)
+        self.assertEqual(len(self.plugin.lost_because), 1)
+        self.assertEqual(self.containerd.sent(), [])  # nothing is written to a closed connection
+
+    def test_bytes_that_break_the_framing_end_the_connection(self) -> None:
+        self.containerd.feed(b"\x00\x00\x00\x01\xff\xff\xff\xff")
+        self.assertTrue(self.containerd.transport.disconnecting)
+        self.assertEqual(len(self.logged("does not frame so")), 1)
+
+    def test_a_long_answer_goes_in_frames_containerd_can_read(self) -> None:
+        self.plugin.answers["Synchronize"] = succeed(b"x" * 10000)
+        stream = self.containerd.call("Synchronize", nri.SynchronizeRequest())
+        self.assertEqual(self.containerd.answers()[stream].payload, b"x" * 10000)
+        self.assertLessEqual(max(self.containerd.frames_sent), MAX_MUX_FRAME_SENT)
+
+
+def nri_pod(labels: dict[str, str] | None = None) -> nri.PodSandbox:
+    return nri.PodSandbox(
+        id="s-1", name="web", namespace="default", uid="uid-1", labels=labels or {}, linux=nri.LinuxPodSandbox(cgroup_parent=POD_PARENT)
+    )
+
+
+def nri_container(state: nri.ContainerState = nri.CONTAINER_UNKNOWN, env: tuple[str, ...] = ("A=1",)) -> nri.Container:
+    resources = nri.LinuxResources()
+    resources.cpu.shares.value, resources.cpu.cpus = 2, "0-3"
+    return nri.Container(
+        id="c-1",
+        pod_sandbox_id="s-1",
+        name="app",
+        state=state,
+        env=list(env),
+        annotations={translate.RESTART_COUNT_ANNOTATION: "2"},
+        linux=nri.LinuxContainer(resources=resources, cgroups_path=f"{POD_PARENT}/c-1"),
+    )
+
+
+def event(kind: nri.Event, container: nri.Container | None = None) -> nri.StateChangeEvent:
+    changed = nri.StateChangeEvent(event=kind, pod=nri_pod())
+    if container is not None:
+        changed.container.CopyFrom(container)
+    return changed
+
+
+class PluginTests(LogCapture):
+    def setUp(self) -> None:
+        super().setUp()
+        self.clock = Clock()
+        self.store = Store()
+        self.stages = ScriptedStages()
+        self.servers = HookServers()
+        parts = flows.Parts(self.store, self.stages, lambda: self.servers, SKIP, self.clock)
+        self.synchronized = 0
+        self.plugin = NRIPlugin(parts, PluginIdentity("koordrp", "10"), on_synchronized=self.count_synchronized)
+        self.containerd = FakeContainerd(NRIConnection(self.plugin, self.clock))
+
+    def count_synchronized(self, runtime: str) -> None:
+        self.synchronized += 1
+
+    def subscribe(self, *hooks: HookType, policy: FailurePolicy = FailurePolicy.IGNORE) -> None:
+        self.servers = HookServers((HookServerConfig("a.json", "/run/a.sock", policy, frozenset(hooks), 2.0),))
+
+    def call_lines(self) -> list[tuple[str, str]]:
+        return [(line["method"], line["outcome"]) for line in self.events if line.get("log_namespace") == "koordrp.calls"]
+
+    def run_pod(self) -> None:
+        self.containerd.answers()  # the registration
+        self.containerd.call("StateChange", event(nri.RUN_POD_SANDBOX))
+
+    def create(self) -> nri.CreateContainerResponse:
+        stream = self.containerd.call("CreateContainer", nri.CreateContainerRequest(pod=nri_pod(), container=nri_container()))
+        answer = self.containerd.answers()[stream]
+        self.assertEqual(answer.status.code, 0, answer.status.message)
+        return nri.CreateContainerResponse.FromString(answer.payload)
+
+    def test_it_registers_and_subscribes_to_every_lifecycle_event(self) -> None:
+        [registration] = self.containerd.sent()
+        assert registration.request is not None
+        request = nri.RegisterPluginRequest.FromString(registration.request.payload)
+        self.assertEqual((request.plugin_name, request.plugin_idx), ("koordrp", "10"))
+        stream = self.containerd.call("Configure", nri.ConfigureRequest(runtime_name="containerd", runtime_version="1.7.24"))
+        events = nri.ConfigureResponse.FromString(self.containerd.answers()[stream].payload).events
+        self.assertEqual(events, EVENT_MASK)
+        self.assertEqual([bit for bit in range(1, nri.LAST) if events & 1 << (bit - 1)], list(range(1, nri.LAST)))
+        self.assertEqual(self.logged("registered with {runtime} {version}'s NRI")[0]["plugin"], "10-koordrp")
+
+    def test_a_refused_registration_is_one_error_line_and_a_closed_connection(self) -> None:
+        self.containerd.answer(1, code=3, error='invalid plugin index "1"')
+        self.assertTrue(self.containerd.transport.disconnecting)
+        [line] = self.logged("refused to register")
+        self.assertEqual(line["reason"], 'invalid plugin index "1"')
+
+    def test_synchronize_fills_the_store(self) -> None:
+        request = nri.SynchronizeRequest(pods=[nri_pod()], containers=[nri_container(nri.CONTAINER_RUNNING)])
+        stream = self.containerd.call("Synchronize", request)
+        self.assertEqual(self.containerd.answers()[stream].status.code, 0)
+        stored = self.store.container("c-1")
+        assert stored is not None
+        self.assertEqual((stored.state, stored.sandbox_id, stored.asked.pod_cgroup_parent), (ContainerState.RUNNING, "s-1", POD_PARENT))
+        self.assertEqual((stored.asked.container_meta.attempt, dict(stored.asked.container_envs)), (2, {"A": "1"}))
+        self.assertEqual((self.store.sizes(), self.synchronized), ((1, 1), 1))
+
+    def test_a_create_is_answered_with_the_hooks_changes_and_stored_once_containerd_made_it(self) -> None:
+        self.subscribe(PRE_CREATE)
+        self.stages.behaviours[PRE_CREATE] = lambda request: hook.ContainerResourceHookResponse(
+            container_envs={"ADDED": "1"}, container_resources=hook.LinuxContainerResources(cpu_shares=512, cpuset_cpus="0-3")
+        )
+        self.run_pod()
+        adjust = self.create().adjust
+        self.assertEqual(([(env.key, env.value) for env in adjust.env], adjust.linux.resources.cpu.shares.value), ([("ADDED", "1")], 512))
+        self.assertFalse(adjust.linux.resources.cpu.cpus)  # unchanged: not named
+        self.assertEqual((self.store.container("c-1"), self.call_lines()), (None, [("RunPodSandbox", "OK")]))
+        self.containerd.call("StateChange", event(nri.POST_CREATE_CONTAINER, nri_container(nri.CONTAINER_CREATED)))
+        stored = self.store.container("c-1")
+        assert stored is not None
+        self.assertEqual((dict(stored.asked.container_envs), dict(stored.given.container_envs)), ({"A": "1"}, {"A": "1", "ADDED": "1"}))
+        self.assertEqual(self.call_lines()[-1], ("CreateContainer", "OK"))
+
+    def test_a_create_containerd_undoes_is_not_stored_and_owes_no_post_stop(self) -> None:
+        self.subscribe(POST_STOP)
+        self.run_pod()
+        self.create()
+        self.containerd.call("StopContainer", nri.StopContainerRequest(pod=nri_pod(), container=nri_container()))
+        self.containerd.call("StateChange", event(nri.REMOVE_CONTAINER, nri_container()))
+        self.assertEqual(self.store.sizes(), (1, 0))
+        self.assertEqual(self.stages.announced, [])
+        self.assertIn(("CreateContainer", "NOT-CONFIRMED"), self.call_lines())
+
+    def test_a_create_never_confirmed_ends_after_a_bound(self) -> None:
+        self.run_pod()
+        self.create()
+        self.clock.advance(CONFIRM_SECONDS)
+        self.assertEqual(self.call_lines()[-1], ("CreateContainer", "NOT-CONFIRMED"))
+
+    def test_a_fail_policy_server_that_cannot_be_heard_fails_containerds_call(self) -> None:
+        self.subscribe(PRE_CREATE, policy=FailurePolicy.FAIL)
+        self.stages.failures[PRE_CREATE] = "no answer within 2s"
+        self.run_pod()
+        stream = self.containerd.call("CreateContainer", nri.CreateContainerRequest(pod=nri_pod(), container=nri_container()))
+        answer = self.containerd.answers()[stream]
+        self.assertEqual(answer.status.code, UNKNOWN)
+        self.assertIn("a.json", answer.status.message)
+        self.assertEqual((self.store.sizes(), self.call_lines()[-1]), ((1, 0), ("CreateContainer", "UNKNOWN")))
+
+    def test_hooks_may_take_containerds_deadline_less_the_time_to_answer(self) -> None:
+        self.subscribe(PRE_CREATE)
+        self.run_pod()
+        self.containerd.call("CreateContainer", nri.CreateContainerRequest(pod=nri_pod(), container=nri_container()), timeout=2.0)
+        self.assertEqual(self.stages.budgets, [2.0 - ANSWER_MARGIN])
+
+    def test_post_start_runs_once_the_container_has_started(self) -> None:
+        self.subscribe(POST_START)
+        self.run_pod()
+        self.create()
+        self.containerd.call("StateChange", event(nri.POST_CREATE_CONTAINER, nri_container(nri.CONTAINER_CREATED)))
+        self.containerd.call("StateChange", event(nri.START_CONTAINER, nri_container(nri.CONTAINER_CREATED)))
+        self.assertEqual(self.stages.announced, [])
+        self.containerd.call("StateChange", event(nri.POST_START_CONTAINER, nri_container(nri.CONTAINER_RUNNING)))
+        self.assertEqual([stage.hook for stage in self.stages.announced], [POST_START])
+
+    def test_each_stop_fires_post_stop_once_a_pods_stop_included(self) -> None:
+        self.subscribe(POST_STOP)
+        self.containerd.call("Synchronize", nri.SynchronizeRequest(pods=[nri_pod()], containers=[nri_container(nri.CONTAINER_RUNNING)]))
+        stop = nri.StopContainerRequest(pod=nri_pod(), container=nri_container(nri.CONTAINER_STOPPED))
+        self.containerd.call("StopContainer", stop)
+        self.containerd.call("StopContainer", stop)
+        self.containerd.call("StateChange", event(nri.STOP_POD_SANDBOX))
+        self.assertEqual([stage.hook for stage in self.stages.announced], [POST_STOP])
+
+    def test_a_lost_connection_ends_the_calls_waiting_for_containerd(self) -> None:
+        self.run_pod()
+        self.create()
+        self.containerd.protocol.connectionLost(Failure(ConnectionRefusedError()))
+        self.assertEqual(self.call_lines()[-1], ("CreateContainer", "CANCELLED"))
+        self.assertEqual(self.store.sizes(), (1, 0))
+
+    def test_an_event_koordrp_does_not_know_is_unimplemented(self) -> None:
+        stream = self.containerd.call("Reconfigure", nri.Empty())
+        self.assertEqual(self.containerd.answers()[stream].status.code, UNIMPLEMENTED)
+
+
+class TranslateTests(SynchronousTestCase):
+    def test_resources_and_attempt_come_from_nri_as_the_hook_api_has_them(self) -> None:
+        container = nri_container()
+        container.linux.resources.memory.limit.value = 1 << 30
+        container.linux.resources.unified["memory.high"] = "max"
+        container.linux.oom_score_adj.value = 1000
+        request = translate.container_hook_request(container, POD_PARENT)
+        resources = request.container_resources
+        self.assertEqual(
+            (resources.cpu_shares, resources.cpuset_cpus, resources.memory_limit_in_bytes, dict(resources.unified), resources.oom_score_adj),
+            (2, "0-3", 1 << 30, {"memory.high": "max"}, 1000),
+        )
+        self.assertEqual((request.container_meta.attempt, request.container_meta.id, request.pod_cgroup_parent), (2, "c-1", POD_PARENT))
+
+    def test_a_new_pod_parent_moves_the_containers_cgroups_path_with_either_driver(self) -> None:
+        self.assertEqual(translate.moved_cgroups_path("/kubepods/pod1/c-1", "/kubepods/pod1", "/moved"), "/moved/c-1")
+        self.assertEqual(
+            translate.moved_cgroups_path("kubepods-pod1.slice:cri-containerd:c-1", "kubepods-pod1.slice", "moved.slice"),
+            "moved.slice:cri-containerd:c-1",
+        )
+        self.assertIsNone(translate.moved_cgroups_path("/elsewhere/c-1", "/kubepods/pod1", "/moved"))
+
+    def test_an_update_names_only_what_the_hooks_changed_and_leaves_the_rest_named(self) -> None:
+        resources = nri.LinuxResources()
+        resources.cpu.shares.value = 512
+        update = translate.UpdateContainer(nri.Container(id="c-1"), resources)
+        before = hook.ContainerResourceHookRequest(container_resources=translate.hook_resources(resources))
+        after = hook.ContainerResourceHookRequest()
+        after.CopyFrom(before)
+        after.container_resources.cpu_quota = 50000
+        after.container_annotations["seen"] = "1"
+        written = update.rewritten(before, after)
+        assert written.request is not None
+        [sent] = nri.UpdateContainerResponse.FromString(written.request).update
+        self.assertEqual(sent.container_id, "c-1")
+        self.assertEqual((sent.linux.resources.cpu.quota.value, sent.linux.resources.cpu.HasField("shares")), (50000, False))
+        self.assertIn(flows.LeftAlone("container_annotations", translate.NOT_IN_AN_UPDATE), written.left_alone)
+
+
+class ServiceTests(LogCapture):
+    def setUp(self) -> None:
+        super().setUp()
+        self.reactor = MemoryReactorClock()
+        parts = flows.Parts(Store(), ScriptedStages(), HookServers, SKIP, self.reactor)
+        self.state_dir = self.mktemp()
+        os.makedirs(self.state_dir)
+        settings = NRISettings("/run/nri/nri.sock", PluginIdentity("koordrp", "10"), self.state_dir)
+        self.service = NRIService(settings, self.reactor, parts)
+        self.service.startService()
+        self.addCleanup(self.service.stopService)
+
+    def attempt(self) -> Any:
+        """The factory of the latest connection attempt."""
+        address, factory, _, _ = self.reactor.unixClients[-1]
+        self.assertEqual(address, "/run/nri/nri.sock")
+        return factory
+
+    def test_a_socket_that_is_not_there_is_one_warning_and_a_try_every_second(self) -> None:
+        for tries in (1, 2, 3):
+            self.assertEqual(len(self.reactor.unixClients), tries)
+            self.attempt().clientConnectionFailed(None, Failure(ConnectionRefusedError("no such file")))
+            self.reactor.advance(RETRY_SECONDS)
+        self.assertEqual(len(self.logged("pods run without koordrp's hooks")), 1)
+        self.failureResultOf(self.service.probe())
+
+    def test_once_synchronized_it_is_healthy_and_a_lost_connection_is_tried_again(self) -> None:
+        containerd = FakeContainerd(self.attempt().buildProtocol(None))
+        self.failureResultOf(self.service.probe())
+        containerd.call("Configure", nri.ConfigureRequest(runtime_name="containerd", runtime_version="1.7.24"))
+        containerd.call("Synchronize", nri.SynchronizeRequest())
+        self.successResultOf(self.service.probe())
+        said = registration.read(self.state_dir)
+        assert said is not None
+        self.assertEqual((said.plugin, said.runtime, said.pid), ("10-koordrp", "containerd 1.7.24", os.getpid()))
+        containerd.protocol.connectionLost(Failure(ConnectionRefusedError("containerd restarted")))
+        self.failureResultOf(self.service.probe())
+        self.assertIsNone(registration.read(self.state_dir))
+        self.reactor.advance(RETRY_SECONDS)
+        self.assertEqual(len(self.reactor.unixClients), 2)
+        [warning] = self.logged("pods run without koordrp's hooks")
+        self.assertIn("the connection was lost", warning["reason"])
