@@ -18,6 +18,11 @@ then two chained, it prints:
   - a skipped call over a pass-through = the skipped call - the same call through the minimal
     pass-through; and, as issue 13 first measured it, (skipped - direct) - (ContainerStatus through
     koordrp - directly), which compares with a different call's pass-through;
+* **NRI mode** (``--nri-pods``): the same pod start on containerd 1.7 with NRI enabled, without a plugin,
+  with a minimal NRI plugin (benchmarks/minimal_nri_plugin.py), with koordrp as its NRI plugin (with no
+  hook server, and with the echo server on every hook point),
+  and through koordrp's proxy in front of the one without a plugin: one pod each way per round, in
+  random order.
 * **pod start**: RunPodSandbox + CreateContainer + StartContainer, directly and through koordrp, one
   pod each way per round in random order; the ratio of the p50 sums. Twice: back to back, and each
   pod after a pause (``--pod-pause``), as pods start on a node. containerd's StartContainer takes
@@ -25,7 +30,7 @@ then two chained, it prints:
   every millisecond koordrp adds before Start makes the slow one likelier, so that run's ratio says
   as much about containerd as about koordrp.
 
-    .venv/bin/python -m benchmarks.hooks [--pods 40] [--rounds 300] [--servers 1 2] [--pod-pause 0.5]
+    .venv/bin/python -m benchmarks.hooks [--pods 40] [--rounds 300] [--servers 1 2] [--pod-pause 0.5] [--nri-pods 40]
 """
 
 import argparse
@@ -42,7 +47,7 @@ from typing import Any, Callable, Iterator
 import grpc
 from cri_api.v1 import api_pb2, api_pb2_grpc
 
-from benchmarks import minimal_passthrough
+from benchmarks import minimal_nri_plugin, minimal_passthrough
 from benchmarks.echo_hook_server import HookServerProcess
 from benchmarks.stats import quantile, thread_cpu_ns
 from koordrp.api.cri.v1 import api_pb2 as koordrp_cri
@@ -56,7 +61,9 @@ from tests.support.hook_registration import register
 from tests.support.images import BUSYBOX_REF
 from tests.support.koordrp_process import KoordrpProcess
 from tests.support.pods import TIMEOUT, remove_pod, start_container
-from tests.support.stack import containerd_and_koordrp
+from tests.support.containerd import Containerd
+from tests.support.images import build_test_images
+from tests.support.stack import containerd_and_koordrp, start_containerd
 
 # A post hook or the call's log line may still be running in koordrp when its caller has the answer:
 # waiting this long before reading koordrp's CPU time charges it to the call that caused it. Every
@@ -145,24 +152,22 @@ def pod_start(runtime: Any, name: str, logs: Path) -> tuple[float, str]:
     return time.perf_counter() - started, sandbox_id
 
 
-def pod_starts(
-    direct: Any, proxied: Any, pods: int, logs: Path, label: str, pause: float
-) -> tuple[list[float], list[float]]:
-    """``pods`` pod starts each way, one of each per round in random order, each after ``pause`` seconds;
-    each pod is removed after its round."""
-    times: dict[str, list[float]] = {"direct": [], "koordrp": []}
+def pod_starts(ways: dict[str, Any], pods: int, logs: Path, label: str, pause: float) -> dict[str, list[float]]:
+    """``pods`` pod starts each way (a name and the runtime kubelet would call), one of each per round in
+    random order, each after ``pause`` seconds; each pod is removed after its round."""
+    times: dict[str, list[float]] = {way: [] for way in ways}
     for index in range(pods):
-        ways = [("direct", direct), ("koordrp", proxied)]
-        random.shuffle(ways)
+        order = list(ways.items())
+        random.shuffle(order)
         started = []
-        for way, runtime in ways:
+        for way, runtime in order:
             time.sleep(pause)
-            seconds, sandbox_id = pod_start(runtime, f"{label}-{way}-{index}-{pause:g}", logs)
+            seconds, sandbox_id = pod_start(runtime, f"{label}-{way.replace(' ', '-')}-{index}-{pause:g}", logs)
             times[way].append(seconds)
             started.append((runtime, sandbox_id))
         for runtime, sandbox_id in started:
             remove_pod(runtime, sandbox_id)
-    return times["direct"], times["koordrp"]
+    return times
 
 
 @dataclass(frozen=True)
@@ -323,6 +328,9 @@ def main() -> None:
         "--pod-pause", type=float, default=0.5, help="seconds before each pod start of the second pod start run"
     )
     parser.add_argument("--servers", type=int, nargs="+", default=[1, 2], help="numbers of chained hook servers")
+    parser.add_argument(
+        "--nri-pods", type=int, default=40, help="pod starts each way on containerd 1.7: no plugin, NRI mode, proxy (0: none)"
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="krp-bench-", dir="/tmp") as scratch, ExitStack() as stack:
         base = Path(scratch)
@@ -334,6 +342,64 @@ def main() -> None:
         minimal = api_pb2_grpc.RuntimeServiceStub(stack.enter_context(grpc.insecure_channel(f"unix:{listen}")))
         runtimes = Runtimes(containerd.runtime(), proxy.runtime(channel), minimal)
         measure(args, base, runtimes, proxy, echo_servers)
+        if args.nri_pods:
+            nri_pod_starts(base, echo_servers[0], args.nri_pods, args.pod_pause)
+
+
+NRI_WAYS = {
+    "minimal plugin": "benchmarks/minimal_nri_plugin.py: answers every event at once, what any plugin costs",
+    "NRI, no hooks": "koordrp as containerd's NRI plugin, no hook server registered",
+    "NRI plugin": "koordrp as containerd's NRI plugin, the echo server on every hook point",
+    "proxy": "koordrp's proxy in front of the containerd without a plugin, the echo server on every hook point",
+}
+
+
+def nri_pod_starts(base: Path, server: HookServerProcess, pods: int, pause: float) -> None:
+    """Pod starts on containerd 1.7 (NRI enabled) without a plugin, and each of ``NRI_WAYS``; one pod each
+    way per round. Each NRI way has a containerd of its own (a plugin is every pod's)."""
+    images = build_test_images(base / "nri-images")
+    every_hook = [hook.value for hook in HookType]
+    with ExitStack() as stack:
+
+        def containerd(name: str) -> Containerd:
+            started = start_containerd(images, base / name, release="1.7", nri=True)
+            stack.callback(started.stop)
+            return started
+
+        def koordrp(name: str, runtime: Containerd, nri: bool, hooks: bool) -> KoordrpProcess:
+            process = KoordrpProcess(base / name, runtime.endpoint, nri_socket=runtime.paths.nri_socket if nri else None)
+            process.base.mkdir()
+            if hooks:
+                register(process.base / "hookserver.d", "echo", str(server.socket), every_hook)
+            process.start()
+            stack.callback(process.stop)
+            process.wait_for_servers(1 if hooks else 0)
+            return process
+
+        bare, minimal, idle, plugged = (containerd(name) for name in ("cd-bare", "cd-minimal", "cd-idle", "cd-plugged"))
+        stack.enter_context(minimal_nri_plugin.running(str(minimal.paths.nri_socket)))
+        koordrp("nri-idle", idle, nri=True, hooks=False)
+        koordrp("nri-plugin", plugged, nri=True, hooks=True)
+        proxy = koordrp("nri-proxy", bare, nri=False, hooks=True)
+        channel = stack.enter_context(proxy.channel())
+        ways = {
+            "no plugin": bare.runtime(),
+            "minimal plugin": minimal.runtime(),
+            "NRI, no hooks": idle.runtime(),
+            "NRI plugin": plugged.runtime(),
+            "proxy": proxy.runtime(channel),
+        }
+        print("\n== containerd 1.7, NRI enabled: pod start without a plugin, and ==")
+        for way, what in NRI_WAYS.items():
+            print(f"   {way:<14} {what}")
+        for round_pause in (0.0, pause):
+            times = pod_starts(ways, pods, base / "nri-logs", "nri", round_pause)
+            bare_p50 = statistics.median(times["no plugin"])
+            when = "back to back" if not round_pause else f"each after a {round_pause:g} s pause"
+            print(f"  pod start, {pods} pods each way, {when}: no plugin p50 {ms(bare_p50)}")
+            for way in NRI_WAYS:
+                p50 = statistics.median(times[way])
+                print(f"    {way:<14} p50 {ms(p50)}, added {ms(p50 - bare_p50)}, ratio of the p50s {p50 / bare_p50:.3f}")
 
 
 @contextmanager
@@ -365,8 +431,8 @@ def measure(
         if args.pods:
             print("pod start")
             for pause in (0.0, args.pod_pause):
-                direct_starts, proxied_starts = pod_starts(direct, proxied, args.pods, logs, f"s{count}", pause)
-                report_pod_start(direct_starts, proxied_starts, alone, passthrough, pause)
+                starts = pod_starts({"direct": direct, "koordrp": proxied}, args.pods, logs, f"s{count}", pause)
+                report_pod_start(starts["direct"], starts["koordrp"], alone, passthrough, pause)
     for pod in (hooked, skipped):
         remove_pod(proxied, pod.sandbox_id)
 

@@ -3,6 +3,7 @@
     scripts/demo [--hook-server path/to/server.py] [--pod-label K=V] [--pod-annotation K=V]
                  [--qos besteffort|burstable|guaranteed] [--pod-cgroup-parent PATH] [--env K=V]
                  [--cpu-shares N] [--cpuset CPUS] [--memory-mib N] [--failure-policy Fail] [--repeat-stops]
+                 [--mode proxy|nri]
 
 The hook server is the example (koordrp/examples/cpuset_qos.py: it pins containers of pods
 annotated ``demo.koordrp.io/cpuset`` to those CPUs and injects ``POD_QOS_CLASS`` from the pod's QoS
@@ -16,6 +17,10 @@ otherwise). With ``--repeat-stops`` the container is stopped twice, and a second
 for the pod's stop: each shows PostStopContainer firing once. A hook server that fails to start ends
 the demo at once, its error first; what the SDK warned of comes first in the summary. Nothing is left
 behind: containerd, koordrp, the hook server, the pod, its cgroups and the temporary directory all go.
+
+With ``--mode nri`` the containerd is Debian 13's 1.7 (``.deps/debian-13``, from scripts/bootstrap)
+with NRI enabled, koordrp runs as its NRI plugin, and the demo's CRI calls go to containerd itself,
+as kubelet's do on such a node; koordrp's lines say what NRI could not apply.
 """
 
 import argparse
@@ -93,6 +98,12 @@ def options(argv: list[str] | None = None) -> tuple[argparse.Namespace, Pod]:
     parser.add_argument("--memory-mib", type=int, default=0, help="the container's memory limit")
     parser.add_argument("--failure-policy", choices=("Ignore", "Fail"), default="Ignore")
     parser.add_argument(
+        "--mode",
+        choices=("proxy", "nri"),
+        default="proxy",
+        help="koordrp in front of containerd 1.6 (proxy), or as containerd 1.7's NRI plugin (nri)",
+    )
+    parser.add_argument(
         "--repeat-stops",
         action="store_true",
         help="stop the container twice, and stop the pod with a second container running: PostStopContainer fires once each",
@@ -133,9 +144,14 @@ def run(parsed: argparse.Namespace, pod: Pod, base: Path) -> None:
     port = free_port()
     metrics = f"http://127.0.0.1:{port}"
     print(f"building the pause and busybox images from /bin/busybox, in {base}")
-    with containerd_and_koordrp(base, [f"--metrics-endpoint=tcp:{port}:interface=127.0.0.1"]) as (containerd, proxy):
-        print(f"private containerd on {containerd.endpoint}")
-        print(f"koordrp (twistd -n koordrp) on {proxy.endpoint}, metrics on {metrics}")
+    nri = parsed.mode == "nri"
+    with containerd_and_koordrp(base, [f"--metrics-endpoint=tcp:{port}:interface=127.0.0.1"], nri) as (containerd, proxy):
+        print(f"private containerd {containerd.release} on {containerd.endpoint}")
+        if nri:
+            print(f"koordrp (twistd -n koordrp {' '.join(proxy.mode_args())}) is its NRI plugin, metrics on {metrics}")
+            print("the CRI calls below go to containerd, as kubelet's do on an NRI node; containerd calls koordrp")
+        else:
+            print(f"koordrp (twistd -n koordrp) on {proxy.endpoint}, metrics on {metrics}")
         hook_server = start_hook_server(parsed.hook_server, base, parsed.failure_policy)
         log = base / "hook-server.log"
         try:
@@ -147,8 +163,11 @@ def run(parsed: argparse.Namespace, pod: Pod, base: Path) -> None:
             registration = next((base / "hookserver.d").glob("*.json"))
             print(f"hook server {parsed.hook_server} (served by python -m koordrp.sdk), registered by {registration}:")
             print("  " + " ".join(registration.read_text().split()))
-            with proxy.channel() as channel:
-                walk_a_pod(api_pb2_grpc.RuntimeServiceStub(channel), base, pod, parsed.repeat_stops)
+            if nri:
+                walk_a_pod(containerd.runtime(), base, pod, parsed.repeat_stops)
+            else:
+                with proxy.channel() as channel:
+                    walk_a_pod(api_pb2_grpc.RuntimeServiceStub(channel), base, pod, parsed.repeat_stops)
             proxy.log_lines("[koordrp.calls#info] RemovePodSandbox")  # the last call's line, just after its answer
             summary = warnings(log)
             if summary:

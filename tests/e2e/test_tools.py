@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import require_runtime
+from tests.e2e.conftest import require, require_runtime
+from tests.support.containerd import require_containerd_1_7
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -41,6 +42,20 @@ def test_demo_walks_a_pod_through_koordrp_and_cleans_up() -> None:
     assert 'koordrp_hook_calls_total{hook="PreCreateContainer",result="ok",server="cpuset-qos.json"} 1.0' in output
     assert "/healthz: 200" in output
     assert "cleaned up" in output
+
+
+def test_demo_in_nri_mode_calls_containerd_which_calls_koordrp() -> None:
+    require(require_containerd_1_7, "containerd 1.7")
+    before = kubepods_cgroups()
+    output = run_module("scripts.demo", "--mode", "nri", "--repeat-stops")
+    assert "private containerd 1.7 on unix://" in output and "--backend-runtime-mode=NRI" in output
+    assert "POD_QOS_CLASS=LS" in output and "cpuset.cpus = 0" in output
+    log = output.split("koordrp's log, one line per lifecycle call:", 1)[1]
+    assert 'CreateContainer pod default/demo' in log and 'changed resources.cpuset_cpus ""→"0", envs +POD_QOS_CLASS' in log
+    stops = [line for line in log.splitlines() if line.startswith(("  StopContainer pod", "  StopPodSandbox pod"))]
+    # containerd tells its plugins of a stop once, and of the sidecar its pod's stop took along.
+    assert "".join(stops).count("PostStopContainer@cpuset-qos.json: sent") == 2, stops
+    assert "cleaned up" in output and kubepods_cgroups() == before
 
 
 def test_the_demos_pod_is_where_kubelet_puts_one_of_its_qos_class_and_its_cgroups_go_with_it() -> None:
@@ -126,7 +141,11 @@ def test_passthrough_benchmark_prints_its_table() -> None:
 
 
 def test_hooks_benchmark_prints_its_figures() -> None:
-    output = run_module("benchmarks.hooks", "--pods", "2", "--rounds", "5", "--servers", "1", "2", "--pod-pause", "0.1")
+    require(require_containerd_1_7, "containerd 1.7")
+    output = run_module(
+        "benchmarks.hooks", "--pods", "2", "--rounds", "5", "--servers", "1", "2", "--pod-pause", "0.1", "--nri-pods", "2"
+    )
     for figure in ("update hooked", "start skipped", "servers alone", "share of a hook stage", "CPU per hook stage"):
         assert figure in output
     assert output.count("ratio of the p50 sums") == 4  # one echo server, then two chained; back to back, then paused
+    assert output.count("NRI plugin     p50") == 2 and output.count("NRI, no hooks  p50") == 2, output

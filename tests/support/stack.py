@@ -23,10 +23,15 @@ def start_containerd(images: ImageSet, base: Path | None = None, release: str = 
 
 
 @contextlib.contextmanager
-def containerd_and_koordrp(base: Path, koordrp_args: Sequence[str] = ()) -> Iterator[tuple[Containerd, KoordrpProcess]]:
-    """Both running under ``base``; both stopped, and containerd's state removed, on exit."""
-    containerd = start_containerd(build_test_images(base / "images"), base / "containerd")
-    proxy = KoordrpProcess(base, containerd.endpoint, koordrp_args)
+def containerd_and_koordrp(
+    base: Path, koordrp_args: Sequence[str] = (), nri: bool = False
+) -> Iterator[tuple[Containerd, KoordrpProcess]]:
+    """Both running under ``base`` (``nri``: containerd 1.7, koordrp its NRI plugin); both stopped, and
+    containerd's state removed, on exit."""
+    release = "1.7" if nri else "1.6"
+    containerd = start_containerd(build_test_images(base / "images"), base / "containerd", release=release, nri=nri)
+    nri_socket = containerd.paths.nri_socket if nri else None
+    proxy = KoordrpProcess(base, containerd.endpoint, koordrp_args, nri_socket=nri_socket)
     try:
         proxy.start()
         yield containerd, proxy

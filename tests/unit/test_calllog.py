@@ -4,7 +4,7 @@ import json
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from koordrp.calllog import CallRecord, call_text
+from koordrp.calllog import CallRecord, call_text, field_name
 from koordrp.hooks.messages import Change, ContainerHookRequest
 from koordrp.hooks.types import ERROR, OK, SENT, TIMEOUT, FailurePolicy, HookCall, HookServerConfig, HookType
 
@@ -38,6 +38,29 @@ class CallTextTests(SynchronousTestCase):
         self.assertEqual(
             call_text(HookCall(KOORDLET, CREATE, ERROR, 0.0012, reason="UNAVAILABLE: connection refused")),
             "PreCreateContainer@koordlet.json: error 1.2 ms (UNAVAILABLE: connection refused; went on without it)",
+        )
+
+    def test_what_the_front_end_could_not_write_is_named_with_why_and_the_rest_stays_changed(self) -> None:
+        record = CallRecord("CreateContainer")
+        changes = (
+            Change("container_resources.cpuset_cpus", "0-1", ""),
+            Change("container_resources.oom_score_adj", 0, 5),
+            Change("container_envs[SEEN]", added=True),
+        )
+        record.add([HookCall(KOORDLET, CREATE, OK, 0.001, changes), HookCall(KOORDLET, HookType.POST_STOP_CONTAINER, SENT)])
+        record.leave_alone(CREATE, "container_resources.cpuset", "NRI can set a cpuset but not clear it")
+        record.leave_alone(CREATE, "container_resources.oom", "NRI cannot set a container's OOM score")
+        self.assertEqual(
+            call_text(record.calls[0]),
+            "PreCreateContainer@koordlet.json: ok 1.0 ms, changed envs +SEEN, "
+            'left alone (NRI can set a cpuset but not clear it) resources.cpuset_cpus "0-1"→"", '
+            "left alone (NRI cannot set a container's OOM score) resources.oom_score_adj 0→5",
+        )
+        self.assertEqual([field_name(change) for _, change in record.left_alone()], ["resources.cpuset_cpus", "resources.oom_score_adj"])
+        self.assertEqual(
+            record.fields("OK", 0.01)["hook_calls"][0]["left_alone"],  # type: ignore[index]
+            ['resources.cpuset_cpus "0-1"→"" (NRI can set a cpuset but not clear it)',
+             "resources.oom_score_adj 0→5 (NRI cannot set a container's OOM score)"],
         )
 
     def test_calls_not_waited_for_or_not_made(self) -> None:

@@ -429,7 +429,9 @@ class NRIRequestRules(RequestRules, FlowTestCase):
         self.assertEqual(dict(stored.given.container_envs), {"A": "1", "B": "2", "ADDED": "1"})
         self.assertEqual((stored.asked.container_resources.cpuset_cpus, stored.given.container_resources.cpuset_cpus), ("0-3", "2-3"))
 
-    def test_what_nri_cannot_set_is_left_alone_and_named(self) -> None:
+    def test_what_nri_cannot_set_is_left_alone_named_and_counted(self) -> None:
+        metrics = Metrics()
+        self.parts = flows.Parts(self.store, self.stages, lambda: self.servers, SKIP, self.clock, metrics)
         self.put_pod()
         self.subscribe(PRE_CREATE)
         # koordlet's answer for a best-effort pod: a copy of the request whose cpuset is cleared.
@@ -446,6 +448,14 @@ class NRIRequestRules(RequestRules, FlowTestCase):
                 ("container_resources.cpuset_cpus", False, nri_translate.NO_CLEARING),
             ],
         )
+        self.calls[0].ended("OK")
+        counted = {
+            field: metrics.registry.get_sample_value(
+                "koordrp_hook_changes_left_alone_total", {"server": "a.json", "hook": "PreCreateContainer", "field": field}
+            )
+            for field in ("resources.cpuset_cpus", "resources.oom_score_adj")
+        }
+        self.assertEqual(counted, {"resources.cpuset_cpus": 1.0, "resources.oom_score_adj": 1.0})
 
 
 class IdentityRules(FlowTestCase):

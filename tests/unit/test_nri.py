@@ -333,6 +333,27 @@ class TranslateTests(SynchronousTestCase):
         )
         self.assertIsNone(translate.moved_cgroups_path("/elsewhere/c-1", "/kubepods/pod1", "/moved"))
 
+    def test_an_adjustment_carries_every_resource_nri_can_set(self) -> None:
+        create = translate.CreateContainer(nri_pod(), nri_container())
+        before = create.hook_request()
+        after = hook.ContainerResourceHookRequest()
+        after.CopyFrom(before)
+        resources = after.container_resources
+        resources.cpu_period, resources.cpu_quota, resources.memory_limit_in_bytes = 100000, 50000, 1 << 30
+        resources.memory_swap_limit_in_bytes, resources.cpuset_mems = 2 << 30, "0"
+        resources.unified["memory.high"] = "max"
+        resources.hugepage_limits.add(page_size="2MB", limit=1 << 21)
+        written = create.rewritten(before, after)
+        assert written.request is not None
+        sent = nri.CreateContainerResponse.FromString(written.request).adjust.linux.resources
+        self.assertEqual(
+            (sent.cpu.period.value, sent.cpu.quota.value, sent.memory.limit.value, sent.memory.swap.value, sent.cpu.mems),
+            (100000, 50000, 1 << 30, 2 << 30, "0"),
+        )
+        self.assertEqual((dict(sent.unified), [(h.page_size, h.limit) for h in sent.hugepage_limits]), ({"memory.high": "max"}, [("2MB", 1 << 21)]))
+        self.assertFalse(sent.cpu.HasField("shares") or sent.cpu.cpus)  # unchanged: not named
+        self.assertEqual(written.left_alone, ())
+
     def test_an_update_names_only_what_the_hooks_changed_and_leaves_the_rest_named(self) -> None:
         resources = nri.LinuxResources()
         resources.cpu.shares.value = 512
