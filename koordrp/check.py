@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import stat
 import sys
 import tomllib
 from dataclasses import dataclass
@@ -340,27 +341,39 @@ def nri_findings(config_path: str, hook_servers: int) -> list[Finding]:
 # koordrp as containerd's NRI plugin
 
 
-def live_registration(state_dir: str) -> registration.Registration | None:
-    """What an NRI-mode koordrp says of its registration, if its process still lives."""
+def live_registration(proc: str, state_dir: str) -> registration.Registration | None:
+    """What an NRI-mode koordrp says of its registration, if its process still lives (and is a koordrp)."""
     said = registration.read(state_dir)
-    return said if said is not None and os.path.exists(f"/proc/{said.pid}") else None
+    if said is None:
+        return None
+    try:
+        with open(os.path.join(proc, str(said.pid), "cmdline"), "rb") as cmdline:
+            command = cmdline.read()
+    except OSError:
+        return None
+    return said if b"koordrp" in command else None
 
 
-def nri_plugin_findings(nri_socket: str, state_dir: str, timeout: float) -> list[Finding]:
+def nri_plugin_findings(proc: str, nri_socket: str, state_dir: str) -> list[Finding]:
     findings = []
-    error = connect_error(nri_socket, timeout)
-    if error is None:
-        findings.append(Finding(True, f"containerd's NRI accepts plugins at {nri_socket}"))
+    # Not connected to: containerd logs an error for every connection that does not register.
+    try:
+        is_socket = stat.S_ISSOCK(os.stat(nri_socket).st_mode)
+        problem = "" if is_socket else "is not a socket"
+    except OSError as error:
+        problem = error.strerror or str(error)
+    if not problem:
+        findings.append(Finding(True, f"containerd's NRI socket is at {nri_socket}"))
     else:
         findings.append(
             Finding(
                 False,
-                f"containerd's NRI socket {nri_socket} does not accept connections: {error.strerror or error}",
+                f"containerd's NRI socket {nri_socket}: {problem}",
                 'NRI needs containerd 1.7 or later with [plugins."io.containerd.nri.v1.nri"] disable = false in its '
                 "config (docs/operating.md, \"NRI mode\"); restart containerd",
             )
         )
-    said = live_registration(state_dir)
+    said = live_registration(proc, state_dir)
     if said is None:
         findings.append(
             Finding(
@@ -386,9 +399,9 @@ def proxy_too_findings(socket_path: str, timeout: float) -> list[Finding]:
     return [Finding(False, f"a koordrp proxy listens at unix://{socket_path} too: with both modes every hook runs twice", _ONE_MODE)]
 
 
-def nri_too_findings(state_dir: str) -> list[Finding]:
+def nri_too_findings(proc: str, state_dir: str) -> list[Finding]:
     """In proxy mode: a koordrp registered with containerd's NRI as well would run every hook a second time."""
-    said = live_registration(state_dir)
+    said = live_registration(proc, state_dir)
     if said is None:
         return []
     return [
@@ -432,14 +445,14 @@ def check(options: argparse.Namespace) -> list[Finding]:
     if options.backend_runtime_mode == "NRI":
         return [
             *kubelet_nri_findings(options.proc, socket_path),
-            *nri_plugin_findings(options.nri_socket, options.state_dir, options.timeout),
+            *nri_plugin_findings(options.proc, options.nri_socket, options.state_dir),
             *proxy_too_findings(socket_path, options.timeout),
             *hooks,
         ]
     return [
         *kubelet_findings(options.proc, socket_path),
         *koordrp_findings(socket_path, options.timeout),
-        *nri_too_findings(options.state_dir),
+        *nri_too_findings(options.proc, options.state_dir),
         *hooks,
         *nri_findings(options.containerd_config, registered),
     ]

@@ -656,6 +656,12 @@ async def start_container(call: Call[AnyReply], container_id: str) -> AnyReply:
     return await _forward_changing(call, started, lambda: call.container_now(container_id, ContainerState.RUNNING))
 
 
+# A running container's environment and cgroup are fixed: no front end's update can change them.
+_NOT_IN_ANY_UPDATE = tuple(
+    LeftAlone(path, "a container's update cannot change it") for path in ("container_envs", "pod_cgroup_parent")
+)
+
+
 async def update_container_resources(call: Call[AnyReply], request: UpdateContainerResources) -> AnyReply:
     call.lifecycle = "UpdateContainerResources"
     stored = await call.container(request.container_id)
@@ -666,8 +672,13 @@ async def update_container_resources(call: Call[AnyReply], request: UpdateContai
     asked = folded_update(stored.asked, request.container_id, request.resources(), request.annotations())
     container = call.container_request(asked, stored.sandbox_id)
     call.concerns(container)
-    rewritten = await call.pre_rewriting(HookType.PRE_UPDATE_CONTAINER_RESOURCES, container, request.rewritten)
-    reply = await call.forward(rewritten)
+
+    def rewritten(before: ContainerHookRequest, after: ContainerHookRequest) -> Written:
+        written = request.rewritten(before, after)
+        return Written(written.request, written.left_alone + _NOT_IN_ANY_UPDATE)
+
+    rewritten_request = await call.pre_rewriting(HookType.PRE_UPDATE_CONTAINER_RESOURCES, container, rewritten)
+    reply = await call.forward(rewritten_request)
     if reply.ok:
         call.store.revise_container(request.container_id, asked, updated_container(stored.given, container))
     return reply

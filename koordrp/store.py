@@ -34,6 +34,8 @@ _RUNTIME_STATES = {
     "CONTAINER_CREATED": ContainerState.CREATED,
     "CONTAINER_EXITED": ContainerState.STOPPED,
     "SANDBOX_NOTREADY": ContainerState.STOPPED,
+    # containerd's NRI: ContainerState
+    "CONTAINER_STOPPED": ContainerState.STOPPED,
     # dockerd: State.Status
     "created": ContainerState.CREATED,
     "exited": ContainerState.STOPPED,

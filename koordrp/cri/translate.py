@@ -12,7 +12,7 @@ from google.protobuf.message import Message
 
 from koordrp.api.cri.v1 import api_pb2 as cri
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
-from koordrp.flows import LeftAlone, Written
+from koordrp.flows import Written
 from koordrp.hooks.messages import ContainerHookRequest, PodHookRequest, merged_envs
 
 
@@ -166,11 +166,6 @@ def apply_to_update_container_resources(
 # The requests as the flows see them (koordrp.flows): built from kubelet's, written back in place
 
 
-_NOT_IN_AN_UPDATE = tuple(
-    LeftAlone(path, "UpdateContainerResources has no field for it") for path in ("container_envs", "pod_cgroup_parent")
-)
-
-
 def _written(request: Message, changed: bool) -> Written:
     return Written(request.SerializeToString() if changed else None)
 
@@ -214,7 +209,7 @@ class UpdateContainerResources:
 
     def rewritten(self, before: ContainerHookRequest, after: ContainerHookRequest) -> Written:
         changed = apply_to_update_container_resources(self.request, before, after)
-        return Written(self.request.SerializeToString() if changed else None, _NOT_IN_AN_UPDATE)
+        return _written(self.request, changed)
 
 
 class UpdatePodSandboxResources:

@@ -524,8 +524,6 @@ _NOT_IN_AN_UPDATE = _NOT_IN_A_CONTAINER + _left_alone(
     "a Docker update cannot change it",
     "container_annotations",
     "container_resources.oom_score_adj",
-    "pod_cgroup_parent",
-    "container_envs",
 )
 
 

@@ -108,9 +108,9 @@ class NRIConnection(TwistedProtocol):
         answer.addCallbacks(
             lambda response: ttrpc_pb2.Response(payload=response),
             lambda failure: _status_of(failure, request.method),
-        ).addCallback(lambda response: self._respond(stream_id, response)).addBoth(
-            lambda _: self._serving.discard(answer)
-        )
+        ).addCallback(lambda response: self._respond(stream_id, response)).addErrback(
+            lambda failure: self.log.failure("cannot answer containerd's {method}", failure, method=request.method)
+        ).addBoth(lambda _: self._serving.discard(answer))
 
     def _respond(self, stream_id: int, response: ttrpc_pb2.Response) -> None:
         if not self._lost:

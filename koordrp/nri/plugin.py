@@ -15,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Coroutine
 
-from twisted.internet.defer import Deferred, ensureDeferred, fail, succeed
+from google.protobuf.message import DecodeError
+from twisted.internet.defer import Deferred, TimeoutError as DeferredTimeout, ensureDeferred, fail, maybeDeferred, succeed
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -60,6 +61,13 @@ _CONFIRMED_BY: dict[int, str] = {
     nri.POST_START_CONTAINER: "start",
     nri.POST_UPDATE_CONTAINER: "update",
 }
+# The lifecycle call (as flows and hooks name it) of each NRI request that tells of one.
+_LIFECYCLE = {
+    "CreateContainer": "CreateContainer",
+    "UpdateContainer": "UpdateContainerResources",
+    "StopContainer": "StopContainer",
+}
+_HAS_RUN = (nri.CONTAINER_RUNNING, nri.CONTAINER_PAUSED, nri.CONTAINER_STOPPED)
 _EMPTY = nri.Empty().SerializeToString()
 
 
@@ -92,13 +100,17 @@ class Confirmations:
         self._waiting[key] = (waiting, timer)
         return waiting
 
-    def happened(self, event: int, container_id: str) -> None:
+    def happened(self, event: int, container: nri.Container) -> None:
+        """containerd told of ``event`` about ``container`` (as it is now)."""
         kind = _CONFIRMED_BY.get(event)
         if kind is not None:
-            self._settle((kind, container_id), True)
+            self._settle((kind, container.id), True)
         elif event in (nri.STOP_CONTAINER, nri.REMOVE_CONTAINER):
-            for waiting in ("create", "start", "update"):
-                self._settle((waiting, container_id), False)
+            self._settle(("create", container.id), False)
+            self._settle(("update", container.id), False)
+            # containerd tells of a failed start as a stop of the container still created; one that has
+            # run (even if it exited at once) did start.
+            self._settle(("start", container.id), container.state in _HAS_RUN)
 
     def _forget(self, key: tuple[str, str]) -> None:
         found = self._waiting.pop(key, None)
@@ -125,10 +137,11 @@ class NRIBackend:
         self,
         answer: Deferred[bytes],
         empty: bytes,
-        pod: nri.PodSandbox,
+        pod: nri.PodSandbox | None,
         container: nri.Container | None,
         confirm: Callable[[], Deferred[bool]] | None,
     ) -> None:
+        """``pod`` and ``container``: what the request tells of them, if the flow may read them from it."""
         self._answer = answer
         self._empty = empty
         self._pod = pod
@@ -137,7 +150,7 @@ class NRIBackend:
 
     async def forward(self, rewritten: bytes | None, timeout: float | None) -> NRIReply:
         """Answer containerd (``rewritten``: with the hooks' changes); then wait for its word that it did it."""
-        created = self._container.id if self._container is not None else self._pod.id
+        created = self._container.id if self._container is not None else self._pod.id if self._pod is not None else ""
         if not self._answer.called:
             self._answer.callback(self._empty if rewritten is None else rewritten)
         if self._confirm is None:
@@ -145,13 +158,13 @@ class NRIBackend:
         return NRIReply(await self._confirm(), created)
 
     async def read_pod(self, sandbox_id: str, timeout: float | None) -> StoredPod | None:
-        if sandbox_id != self._pod.id:
+        if self._pod is None or sandbox_id != self._pod.id:
             return None
         return StoredPod.read_back(translate.pod_hook_request(self._pod), stopped=False)
 
     async def read_container(self, container_id: str, pods: flows.PodSource, timeout: float | None) -> StoredContainer | None:
         container = self._container
-        if container is None or container_id != container.id:
+        if container is None or self._pod is None or container_id != container.id:
             return None
         return await _stored_container(container, self._pod, pods)
 
@@ -230,11 +243,13 @@ class NRIPlugin:
         registering = connection.call("RegisterPlugin", request.SerializeToString(), REGISTER_SECONDS)
 
         def failed(failure: Failure) -> None:
-            self.log.error(
-                "containerd's NRI refused to register koordrp as {plugin}: {reason}",
-                plugin=self._identity.full_name,
-                reason=shortened(failure.getErrorMessage()),
-            )
+            if isinstance(failure.value, DeferredTimeout):
+                why = f"containerd's NRI did not answer within {REGISTER_SECONDS:g}s"
+            elif isinstance(failure.value, NRIError):
+                why = f"containerd's NRI refused it: {shortened(failure.getErrorMessage())}"
+            else:
+                why = shortened(failure.getErrorMessage())
+            self.log.error("cannot register koordrp as NRI plugin {plugin}: {why}", plugin=self._identity.full_name, why=why)
             connection.close()
 
         return registering.addCallbacks(lambda _: None, failed)
@@ -252,9 +267,24 @@ class NRIPlugin:
             return fail(NRIError(UNIMPLEMENTED, f"koordrp does not handle {method}"))
         try:
             return handler(self, payload, timeout)
-        except Exception as error:  # protobuf's DecodeError: containerd sent what koordrp cannot read
-            self.log.warn("cannot read containerd's NRI {method} request: {error}", method=method, error=str(error))
-            return fail(NRIError(UNKNOWN, f"koordrp cannot read the {method} request: {error}"))
+        except DecodeError as error:
+            return self._unreadable(method, timeout, str(error))
+
+    def _unreadable(self, method: str, timeout: float | None, reason: str) -> Deferred[bytes]:
+        """A request koordrp cannot read: a lifecycle call goes on as containerd has it (``flows.unreadable``)."""
+        lifecycle = _LIFECYCLE.get(method)
+        if lifecycle is None:
+            # Which event a StateChange is cannot be known; the plugin's own calls are not for hooks.
+            self.log.warn("cannot read containerd's NRI {method} request: {reason}", method=method, reason=shortened(reason))
+            if method == "StateChange":
+                return succeed(_EMPTY)
+            return fail(NRIError(UNKNOWN, f"koordrp cannot read the {method} request: {shortened(reason)}"))
+        return self._run(
+            lifecycle,
+            timeout,
+            lambda answer: NRIBackend(answer, _EMPTY, None, None, None),
+            lambda call: flows.unreadable(call, lifecycle, reason),
+        )
 
     def _configure(self, payload: bytes, timeout: float | None) -> Deferred[bytes]:
         request = nri.ConfigureRequest.FromString(payload)
@@ -268,16 +298,28 @@ class NRIPlugin:
         return succeed(nri.ConfigureResponse(events=EVENT_MASK).SerializeToString())
 
     def _synchronize(self, payload: bytes, timeout: float | None) -> Deferred[bytes]:
-        request = nri.SynchronizeRequest.FromString(payload)
         known_before = self._parts.store.ids()
-        reading = ensureDeferred(flows.read_everything(Inventory(request), None))
+        started = self._parts.clock.seconds()
+        reading = maybeDeferred(nri.SynchronizeRequest.FromString, payload).addCallback(
+            lambda request: ensureDeferred(flows.read_everything(Inventory(request), None))
+        )
 
         def agreed(found: flows.Inventory) -> bytes:
             agree(self._parts.store, found, known_before, "containerd's NRI")
+            if timeout is not None and self._parts.clock.seconds() - started > timeout:
+                raise NRIError(UNKNOWN, f"koordrp synchronized after containerd's {timeout:g}s")
             self._on_synchronized(self._runtime)
             return nri.SynchronizeResponse().SerializeToString()
 
-        return reading.addCallback(agreed)
+        def not_synchronized(failure: Failure) -> Failure:
+            # containerd keeps a plugin it could not synchronize connected, but never calls it: only a
+            # new connection makes koordrp a plugin again.
+            self.log.failure("cannot synchronize with containerd's NRI; connecting again", failure)
+            if self._connection is not None:
+                self._connection.close()
+            return failure
+
+        return reading.addCallback(agreed).addErrback(not_synchronized)
 
     def _shutdown(self, payload: bytes, timeout: float | None) -> Deferred[bytes]:
         self.log.info("containerd's NRI is shutting down")
@@ -306,7 +348,7 @@ class NRIPlugin:
 
     def _stop_container(self, payload: bytes, timeout: float | None) -> Deferred[bytes]:
         request = nri.StopContainerRequest.FromString(payload)
-        self._confirmations.happened(nri.STOP_CONTAINER, request.container.id)
+        self._confirmations.happened(nri.STOP_CONTAINER, request.container)
         empty = nri.StopContainerResponse().SerializeToString()
         # Not read back when the store lacks it: after Synchronize the store has every container koordrp
         # could be told of, so this is one whose create failed (containerd tells of its undoing as a stop).
@@ -320,16 +362,19 @@ class NRIPlugin:
     def _state_change(self, payload: bytes, timeout: float | None) -> Deferred[bytes]:
         event = nri.StateChangeEvent.FromString(payload)
         pod, container = event.pod, event.container
-        self._confirmations.happened(event.event, container.id)
+        self._confirmations.happened(event.event, container)
         flow: Callable[[flows.Call[NRIReply]], Coroutine[Any, Any, NRIReply]]
         confirm = None
+        readable: nri.PodSandbox | None = pod
         if event.event == nri.RUN_POD_SANDBOX:
             method, flow = "RunPodSandbox", lambda call: flows.run_pod_sandbox(call, translate.RunPodSandbox(pod))
         elif event.event == nri.START_CONTAINER:
             method, flow = "StartContainer", lambda call: flows.start_container(call, container.id)
             confirm = self._expect("start", container.id)
         elif event.event == nri.STOP_POD_SANDBOX:
+            # Not read back, like StopContainer: after Synchronize, a pod the store lacks is one whose run failed.
             method, flow = "StopPodSandbox", lambda call: flows.stop_pod_sandbox(call, pod.id)
+            readable = None
         elif event.event == nri.REMOVE_CONTAINER:
             method, flow = "RemoveContainer", lambda call: flows.remove_container(call, container.id)
         elif event.event == nri.REMOVE_POD_SANDBOX:
@@ -337,7 +382,7 @@ class NRIPlugin:
         else:
             return succeed(_EMPTY)  # a Post event: its Confirmation is all it is for
         own_container = container if event.HasField("container") else None
-        return self._run(method, timeout, lambda answer: NRIBackend(answer, _EMPTY, pod, own_container, confirm), flow)
+        return self._run(method, timeout, lambda answer: NRIBackend(answer, _EMPTY, readable, own_container, confirm), flow)
 
     _HANDLERS: dict[str, Callable[[NRIPlugin, bytes, float | None], Deferred[bytes]]] = {
         "Configure": _configure,

@@ -13,7 +13,7 @@ from koordrp.api.nri.v1alpha1 import api_pb2 as nri
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
 from koordrp.flows import LeftAlone, Written
 from koordrp.hooks.messages import ContainerHookRequest, PodHookRequest, Resources, merged_envs, oci_env_map, oci_env_variable
-from koordrp.store import ContainerState
+from koordrp.store import ContainerState, runtime_state
 
 # kubelet's annotation with a container's restart count (CRI's ContainerMetadata.attempt): NRI has no field for it.
 RESTART_COUNT_ANNOTATION = "io.kubernetes.container.restartCount"
@@ -21,7 +21,8 @@ RESTART_COUNT_ANNOTATION = "io.kubernetes.container.restartCount"
 NO_SANDBOX_CHANGES = "NRI cannot change a pod's sandbox; later hooks see it as answered"
 NO_CLEARING = "NRI can set a cpuset but not clear it"
 NO_OOM_SCORE = "NRI cannot set a container's OOM score"
-NOT_IN_AN_UPDATE = "an NRI update changes resources only"
+NO_SWAP = "containerd 1.7's NRI sets no swap limit (a new memory limit sets swap to the same value)"
+NOT_IN_AN_UPDATE = "an NRI update has no annotations"
 NOT_UNDER_ITS_POD = "the container's cgroups path is not under its pod's cgroup parent"
 
 
@@ -86,15 +87,9 @@ def container_hook_request(container: nri.Container, pod_cgroup_parent: str) -> 
     return request
 
 
-_STATES: dict[int, ContainerState] = {
-    nri.CONTAINER_CREATED: ContainerState.CREATED,
-    nri.CONTAINER_STOPPED: ContainerState.STOPPED,
-}
-
-
 def container_state(state: int) -> ContainerState:
-    """The state the store keeps for a container in NRI's ``state`` (unknown and paused may be running)."""
-    return _STATES.get(state, ContainerState.RUNNING)
+    """The state the store keeps for a container in NRI's ``state``."""
+    return runtime_state(nri.ContainerState.Name(state)) if state in nri.ContainerState.values() else ContainerState.RUNNING
 
 
 # ---------------------------------------------------------------------------------------------
@@ -118,7 +113,7 @@ def _changed_resources(before: Resources, after: Resources, prefix: str) -> tupl
     if differs("memory_limit_in_bytes"):
         changed.memory.limit.value = after.memory_limit_in_bytes
     if differs("memory_swap_limit_in_bytes"):
-        changed.memory.swap.value = after.memory_swap_limit_in_bytes
+        left.append(LeftAlone(prefix + "memory_swap_limit_in_bytes", NO_SWAP))
     for name, target in (("cpuset_cpus", "cpus"), ("cpuset_mems", "mems")):
         if differs(name):
             value = getattr(after, name)
@@ -223,11 +218,7 @@ class UpdateContainer:
 
     def rewritten(self, before: ContainerHookRequest, after: ContainerHookRequest) -> Written:
         resources, left = _changed_resources(before.container_resources, after.container_resources, "container_resources.")
-        left += [
-            LeftAlone("container_annotations", NOT_IN_AN_UPDATE),
-            LeftAlone("container_envs", NOT_IN_AN_UPDATE),
-            LeftAlone("pod_cgroup_parent", NOT_IN_AN_UPDATE),
-        ]
+        left.append(LeftAlone("container_annotations", NOT_IN_AN_UPDATE))
         if not resources.ByteSize():
             return Written(None, tuple(left))
         update = nri.ContainerUpdate(container_id=self.container_id)

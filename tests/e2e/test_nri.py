@@ -259,11 +259,12 @@ def test_koordrp_check_knows_nri_mode_and_that_two_modes_are_one_too_many(
 ) -> None:
     node = FakeNode(workdir / "node", str(plugin.socket))
     node.run_kubelet(["kubelet", f"--container-runtime-endpoint=unix://{containerd_1_7.paths.socket}"])
+    node.shows(plugin.pid)
     nri = [f"--nri-socket={containerd_1_7.paths.nri_socket}", f"--state-dir={workdir / 'state'}"]
     code, output = run_check(node, "--backend-runtime-mode=NRI", *nri)
     assert code == 0, output
     assert f"sends runtime calls to unix://{containerd_1_7.paths.socket} (its flag --container-runtime-endpoint), which calls koordrp through NRI" in output
-    assert f"✓ containerd's NRI accepts plugins at {containerd_1_7.paths.nri_socket}" in output
+    assert f"✓ containerd's NRI socket is at {containerd_1_7.paths.nri_socket}" in output
     assert f"✓ koordrp (pid {plugin.pid}) is plugin 10-koordrp of containerd 1.7.24" in output
     proxy = KoordrpProcess(workdir / "proxy", containerd_1_7.endpoint)
     (workdir / "proxy").mkdir()

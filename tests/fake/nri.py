@@ -44,11 +44,15 @@ class FakeContainerd:
         """The size of each multiplexer frame the plugin sent."""
         protocol.makeConnection(self.transport)
 
-    def call(self, method: str, message: Message, timeout: float | None = 2.0, service: str = PLUGIN_SERVICE) -> int:
-        """containerd calls ``method`` of the plugin; the ttrpc stream id of the call."""
+    def call(
+        self, method: str, message: Message, timeout: float | None = 2.0, service: str = PLUGIN_SERVICE, payload: bytes | None = None
+    ) -> int:
+        """containerd calls ``method`` of the plugin (with ``payload`` for bytes, if given, instead of ``message``);
+        the ttrpc stream id of the call."""
         stream_id = self._next_stream
         self._next_stream += 2
-        request = ttrpc_pb2.Request(service=service, method=method, payload=message.SerializeToString())
+        sent = message.SerializeToString() if payload is None else payload
+        request = ttrpc_pb2.Request(service=service, method=method, payload=sent)
         if timeout is not None:
             request.timeout_nano = int(timeout * 1e9)
         self.feed(mux_frames(PLUGIN_SERVICE_CONNECTION, ttrpc_message(stream_id, REQUEST, request.SerializeToString())))

@@ -91,6 +91,10 @@ class FakeNode:
         os.symlink(self.root, process / "cwd")
         return pid
 
+    def shows(self, pid: int) -> None:
+        """The node's /proc shows the machine's process ``pid`` (gone when it ends)."""
+        os.symlink(f"/proc/{pid}", self.proc / str(pid))
+
     def run_kubeadm_kubelet(self, drop_ins: Sequence[str], files: Mapping[str, str], package: str = "deb") -> int:
         """kubelet as kubeadm's deb or rpm package runs it: its unit, 10-kubeadm.conf, then ``drop_ins``;
         ``files`` are the node's files by path (kubeadm-flags.env, /etc/default/kubelet, config.yaml, ...)."""

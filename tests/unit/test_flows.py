@@ -361,6 +361,23 @@ class RequestRules:
         asked, given = stored.asked.container_resources, stored.given.container_resources
         self.assertEqual((asked.cpu_shares, asked.cpuset_cpus, given.cpu_shares, given.cpuset_cpus), (512, "0-3", 512, "1"))
 
+    def test_an_updates_env_or_cgroup_parent_change_is_named_left_alone(self: Any) -> None:
+        self.put_container()
+        self.subscribe(PRE_UPDATE)
+        self.stages.behaviours[PRE_UPDATE] = lambda request: hook.ContainerResourceHookResponse(
+            container_envs={"A": "1", "ADDED": "1"}, pod_cgroup_parent="/moved"
+        )
+        self.drive(flows.update_container_resources, self.wire.update("c-1", 512))
+        [update] = self.calls[0].record.calls
+        self.assertEqual(
+            sorted((change.path, change.applied, change.why) for change in update.changes),
+            [
+                ("container_envs[ADDED]", False, "a container's update cannot change it"),
+                ("pod_cgroup_parent", False, "a container's update cannot change it"),
+            ],
+        )
+        self.assertEqual(self.store.container("c-1").given.container_envs, {"A": "1"})
+
     def test_a_hook_that_scales_a_value_scales_kubelets_once_however_often_kubelet_updates(self: Any) -> None:
         """kubelet's static CPU manager sends cpuset-only updates; a quota-halving hook must not compound."""
         self.put_pod("s-1")

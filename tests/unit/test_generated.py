@@ -1,6 +1,7 @@
 """The committed stubs are exactly what scripts/generate-stubs makes: the hook API and ttrpc's envelope from
 proto/, the CRI schema from the container-runtime-interface-api package's descriptors, NRI's messages from
-the api.proto of Debian 13's golang-github-containerd-nri-dev."""
+the api.proto of Debian 13's golang-github-containerd-nri-dev; the hand-written ttrpc envelope agrees with
+the request.proto of its golang-github-containerd-ttrpc-dev."""
 
 import os
 import subprocess
@@ -12,6 +13,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from tests.support.tempdirs import short_tempdir
 
 ROOT = Path(__file__).resolve().parents[2]
+TTRPC_SOURCE = ROOT / ".deps/debian-13/root/usr/share/gocode/src/github.com/containerd/ttrpc"
 GENERATED = {
     Path("koordrp/api/runtime/v1alpha1"): ["api_pb2.py", "api_pb2.pyi", "api_pb2_grpc.py"],
     Path("koordrp/api/cri/v1"): ["api_pb2.py", "api_pb2.pyi"],
@@ -37,6 +39,32 @@ class GeneratedStubsTests(SynchronousTestCase):
                 fresh = (out / directory / name).read_text()
                 committed = (ROOT / directory / name).read_text()
                 self.assertEqual(committed, fresh, f"{directory / name} is stale: run scripts/generate-stubs")
+
+    def test_the_ttrpc_envelope_names_fields_as_ttrpcs_own_proto_does(self) -> None:
+        import grpc_tools
+        from google.protobuf import descriptor_pb2
+
+        from koordrp.api.ttrpc import ttrpc_pb2
+
+        descriptors = Path(short_tempdir(self)) / "ttrpc.pb"
+        subprocess.run(
+            [
+                sys.executable, "-m", "grpc_tools.protoc", f"-I{TTRPC_SOURCE}", f"-I{Path(grpc_tools.__file__).parent / '_proto'}",
+                "--include_imports", f"--descriptor_set_out={descriptors}", "request.proto",
+            ],
+            check=True,
+            capture_output=True,
+        )
+        theirs = {
+            message.name: {field.name: (field.number, field.type) for field in message.field}
+            for file in descriptor_pb2.FileDescriptorSet.FromString(descriptors.read_bytes()).file
+            if file.package == "ttrpc"
+            for message in file.message_type
+        }
+        # Status is google.rpc.Status on the wire; the package's proto/status.proto is a stand-in.
+        for name in ("Request", "Response", "KeyValue"):
+            ours = {field.name: (field.number, field.type) for field in ttrpc_pb2.DESCRIPTOR.message_types_by_name[name].fields}
+            self.assertEqual({field: theirs[name][field] for field in ours}, ours, name)
 
     def test_the_cri_schema_is_the_packages_with_env_values_as_bytes(self) -> None:
         from cri_api.v1 import api_pb2 as package

@@ -18,7 +18,7 @@ from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
 from koordrp.hooks.types import FailurePolicy, HookServerConfig, HookServers, HookType
 from koordrp.nri import registration, translate
 from koordrp.nri.connection import UNIMPLEMENTED, UNKNOWN, NRIConnection, NRIError
-from koordrp.nri.plugin import ANSWER_MARGIN, CONFIRM_SECONDS, EVENT_MASK, NRIPlugin, PluginIdentity
+from koordrp.nri.plugin import ANSWER_MARGIN, CONFIRM_SECONDS, EVENT_MASK, REGISTER_SECONDS, NRIPlugin, PluginIdentity
 from koordrp.nri.service import RETRY_SECONDS, NRIService, NRISettings
 from koordrp.nri.wire import MAX_MUX_FRAME_SENT, PLUGIN_SERVICE_CONNECTION, MuxReader, WireError, mux_frames
 from koordrp.store import ContainerState, Store
@@ -219,8 +219,27 @@ class PluginTests(LogCapture):
     def test_a_refused_registration_is_one_error_line_and_a_closed_connection(self) -> None:
         self.containerd.answer(1, code=3, error='invalid plugin index "1"')
         self.assertTrue(self.containerd.transport.disconnecting)
-        [line] = self.logged("refused to register")
-        self.assertEqual(line["reason"], 'invalid plugin index "1"')
+        [line] = self.logged("cannot register koordrp as NRI plugin")
+        self.assertEqual(line["why"], 'containerd\'s NRI refused it: invalid plugin index "1"')
+
+    def test_a_registration_containerd_does_not_answer_is_one_error_line_and_a_closed_connection(self) -> None:
+        self.clock.advance(REGISTER_SECONDS)
+        self.assertTrue(self.containerd.transport.disconnecting)
+        [line] = self.logged("cannot register koordrp as NRI plugin")
+        self.assertEqual(line["why"], f"containerd's NRI did not answer within {REGISTER_SECONDS:g}s")
+
+    def test_a_synchronize_that_fails_closes_the_connection_for_a_new_one(self) -> None:
+        """containerd keeps a plugin it could not synchronize connected but never calls it."""
+        stream = self.containerd.call("Synchronize", nri.Empty(), payload=b"\xff")
+        self.assertEqual(self.containerd.answers()[stream].status.code, UNKNOWN)
+        self.assertTrue(self.containerd.transport.disconnecting)
+        self.assertEqual((self.synchronized, len(self.logged("cannot synchronize with containerd's NRI"))), (0, 1))
+        self.flushLoggedErrors()
+
+    def test_shutdown_is_answered(self) -> None:
+        stream = self.containerd.call("Shutdown", nri.Empty())
+        self.assertEqual(self.containerd.answers()[stream].status.code, 0)
+        self.assertEqual(len(self.logged("shutting down")), 1)
 
     def test_synchronize_fills_the_store(self) -> None:
         request = nri.SynchronizeRequest(pods=[nri_pod()], containers=[nri_container(nri.CONTAINER_RUNNING)])
@@ -299,6 +318,74 @@ class PluginTests(LogCapture):
         self.containerd.call("StateChange", event(nri.STOP_POD_SANDBOX))
         self.assertEqual([stage.hook for stage in self.stages.announced], [POST_STOP])
 
+    def test_a_confirmed_create_leaves_no_timer_behind(self) -> None:
+        self.containerd.answer(1, nri.Empty())  # the registration
+        self.run_pod()
+        self.create()
+        self.assertEqual(len(self.clock.getDelayedCalls()), 1)
+        self.containerd.call("StateChange", event(nri.POST_CREATE_CONTAINER, nri_container(nri.CONTAINER_CREATED)))
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+
+    def started_then_stopped(self, state: nri.ContainerState) -> None:
+        """A container created and told to start, then stopped before containerd's PostStartContainer."""
+        self.subscribe(POST_START, POST_STOP)
+        self.run_pod()
+        self.create()
+        self.containerd.call("StateChange", event(nri.POST_CREATE_CONTAINER, nri_container(nri.CONTAINER_CREATED)))
+        self.containerd.call("StateChange", event(nri.START_CONTAINER, nri_container(nri.CONTAINER_CREATED)))
+        self.containerd.call("StopContainer", nri.StopContainerRequest(pod=nri_pod(), container=nri_container(state)))
+
+    def test_a_start_containerd_failed_is_told_as_a_stop_of_a_created_container_and_fires_no_post_start(self) -> None:
+        self.started_then_stopped(nri.CONTAINER_CREATED)
+        self.assertEqual([stage.hook for stage in self.stages.announced], [POST_STOP])  # as a created container's stop
+        self.assertIn(("StartContainer", "NOT-CONFIRMED"), self.call_lines())
+
+    def test_a_container_stopped_before_its_post_start_event_had_started(self) -> None:
+        self.started_then_stopped(nri.CONTAINER_STOPPED)
+        self.assertEqual([stage.hook for stage in self.stages.announced], [POST_START, POST_STOP])
+
+    def test_the_stop_of_a_pod_the_store_lacks_is_not_read_back_and_fires_no_hooks(self) -> None:
+        self.subscribe(HookType.POST_STOP_POD_SANDBOX)
+        self.containerd.call("Synchronize", nri.SynchronizeRequest())
+        self.containerd.call("StateChange", event(nri.STOP_POD_SANDBOX))
+        self.assertEqual((self.stages.ran, self.stages.announced, self.store.sizes()), ([], [], (0, 0)))
+
+    def test_an_update_is_answered_with_the_hooks_changes_and_stored_once_containerd_made_it(self) -> None:
+        self.subscribe(HookType.PRE_UPDATE_CONTAINER_RESOURCES)
+        self.stages.behaviours[HookType.PRE_UPDATE_CONTAINER_RESOURCES] = lambda request: hook.ContainerResourceHookResponse(
+            container_resources=hook.LinuxContainerResources(cpu_shares=512, cpu_quota=25000)
+        )
+        self.containerd.call("Synchronize", nri.SynchronizeRequest(pods=[nri_pod()], containers=[nri_container(nri.CONTAINER_RUNNING)]))
+        resources = nri.LinuxResources()
+        resources.cpu.shares.value, resources.cpu.quota.value = 512, 50000
+        request = nri.UpdateContainerRequest(pod=nri_pod(), container=nri_container(nri.CONTAINER_RUNNING), linux_resources=resources)
+        stream = self.containerd.call("UpdateContainer", request)
+        [update] = nri.UpdateContainerResponse.FromString(self.containerd.answers()[stream].payload).update
+        self.assertEqual((update.container_id, update.linux.resources.cpu.quota.value, update.linux.resources.cpu.HasField("shares")), ("c-1", 25000, False))
+        stored = self.store.container("c-1")
+        assert stored is not None
+        self.assertEqual(stored.asked.container_resources.cpu_quota, 0)  # not yet: containerd has not said it did it
+        self.containerd.call("StateChange", event(nri.POST_UPDATE_CONTAINER, nri_container(nri.CONTAINER_RUNNING)))
+        stored = self.store.container("c-1")
+        assert stored is not None
+        self.assertEqual((stored.asked.container_resources.cpu_quota, stored.given.container_resources.cpu_quota), (50000, 25000))
+        self.assertEqual(self.call_lines()[-1], ("UpdateContainerResources", "OK"))
+
+    def test_a_create_koordrp_cannot_read_goes_on_as_containerd_has_it_with_its_hooks_counted(self) -> None:
+        self.subscribe(PRE_CREATE)
+        stream = self.containerd.call("CreateContainer", nri.Empty(), payload=b"\xff")
+        answer = self.containerd.answers()[stream]
+        self.assertEqual((answer.status.code, answer.payload), (0, b""))
+        self.assertEqual(self.stages.ran, [])
+        self.assertEqual(len(self.logged("cannot read the {method} request")), 1)
+
+    def test_a_create_koordrp_cannot_read_is_refused_if_a_fail_policy_server_must_see_it(self) -> None:
+        self.subscribe(PRE_CREATE, policy=FailurePolicy.FAIL)
+        stream = self.containerd.call("CreateContainer", nri.Empty(), payload=b"\xff")
+        answer = self.containerd.answers()[stream]
+        self.assertEqual(answer.status.code, UNKNOWN)
+        self.assertIn("a.json", answer.status.message)
+
     def test_a_lost_connection_ends_the_calls_waiting_for_containerd(self) -> None:
         self.run_pod()
         self.create()
@@ -333,7 +420,7 @@ class TranslateTests(SynchronousTestCase):
         )
         self.assertIsNone(translate.moved_cgroups_path("/elsewhere/c-1", "/kubepods/pod1", "/moved"))
 
-    def test_an_adjustment_carries_every_resource_nri_can_set(self) -> None:
+    def test_an_adjustment_carries_every_resource_nri_can_set_and_names_a_swap_change_left_alone(self) -> None:
         create = translate.CreateContainer(nri_pod(), nri_container())
         before = create.hook_request()
         after = hook.ContainerResourceHookRequest()
@@ -347,12 +434,14 @@ class TranslateTests(SynchronousTestCase):
         assert written.request is not None
         sent = nri.CreateContainerResponse.FromString(written.request).adjust.linux.resources
         self.assertEqual(
-            (sent.cpu.period.value, sent.cpu.quota.value, sent.memory.limit.value, sent.memory.swap.value, sent.cpu.mems),
-            (100000, 50000, 1 << 30, 2 << 30, "0"),
+            (sent.cpu.period.value, sent.cpu.quota.value, sent.memory.limit.value, sent.memory.HasField("swap"), sent.cpu.mems),
+            (100000, 50000, 1 << 30, False, "0"),
         )
         self.assertEqual((dict(sent.unified), [(h.page_size, h.limit) for h in sent.hugepage_limits]), ({"memory.high": "max"}, [("2MB", 1 << 21)]))
         self.assertFalse(sent.cpu.HasField("shares") or sent.cpu.cpus)  # unchanged: not named
-        self.assertEqual(written.left_alone, ())
+        self.assertEqual(
+            written.left_alone, (flows.LeftAlone("container_resources.memory_swap_limit_in_bytes", translate.NO_SWAP),)
+        )
 
     def test_an_update_names_only_what_the_hooks_changed_and_leaves_the_rest_named(self) -> None:
         resources = nri.LinuxResources()
