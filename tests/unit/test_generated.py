@@ -41,7 +41,8 @@ class GeneratedStubsTests(SynchronousTestCase):
                 self.assertEqual(committed, fresh, f"{directory / name} is stale: run scripts/generate-stubs")
 
     def test_the_ttrpc_envelope_names_fields_as_ttrpcs_own_proto_does(self) -> None:
-        import grpc_tools
+        from importlib.resources import files
+
         from google.protobuf import descriptor_pb2
 
         from koordrp.api.ttrpc import ttrpc_pb2
@@ -49,7 +50,7 @@ class GeneratedStubsTests(SynchronousTestCase):
         descriptors = Path(short_tempdir(self)) / "ttrpc.pb"
         subprocess.run(
             [
-                sys.executable, "-m", "grpc_tools.protoc", f"-I{TTRPC_SOURCE}", f"-I{Path(grpc_tools.__file__).parent / '_proto'}",
+                sys.executable, "-m", "grpc_tools.protoc", f"-I{TTRPC_SOURCE}", f"-I{files('grpc_tools') / '_proto'}",
                 "--include_imports", f"--descriptor_set_out={descriptors}", "request.proto",
             ],
             check=True,
