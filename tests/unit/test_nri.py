@@ -20,7 +20,7 @@ from koordrp.nri import registration, translate
 from koordrp.nri.connection import UNIMPLEMENTED, UNKNOWN, NRIConnection, NRIError
 from koordrp.nri.plugin import ANSWER_MARGIN, CONFIRM_SECONDS, EVENT_MASK, REGISTER_SECONDS, NRIPlugin, PluginIdentity
 from koordrp.nri.service import RETRY_SECONDS, NRIService, NRISettings
-from koordrp.nri.wire import MAX_MUX_FRAME_SENT, PLUGIN_SERVICE_CONNECTION, MuxReader, WireError, mux_frames
+from koordrp.nri.wire import MAX_MUX_FRAME_SENT, PLUGIN_SERVICE_CONNECTION, RESPONSE, MuxReader, WireError, mux_frames, ttrpc_message
 from koordrp.store import ContainerState, Store
 from tests.fake.flows import ScriptedStages
 from tests.fake.nri import FakeContainerd
@@ -52,6 +52,11 @@ class WireTests(SynchronousTestCase):
         self.assertEqual([len(payload) for _, payload in frames], [MAX_MUX_FRAME_SENT, MAX_MUX_FRAME_SENT, len(data) - 2 * MAX_MUX_FRAME_SENT])
         self.assertEqual(b"".join(payload for _, payload in frames), data)
         self.assertEqual({connection for connection, _ in frames}, {PLUGIN_SERVICE_CONNECTION})
+
+    def test_a_response_is_framed_byte_for_byte_as_nri_and_ttrpc_lay_it_out(self) -> None:
+        """multiplex: connection id, length (big-endian uint32 each); ttrpc: length, stream id, type, flags."""
+        framed = mux_frames(PLUGIN_SERVICE_CONNECTION, ttrpc_message(7, RESPONSE, b"abc"))
+        self.assertEqual(framed, bytes.fromhex("00000001 0000000d" "00000003 00000007 02 00") + b"abc")
 
     def test_a_frame_beyond_the_multiplexers_limit_is_an_error(self) -> None:
         self.assertRaises(WireError, MuxReader().feed, b"\x00\x00\x00\x01\xff\xff\xff\xff")
@@ -122,6 +127,8 @@ class ConnectionTests(LogCapture):
         self.clock.advance(5)
         self.failureResultOf(answer)
         self.containerd.answer(1, nri.Empty())  # too late: dropped
+        self.assertFalse(self.containerd.transport.disconnecting)
+        self.assertEqual(self.flushLoggedErrors(), [])
 
     def test_a_lost_connection_fails_what_waits_and_cancels_what_is_served(self) -> None:
         cancelled: list[object] = []
@@ -502,3 +509,13 @@ class ServiceTests(LogCapture):
         self.assertEqual(len(self.reactor.unixClients), 2)
         [warning] = self.logged("pods run without koordrp's hooks")
         self.assertIn("the connection was lost", warning["reason"])
+
+    def test_stopping_says_koordrp_is_no_longer_registered_and_tries_no_more(self) -> None:
+        containerd = FakeContainerd(self.attempt().buildProtocol(None))
+        containerd.call("Synchronize", nri.SynchronizeRequest())
+        self.assertIsNotNone(registration.read(self.state_dir))
+        self.successResultOf(self.service.stopService())
+        self.assertIsNone(registration.read(self.state_dir))
+        self.assertTrue(containerd.transport.disconnecting)
+        containerd.protocol.connectionLost(Failure(ConnectionRefusedError("closed")))
+        self.assertEqual((self.reactor.getDelayedCalls(), len(self.reactor.unixClients)), ([], 1))
