@@ -151,6 +151,11 @@ class Refusal:
     kind: RefusalKind
     message: str
 
+    @property
+    def status_code(self) -> int:
+        """The gRPC status code of the answer (CRI's; NRI's ttrpc carries the same codes)."""
+        return 3 if self.kind is RefusalKind.UNREADABLE else 2  # INVALID_ARGUMENT, UNKNOWN
+
 
 class CallerGone:
     """The caller gave up (cancelled, its deadline passed, its connection closed): nobody to answer."""

@@ -311,13 +311,14 @@ class NRIPlugin:
             self._on_synchronized(self._runtime)
             return nri.SynchronizeResponse().SerializeToString()
 
-        def not_synchronized(failure: Failure) -> Failure:
+        def not_synchronized(failure: Failure) -> bytes:
             # containerd keeps a plugin it could not synchronize connected, but never calls it: only a
             # new connection makes koordrp a plugin again.
-            self.log.failure("cannot synchronize with containerd's NRI; connecting again", failure)
+            reason = shortened(failure.getErrorMessage())
+            self.log.error("cannot synchronize with containerd's NRI ({reason}); connecting again", reason=reason)
             if self._connection is not None:
                 self._connection.close()
-            return failure
+            raise NRIError(UNKNOWN, f"koordrp cannot synchronize: {reason}")
 
         return reading.addCallback(agreed).addErrback(not_synchronized)
 
@@ -421,8 +422,10 @@ class NRIPlugin:
         def over(outcome: flows.Outcome[NRIReply]) -> None:
             self._calls.discard(call)
             if not answer.called:
-                message = outcome.message if isinstance(outcome, flows.Refusal) else "koordrp: the call was given up"
-                answer.errback(NRIError(UNKNOWN, message))
+                if isinstance(outcome, flows.Refusal):
+                    answer.errback(NRIError(outcome.status_code, outcome.message))
+                else:
+                    answer.errback(NRIError(UNKNOWN, "koordrp: the call was given up"))
             call.ended(outcome_label(outcome))
 
         call.run(flow(call)).addCallback(over)
