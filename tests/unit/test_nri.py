@@ -377,6 +377,20 @@ class PluginTests(LogCapture):
         self.assertEqual((stored.asked.container_resources.cpu_quota, stored.given.container_resources.cpu_quota), (50000, 25000))
         self.assertEqual(self.call_lines()[-1], ("UpdateContainerResources", "OK"))
 
+    def test_an_update_superseded_before_its_post_event_is_not_confirmed_and_the_newer_one_is(self) -> None:
+        self.containerd.call("Synchronize", nri.SynchronizeRequest(pods=[nri_pod()], containers=[nri_container(nri.CONTAINER_RUNNING)]))
+        for quota in (50000, 25000):
+            resources = nri.LinuxResources()
+            resources.cpu.quota.value = quota
+            update = nri.UpdateContainerRequest(pod=nri_pod(), container=nri_container(nri.CONTAINER_RUNNING), linux_resources=resources)
+            self.containerd.call("UpdateContainer", update)
+        self.assertEqual(self.call_lines(), [("UpdateContainerResources", "NOT-CONFIRMED")])
+        self.containerd.call("StateChange", event(nri.POST_UPDATE_CONTAINER, nri_container(nri.CONTAINER_RUNNING)))
+        self.assertEqual(self.call_lines()[-1], ("UpdateContainerResources", "OK"))
+        stored = self.store.container("c-1")
+        assert stored is not None
+        self.assertEqual(stored.asked.container_resources.cpu_quota, 25000)
+
     def test_a_create_koordrp_cannot_read_goes_on_as_containerd_has_it_with_its_hooks_counted(self) -> None:
         self.subscribe(PRE_CREATE)
         stream = self.containerd.call("CreateContainer", nri.Empty(), payload=b"\xff")
