@@ -269,6 +269,9 @@ class NRIPlugin:
             return handler(self, payload, timeout)
         except DecodeError as error:
             return self._unreadable(method, timeout, str(error))
+        except Exception as error:
+            self.log.failure("containerd's NRI {method} failed inside koordrp", method=method)
+            return fail(NRIError(UNKNOWN, f"koordrp: {method} failed: {shortened(str(error))}"))
 
     def _unreadable(self, method: str, timeout: float | None, reason: str) -> Deferred[bytes]:
         """A request koordrp cannot read: a lifecycle call goes on as containerd has it (``flows.unreadable``)."""
@@ -300,13 +303,13 @@ class NRIPlugin:
     def _synchronize(self, payload: bytes, timeout: float | None) -> Deferred[bytes]:
         known_before = self._parts.store.ids()
         started = self._parts.clock.seconds()
-        reading = maybeDeferred(nri.SynchronizeRequest.FromString, payload).addCallback(
+        reading = maybeDeferred(translate.whole_synchronization, payload).addCallback(
             lambda request: ensureDeferred(flows.read_everything(Inventory(request), None))
         )
 
         def agreed(found: flows.Inventory) -> bytes:
             agree(self._parts.store, found, known_before, "containerd's NRI")
-            if timeout is not None and self._parts.clock.seconds() - started > timeout:
+            if timeout is not None and self._parts.clock.seconds() - started > timeout - ANSWER_MARGIN:
                 raise NRIError(UNKNOWN, f"koordrp synchronized after containerd's {timeout:g}s")
             self._on_synchronized(self._runtime)
             return nri.SynchronizeResponse().SerializeToString()

@@ -9,6 +9,8 @@ named, field by field, with why (``flows.LeftAlone``): the call's log line and m
 
 from typing import Mapping
 
+from google.protobuf.unknown_fields import UnknownFieldSet
+
 from koordrp.api.nri.v1alpha1 import api_pb2 as nri
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
 from koordrp.flows import LeftAlone, Written
@@ -61,6 +63,20 @@ def pod_hook_request(pod: nri.PodSandbox) -> PodHookRequest:
         request.overhead.CopyFrom(hook_resources(pod.linux.pod_overhead))
     if pod.linux.HasField("pod_resources"):
         request.resources.CopyFrom(hook_resources(pod.linux.pod_resources))
+    return request
+
+
+_SYNCHRONIZE_MORE = 3
+"""NRI 0.8's ``SynchronizeRequest.more``: containerd split its synchronization, and more parts follow."""
+
+
+def whole_synchronization(payload: bytes) -> nri.SynchronizeRequest:
+    """containerd's Synchronize request; ValueError if it is a part of a split one (NRI 0.8 and later),
+    which is not everything containerd has, and which a plugin of NRI 0.6 cannot answer."""
+    request = nri.SynchronizeRequest.FromString(payload)
+    unknown = UnknownFieldSet(request)
+    if any(unknown[index].field_number == _SYNCHRONIZE_MORE and unknown[index].data for index in range(len(unknown))):
+        raise ValueError("containerd split its synchronization (NRI 0.8 and later), which koordrp cannot take")
     return request
 
 

@@ -242,6 +242,16 @@ class PluginTests(LogCapture):
         self.assertTrue(self.containerd.transport.disconnecting)
         self.assertEqual((self.synchronized, len(self.logged("cannot synchronize with containerd's NRI"))), (0, 1))
 
+    def test_a_split_synchronization_is_refused_and_leaves_the_store_as_it_was(self) -> None:
+        """NRI 0.8 sends parts with ``more`` (field 3) set; a part is not everything containerd has."""
+        self.containerd.call("Synchronize", nri.SynchronizeRequest(pods=[nri_pod()], containers=[nri_container(nri.CONTAINER_RUNNING)]))
+        part = nri.SynchronizeRequest().SerializeToString() + bytes([3 << 3, 1])
+        stream = self.containerd.call("Synchronize", nri.Empty(), payload=part)
+        self.assertEqual(self.containerd.answers()[stream].status.code, UNKNOWN)
+        self.assertEqual((self.store.sizes(), self.containerd.transport.disconnecting), ((1, 1), True))
+        [line] = self.logged("cannot synchronize with containerd's NRI")
+        self.assertIn("split its synchronization", line["reason"])
+
     def test_shutdown_is_answered(self) -> None:
         stream = self.containerd.call("Shutdown", nri.Empty())
         self.assertEqual(self.containerd.answers()[stream].status.code, 0)
