@@ -156,8 +156,8 @@ def kubelet_processes(proc: str) -> Iterator[tuple[int, list[str]]]:
             yield int(name), argv
 
 
-def kubelet_findings(proc: str, socket_path: str) -> list[Finding]:
-    wanted = "unix://" + socket_path
+def _kubelet_endpoint_findings(proc: str, judged: Callable[[int, str, Endpoint], Finding]) -> list[Finding]:
+    """A finding per kubelet process and endpoint (runtime, image), as ``judged(pid, what, endpoint)`` says."""
     found = list(kubelet_processes(proc))
     if not found:
         return [Finding(False, f"no kubelet process found in {proc}", "start kubelet, then check again")]
@@ -168,42 +168,37 @@ def kubelet_findings(proc: str, socket_path: str) -> list[Finding]:
         except (OSError, ValueError) as error:
             findings.append(Finding(False, f"kubelet (pid {pid}): cannot read its config file: {error}"))
             continue
-        for what, endpoint in (("runtime", runtime), ("image", image)):
-            kubelet = f"kubelet (pid {pid}) sends {what} calls to"
-            if same_socket(endpoint.value, socket_path):
-                findings.append(Finding(True, f"{kubelet} koordrp, {wanted} ({endpoint.source})"))
-            else:
-                text = f"{kubelet} {endpoint.value} ({endpoint.source}), not to koordrp at {wanted}"
-                findings.append(Finding(False, text, _endpoint_fix(endpoint)))
+        findings += [judged(pid, what, endpoint) for what, endpoint in (("runtime", runtime), ("image", image))]
     return findings
+
+
+def kubelet_findings(proc: str, socket_path: str) -> list[Finding]:
+    wanted = "unix://" + socket_path
+
+    def judged(pid: int, what: str, endpoint: Endpoint) -> Finding:
+        kubelet = f"kubelet (pid {pid}) sends {what} calls to"
+        if same_socket(endpoint.value, socket_path):
+            return Finding(True, f"{kubelet} koordrp, {wanted} ({endpoint.source})")
+        return Finding(False, f"{kubelet} {endpoint.value} ({endpoint.source}), not to koordrp at {wanted}", _endpoint_fix(endpoint))
+
+    return _kubelet_endpoint_findings(proc, judged)
 
 
 def kubelet_nri_findings(proc: str, socket_path: str) -> list[Finding]:
     """In NRI mode kubelet calls containerd itself: koordrp's proxy socket is no place for its calls."""
-    found = list(kubelet_processes(proc))
-    if not found:
-        return [Finding(False, f"no kubelet process found in {proc}", "start kubelet, then check again")]
-    findings = []
-    for pid, argv in found:
-        try:
-            runtime, image = kubelet_endpoints(argv, _reader(proc, pid))
-        except (OSError, ValueError) as error:
-            findings.append(Finding(False, f"kubelet (pid {pid}): cannot read its config file: {error}"))
-            continue
-        for what, endpoint in (("runtime", runtime), ("image", image)):
-            kubelet = f"kubelet (pid {pid}) sends {what} calls to {endpoint.value} ({endpoint.source})"
-            if same_socket(endpoint.value, socket_path):
-                findings.append(
-                    Finding(
-                        False,
-                        f"{kubelet}: koordrp's proxy socket, but koordrp runs as containerd's NRI plugin",
-                        "point kubelet at containerd again (remove koordrp's kubelet drop-in, "
-                        "tap/kubeadm/20-koordrp.conf), then restart kubelet",
-                    )
-                )
-            else:
-                findings.append(Finding(True, f"{kubelet}, which calls koordrp through NRI"))
-    return findings
+
+    def judged(pid: int, what: str, endpoint: Endpoint) -> Finding:
+        kubelet = f"kubelet (pid {pid}) sends {what} calls to {endpoint.value} ({endpoint.source})"
+        if same_socket(endpoint.value, socket_path):
+            return Finding(
+                False,
+                f"{kubelet}: koordrp's proxy socket, but koordrp runs as containerd's NRI plugin",
+                "point kubelet at containerd again (remove koordrp's kubelet drop-in, "
+                "tap/kubeadm/20-koordrp.conf), then restart kubelet",
+            )
+        return Finding(True, f"{kubelet}, which calls koordrp through NRI")
+
+    return _kubelet_endpoint_findings(proc, judged)
 
 
 def _reader(proc: str, pid: int) -> Callable[[str], str]:
