@@ -8,10 +8,9 @@ Twisted protocol): no flows, no store, no hooks, no log lines. What it adds to a
 containerd and the round trips of those events cost any plugin.
 """
 
-import contextlib
 import subprocess
 import sys
-from typing import Iterator
+from typing import ContextManager
 
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred, succeed
@@ -22,6 +21,7 @@ from twisted.python.failure import Failure
 
 from koordrp.api.nri.v1alpha1 import api_pb2 as nri
 from koordrp.nri.connection import NRIConnection
+from benchmarks.processes import running_module
 from koordrp.nri.plugin import EVENT_MASK, REGISTER_SECONDS
 
 _ANSWERS = {
@@ -57,16 +57,9 @@ def main() -> None:
     IReactorCore(reactor).run()
 
 
-@contextlib.contextmanager
-def running(nri_socket: str) -> Iterator["subprocess.Popen[bytes]"]:
+def running(nri_socket: str) -> ContextManager["subprocess.Popen[bytes]"]:
     """This plugin as a process of its own, registered with the containerd at ``nri_socket`` until the block ends."""
-    process = subprocess.Popen([sys.executable, "-m", "benchmarks.minimal_nri_plugin", nri_socket], stdout=subprocess.PIPE)
-    try:
-        assert process.stdout is not None and process.stdout.readline().strip() == b"ready"
-        yield process
-    finally:
-        process.terminate()
-        process.wait(10)
+    return running_module("benchmarks.minimal_nri_plugin", nri_socket)
 
 
 if __name__ == "__main__":

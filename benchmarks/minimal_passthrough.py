@@ -7,15 +7,16 @@ shared channel with the caller's deadline and metadata: no routing, no status re
 reachability tracking. It answers unary methods only, which is all the benchmark sends it.
 """
 
-import contextlib
 import signal
 import subprocess
 import sys
 import threading
 from concurrent import futures
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, ContextManager
 
 import grpc
+
+from benchmarks.processes import running_module
 
 if TYPE_CHECKING:
     # grpc-stubs makes the handler generic; grpcio's class itself cannot be subscripted at run time.
@@ -57,16 +58,9 @@ def main() -> None:
     server.stop(0)
 
 
-@contextlib.contextmanager
-def running(listen: str, backend: str) -> Iterator["subprocess.Popen[bytes]"]:
+def running(listen: str, backend: str) -> ContextManager["subprocess.Popen[bytes]"]:
     """This pass-through as a process of its own, listening on ``listen`` until the block ends."""
-    process = subprocess.Popen([sys.executable, "-m", "benchmarks.minimal_passthrough", listen, backend], stdout=subprocess.PIPE)
-    try:
-        assert process.stdout is not None and process.stdout.readline().strip() == b"ready"
-        yield process
-    finally:
-        process.terminate()
-        process.wait(10)
+    return running_module("benchmarks.minimal_passthrough", listen, backend)
 
 
 if __name__ == "__main__":
