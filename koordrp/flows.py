@@ -44,7 +44,7 @@ either, the call goes to the runtime unchanged and without hooks, for the runtim
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
+from enum import Enum, IntEnum
 from typing import (
     TYPE_CHECKING,
     Any,
@@ -152,9 +152,16 @@ class Refusal:
     message: str
 
     @property
-    def status_code(self) -> int:
-        """The gRPC status code of the answer (CRI's; NRI's ttrpc carries the same codes)."""
-        return 3 if self.kind is RefusalKind.UNREADABLE else 2  # INVALID_ARGUMENT, UNKNOWN
+    def status_code(self) -> "RefusalStatus":
+        """The status of the answer (CRI's gRPC; NRI's ttrpc carries the same codes)."""
+        return RefusalStatus.INVALID_ARGUMENT if self.kind is RefusalKind.UNREADABLE else RefusalStatus.UNKNOWN
+
+
+class RefusalStatus(IntEnum):
+    """The gRPC status codes a refusal is answered with: the call's line names them too."""
+
+    UNKNOWN = 2
+    INVALID_ARGUMENT = 3
 
 
 class CallerGone:

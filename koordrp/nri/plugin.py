@@ -203,7 +203,7 @@ def outcome_label(outcome: flows.Outcome[NRIReply]) -> str:
     if isinstance(outcome, NRIReply):
         return outcome.label
     if isinstance(outcome, flows.Refusal):
-        return "UNKNOWN"
+        return outcome.status_code.name
     return "CANCELLED"
 
 

@@ -415,6 +415,7 @@ class PluginTests(LogCapture):
         answer = self.containerd.answers()[stream]
         self.assertEqual(answer.status.code, 3)  # INVALID_ARGUMENT, as in the proxy
         self.assertIn("a.json", answer.status.message)
+        self.assertEqual(self.call_lines()[-1], ("CreateContainer", "INVALID_ARGUMENT"))
 
     def test_a_lost_connection_ends_the_calls_waiting_for_containerd(self) -> None:
         self.run_pod()
