@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import stat
 import sys
 import tomllib
 from dataclasses import dataclass
@@ -39,7 +38,7 @@ from koordrp.hooks.registry import Refusal, describe, list_registrations, read_r
 from koordrp.hooks.types import HookServers
 from koordrp.nri import registration
 from koordrp.tap import DEFAULT_HOOK_CONFIG_DIR, DEFAULT_NRI_SOCKET, DEFAULT_PROXY_ENDPOINT, DEFAULT_STATE_DIR, RUNTIME_MODES
-from koordrp.unix import EndpointError, connect_error, grpc_target, parse_unix_endpoint
+from koordrp.unix import EndpointError, connect_error, grpc_target, parse_unix_endpoint, socket_problem
 
 RUNTIME_FLAG = "--container-runtime-endpoint"
 IMAGE_FLAG = "--image-service-endpoint"
@@ -352,18 +351,14 @@ def live_registration(proc: str, state_dir: str) -> registration.Registration | 
 def nri_plugin_findings(proc: str, nri_socket: str, state_dir: str) -> list[Finding]:
     findings = []
     # Not connected to: containerd logs an error for every connection that does not register.
-    try:
-        is_socket = stat.S_ISSOCK(os.stat(nri_socket).st_mode)
-        problem = "" if is_socket else "is not a socket"
-    except OSError as error:
-        problem = error.strerror or str(error)
-    if not problem:
+    problem = socket_problem(nri_socket)
+    if problem is None:
         findings.append(Finding(True, f"containerd's NRI socket is at {nri_socket}"))
     else:
         findings.append(
             Finding(
                 False,
-                f"containerd's NRI socket {nri_socket}: {problem}",
+                f"containerd's NRI: {problem}",
                 'NRI needs containerd 1.7 or later with [plugins."io.containerd.nri.v1.nri"] disable = false in its '
                 "config (docs/operating.md, \"NRI mode\"); restart containerd",
             )

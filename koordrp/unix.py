@@ -91,6 +91,17 @@ def check_directory(directory: str) -> None:
         raise UnsafeDirectory(f"{directory} is group- or world-writable (mode {stat.S_IMODE(info.st_mode):04o})")
 
 
+def socket_problem(path: str) -> str | None:
+    """Why ``path`` is not a unix socket to connect to (without connecting); None: it is one."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return f"socket {path} does not exist"
+    except OSError as error:
+        return f"socket {path} cannot be used: {error.strerror}"
+    return None if stat.S_ISSOCK(mode) else f"{path} is not a socket"
+
+
 def connect_error(path: str, timeout: float) -> OSError | None:
     """Why connecting to the unix socket ``path`` fails, or None when a connection is accepted."""
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

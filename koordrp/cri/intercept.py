@@ -141,15 +141,12 @@ class CRIBackend:
         return self._interceptor.lookup.read_container(container_id, pods, timeout)
 
 
-_STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
-
-
 def status(outcome: "flows.Outcome[CRIReply]") -> grpc.StatusCode:
     """The status the caller gets for ``outcome`` (and the call's line and metrics name)."""
     if isinstance(outcome, CRIReply):
         return outcome.answer.code
     if isinstance(outcome, flows.Refusal):
-        return _STATUS_CODES[outcome.status_code]
+        return grpc.StatusCode[outcome.status_code.name]
     return grpc.StatusCode.CANCELLED
 
 

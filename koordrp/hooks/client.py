@@ -1,7 +1,5 @@
 """Calling one hook server: a reused grpc channel per endpoint, calls as Deferreds on the reactor."""
 
-import os
-import stat
 from typing import Callable, Iterable
 
 import grpc
@@ -13,7 +11,7 @@ from koordrp.grpcdefer import failed_call, when_done
 from koordrp.hooks.messages import HookRequest, HookResponse
 from koordrp.hooks.types import HookType
 from koordrp.text import shortened
-from koordrp.unix import grpc_target
+from koordrp.unix import grpc_target, socket_problem
 
 # Hook servers come and go with their plugins; reconnect quickly when one is back.
 _CHANNEL_OPTIONS = [
@@ -50,16 +48,6 @@ def _raise_timed_out(result: object, timeout: float) -> object:
     raise HookTimedOut(_timed_out(timeout))
 
 
-def _socket_problem(endpoint: str) -> str | None:
-    try:
-        mode = os.stat(endpoint).st_mode
-    except FileNotFoundError:
-        return f"socket {endpoint} does not exist"
-    except OSError as error:
-        return f"socket {endpoint} cannot be used: {error.strerror}"
-    return None if stat.S_ISSOCK(mode) else f"{endpoint} is not a socket"
-
-
 class HookClient:
     def __init__(self, endpoint: str, reactor: IReactorTime) -> None:
         """``reactor`` also provides IReactorFromThreads: grpc answers on its own threads."""
@@ -76,7 +64,7 @@ class HookClient:
     def call(self, hook: HookType, request: HookRequest, timeout: float) -> "Deferred[HookResponse]":
         """Call ``hook`` with ``request``; fails with HookCallError, at the latest after ``timeout``."""
         # A missing socket would otherwise cost a connection attempt (and its backoff) per call.
-        problem = _socket_problem(self.endpoint)
+        problem = socket_problem(self.endpoint)
         if problem is not None:
             return fail(HookCallError(problem))
         if self._lost:

@@ -24,7 +24,8 @@ Resources: TypeAlias = hook.LinuxContainerResources
 # plugin answering with only the fields it cares about must not reset the container's OOM score.
 _POSITIVE_FIELDS = ("cpu_period", "cpu_shares", "memory_limit_in_bytes", "memory_swap_limit_in_bytes")
 _NON_ZERO_FIELDS = ("cpu_quota", "oom_score_adj")
-_CPUSET_FIELDS = ("cpuset_cpus", "cpuset_mems")
+CPUSET_FIELDS = ("cpuset_cpus", "cpuset_mems")
+"""The resource fields an empty value in an answer clears (elsewhere an unset field keeps the request's)."""
 
 
 AnyRequest = TypeVar("AnyRequest", bound=Message)
@@ -110,7 +111,7 @@ def merge_resources(target: Resources, answer: Resources, prefix: str = "") -> C
     """
     changes: Changes = []
     _merge_numbers_and_maps(target, answer, prefix, changes)
-    for name in _CPUSET_FIELDS:
+    for name in CPUSET_FIELDS:
         _set(target, name, getattr(answer, name), prefix, changes)
     return changes
 
@@ -118,7 +119,7 @@ def merge_resources(target: Resources, answer: Resources, prefix: str = "") -> C
 def _fold_resources(target: Resources, update: Resources) -> None:
     """Fold kubelet's new resources into the stored ones: what it leaves unset, the empty cpuset included, stays."""
     _merge_numbers_and_maps(target, update, "", [])
-    for name in _CPUSET_FIELDS:
+    for name in CPUSET_FIELDS:
         value = getattr(update, name)
         if value:
             setattr(target, name, value)
@@ -132,8 +133,7 @@ def folded_update(
     An update names only what it changes (a zero or an empty string means "keep"), whichever front
     end it came through; its annotations are added to the container's.
     """
-    folded = ContainerHookRequest()
-    folded.CopyFrom(stored)
+    folded = copied(stored)
     folded.container_meta.id = container_id
     if resources is not None:
         _fold_resources(folded.container_resources, resources)
@@ -159,12 +159,9 @@ def merge_pod_response(
         if apply_resources:
             changes += merge_resources(request.resources, response.resources, "resources.")
         else:
-            untouched = Resources()
-            untouched.CopyFrom(request.resources)
-            changes += [
-                replace(change, applied=False, why=NOT_APPLYING_POD_RESOURCES)
-                for change in merge_resources(untouched, response.resources, "resources.")
-            ]
+            changes += left_alone(
+                merge_resources(copied(request.resources), response.resources, "resources."), "", NOT_APPLYING_POD_RESOURCES
+            )
     return changes
 
 

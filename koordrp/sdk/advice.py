@@ -8,9 +8,7 @@ request's own numbers and environment: an answer that has none of them was not b
 """
 
 from koordrp.api.runtime.v1alpha1 import api_pb2
-
-# Taken as the answer says, the empty string included (koordrp.hooks.messages.merge_resources).
-_CLEARED_WHEN_EMPTY = ("cpuset_cpus", "cpuset_mems")
+from koordrp.hooks.messages import CPUSET_FIELDS
 _NUMBERS = ("cpu_period", "cpu_quota", "cpu_shares", "memory_limit_in_bytes", "memory_swap_limit_in_bytes")
 
 
@@ -33,7 +31,7 @@ def cleared(request: api_pb2.ContainerResourceHookRequest, response: api_pb2.Con
     asked, answered = request.container_resources, response.container_resources
     return [
         f'{name} "{getattr(asked, name)}"'
-        for name in _CLEARED_WHEN_EMPTY
+        for name in CPUSET_FIELDS
         if getattr(asked, name) and not getattr(answered, name)
     ]
 
