@@ -109,7 +109,8 @@ class Dispatcher:
             if silence is not None:
                 # It let an earlier call time out: skipped at once until it answers again.
                 reason = silence.describe(self._reactor.seconds())
-                self._count(server, hook, NOT_ANSWERING, self._reactor.seconds())
+                if self._metrics is not None:  # counted, but no call was made: no duration
+                    self._metrics.hook_call(server.name, hook.value, NOT_ANSWERING, None)
                 outcome.calls.append(HookCall(server, hook, NOT_ANSWERING, reason=reason))
                 if server.must_be_heard(hook):
                     outcome.failure = HookFailure(server, hook, reason)

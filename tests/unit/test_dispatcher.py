@@ -222,6 +222,8 @@ class DispatcherTests(TestCase):
             self.assertEqual(skipped.result, "not-answering")
             labels = {"server": f"wedged-{policy.value}.json", "hook": CREATE.value, "result": "not-answering"}
             self.assertEqual(metrics.registry.get_sample_value("koordrp_hook_calls_total", labels), 1)
+            timed = {"server": f"wedged-{policy.value}.json", "hook": CREATE.value}
+            self.assertEqual(metrics.registry.get_sample_value("koordrp_hook_call_seconds_count", timed), 1)  # the timeout
             self.assertIn("no answer within 0.3s", skipped.reason)
             if policy is FailurePolicy.FAIL:
                 self.assertIn(f"wedged-{policy.value}.json", later.failure.message)
