@@ -17,7 +17,7 @@ from enum import Enum
 from typing import Iterable
 
 from koordrp.checkpoint import Checkpoint, Kind, NoCheckpoint
-from koordrp.hooks.messages import ContainerHookRequest, PodHookRequest, Resources, copied
+from koordrp.hooks.messages import AnyRequest, ContainerHookRequest, PodHookRequest, Resources, copied
 
 
 class ContainerState(Enum):
@@ -201,49 +201,44 @@ class Store:
             gone = [cid for cid, c in self._containers.items() if c.sandbox_id == sandbox_id]
             for container_id in gone:
                 del self._containers[container_id]
-        self._forget_kept([sandbox_id], gone)
-
-    def _forget_kept(self, pods: Iterable[str], containers: Iterable[str]) -> None:
-        for kind, identifiers in (("pods", pods), ("containers", containers)):
-            for identifier in identifiers:
-                self._checkpoint.write(kind, identifier, None)  # type: ignore[arg-type]
+        self._checkpoint.write("pods", sandbox_id, None)
+        for container_id in gone:
+            self._checkpoint.write("containers", container_id, None)
 
     def learn(self, pods: Iterable[tuple[str, StoredPod]], containers: Iterable[tuple[str, StoredContainer]]) -> None:
         """Add what the runtime has and the store lacks (after a start or a store miss), with what kubelet asked
         from the checkpoint.
 
         An entry already present was written by a CRI call that went through koordrp, which is
-        at least as fresh as anything read back from the runtime, so it is kept.
+        at least as fresh as anything read back from the runtime, so it is kept (and its checkpoint
+        file is not read).
         """
-        new_pods = [(sandbox_id, self._with_kept_pod(sandbox_id, pod)) for sandbox_id, pod in pods]
-        new_containers = [(container_id, self._with_kept_container(container_id, c)) for container_id, c in containers]
+        with self._lock:
+            pods = [(sandbox_id, pod) for sandbox_id, pod in pods if sandbox_id not in self._pods]
+            containers = [(container_id, c) for container_id, c in containers if container_id not in self._containers]
+        new_pods = [
+            (sandbox_id, replace(pod, asked=self._asked("pods", sandbox_id, pod.given), given=copied(pod.given)))
+            for sandbox_id, pod in pods
+        ]
+        new_containers = [
+            (container_id, replace(c, asked=self._asked("containers", container_id, c.given), given=copied(c.given)))
+            for container_id, c in containers
+        ]
         with self._lock:
             for sandbox_id, pod in new_pods:
                 self._pods.setdefault(sandbox_id, pod)
             for container_id, stored in new_containers:
                 self._containers.setdefault(container_id, stored)
 
-    def _kept_request(self, kind: Kind, identifier: str, empty: PodHookRequest | ContainerHookRequest) -> bool:
+    def _asked(self, kind: Kind, identifier: str, given: AnyRequest) -> AnyRequest:
+        """What kubelet asked, as the checkpoint kept it; what the runtime has if nothing readable was kept."""
         data = self._checkpoint.read(kind, identifier)
-        if data is None:
-            return False
-        try:
-            empty.ParseFromString(data)
-        except Exception:  # a file koordrp cannot read: what the runtime has stands in
-            return False
-        return True
-
-    def _with_kept_pod(self, sandbox_id: str, pod: StoredPod) -> StoredPod:
-        asked = PodHookRequest()
-        if not self._kept_request("pods", sandbox_id, asked):
-            asked = pod.given
-        return StoredPod(copied(asked), copied(pod.given), pod.stopped)
-
-    def _with_kept_container(self, container_id: str, stored: StoredContainer) -> StoredContainer:
-        asked = ContainerHookRequest()
-        if not self._kept_request("containers", container_id, asked):
-            asked = stored.given
-        return StoredContainer(stored.sandbox_id, copied(asked), copied(stored.given), stored.state)
+        if data is not None:
+            try:
+                return type(given).FromString(data)
+            except Exception:  # a file koordrp cannot read: what the runtime has stands in
+                pass
+        return copied(given)
 
     def ids(self) -> tuple[set[str], set[str]]:
         """The pod and container ids known now: what a later reconcile may forget."""
@@ -275,9 +270,8 @@ class Store:
             new = sum(i not in self._pods for i in listed_pods) + sum(
                 i not in self._containers for i in listed_containers
             )
-        self._forget_kept(gone_pods, gone_containers)
         self.learn(pods, containers)
-        # What was kept for pods and containers removed while koordrp was away.
+        # What was kept for the pods and containers removed while koordrp could not see it.
         with self._lock:
             known_pods, known_containers = set(self._pods), set(self._containers)
         self._checkpoint.retain("pods", known_pods)

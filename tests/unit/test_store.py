@@ -5,7 +5,7 @@ import threading
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from koordrp.checkpoint import CheckpointError, DirectoryCheckpoint
+from koordrp.checkpoint import CheckpointError, DirectoryCheckpoint, Kind
 from koordrp.hooks.messages import ContainerHookRequest, PodHookRequest
 from koordrp.store import ContainerState, Store, StoredContainer, StoredPod
 
@@ -185,6 +185,23 @@ class CheckpointTests(SynchronousTestCase):
         store = Store(self.opened())
         store.learn([], [("c1", StoredContainer.read_back("p1", container("given"), ContainerState.RUNNING))])
         self.assertEqual(store.container("c1").asked, container("given"))  # type: ignore[union-attr]
+
+    def test_a_resync_reads_nothing_kept_for_what_the_store_has(self) -> None:
+        reads: list[str] = []
+
+        class Counting(DirectoryCheckpoint):
+            def read(self, kind: Kind, identifier: str) -> bytes | None:
+                reads.append(identifier)
+                return super().read(kind, identifier)
+
+        checkpoint = Counting(self.directory)
+        checkpoint.open()
+        store = Store(checkpoint)
+        store.put_container("c1", "p1", container("asked"), container("given"))
+        listed = [(cid, StoredContainer.read_back("p1", container("given"), ContainerState.RUNNING)) for cid in ("c1", "c2")]
+        store.reconcile([], listed, store.ids())
+        self.assertEqual(reads, ["c2"])
+        self.assertEqual(store.container("c1").asked, container("asked"))  # type: ignore[union-attr]
 
     def test_a_directory_others_may_write_is_refused(self) -> None:
         os.makedirs(self.directory)
