@@ -722,8 +722,8 @@ async def stop_pod_sandbox(call: Call[AnyReply], sandbox_id: str) -> AnyReply:
     def stopped() -> None:
         pod_was_up, containers = call.store.pod_stopped(sandbox_id)
         # The runtime stopped the pod's containers too: a plugin sees every stop that went through koordrp.
-        for container in containers:
-            call.post(HookType.POST_STOP_CONTAINER, call.container_request(container.asked, sandbox_id))
+        for container in containers:  # copies, in the pod at hand
+            call.post(HookType.POST_STOP_CONTAINER, placed_in_pod(container.asked, pod.given))
         if pod_was_up:
             call.post(HookType.POST_STOP_POD_SANDBOX, pod.asked)
 
