@@ -251,7 +251,6 @@ def makeService(config: Options, reactor: IReactorCore | None = None) -> service
     clients = HookClients(clock)
 
     def registered(servers: HookServers) -> None:
-        clients.retain(servers.endpoints)
         dispatcher.retain(servers.endpoints)
         if metrics is not None:
             metrics.hook_servers.set(len(servers.servers))

@@ -45,8 +45,10 @@ class Dispatcher:
         return self._clients.get(endpoint).call(hook, request, timeout)
 
     def retain(self, endpoints: Iterable[str]) -> None:
-        """The servers registered now: silences of others are forgotten."""
-        self._answering.retain(endpoints)
+        """The servers registered now: the channels and silences of others are let go."""
+        kept = list(endpoints)
+        self._clients.retain(kept)
+        self._answering.retain(kept)
 
     def announce(self, stages: Sequence[PostStage]) -> None:
         """Start the post hook stages one call owes, without waiting for them.

@@ -52,6 +52,13 @@ class DispatcherTests(TestCase):
         endpoint = fake.path if fake is not None else os.path.join(self.dir, name + ".sock")
         return HookServerConfig(name + ".json", endpoint, policy, frozenset(HookType), timeout)
 
+    def test_the_channels_of_servers_no_longer_registered_are_let_go(self) -> None:
+        kept, gone = (os.path.join(self.dir, name) for name in ("kept.sock", "gone.sock"))
+        kept_client, gone_client = self.clients.get(kept), self.clients.get(gone)
+        self.dispatcher.retain(frozenset({kept}))
+        self.assertIs(self.clients.get(kept), kept_client)
+        self.assertIsNot(self.clients.get(gone), gone_client)
+
     @inlineCallbacks
     def test_post_stages_are_not_waited_for_and_drain_waits_for_them(self):  # type: ignore[no-untyped-def]
         slow = self.server("slow")
