@@ -18,7 +18,7 @@ for the pod's stop: each shows PostStopContainer firing once. A hook server that
 the demo at once, its error first; what the SDK warned of comes first in the summary. Nothing is left
 behind: containerd, koordrp, the hook server, the pod, its cgroups and the temporary directory all go.
 
-With ``--mode nri`` the containerd is Debian 13's 1.7 (``.deps/debian-13``, from scripts/bootstrap)
+With ``--mode nri`` the containerd is Debian 13's 1.7 (``.deps/trixie``, from scripts/bootstrap)
 with NRI enabled, koordrp runs as its NRI plugin, and the demo's CRI calls go to containerd itself,
 as kubelet's do on such a node; koordrp's lines say what NRI could not apply.
 """

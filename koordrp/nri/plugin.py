@@ -12,7 +12,7 @@ containerd then failed is not stored.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Coroutine
 
 from google.protobuf.message import DecodeError
@@ -199,6 +199,17 @@ class Inventory:
         return await _stored_container(container, self._pods.get(container.pod_sandbox_id, nri.PodSandbox()), pods)
 
 
+@dataclass
+class _Synchronization:
+    """A synchronization whose parts are still coming."""
+
+    known_before: tuple[set[str], set[str]]
+    """The store's ids when it began: what the runtime no longer has among them is forgotten."""
+    deadline: float | None
+    """containerd's, for all of its parts."""
+    parts: list[nri.SynchronizeRequest] = field(default_factory=list)
+
+
 def outcome_label(outcome: flows.Outcome[NRIReply]) -> str:
     if isinstance(outcome, NRIReply):
         return outcome.label
@@ -233,6 +244,7 @@ class NRIPlugin:
         self._on_synchronized = on_synchronized
         self._connection: NRIConnection | None = None
         self._runtime = "containerd"
+        self._synchronizing: _Synchronization | None = None
 
     # the connection
 
@@ -301,15 +313,27 @@ class NRIPlugin:
         return succeed(nri.ConfigureResponse(events=EVENT_MASK).SerializeToString())
 
     def _synchronize(self, payload: bytes, timeout: float | None) -> Deferred[bytes]:
-        known_before = self._parts.store.ids()
-        started = self._parts.clock.seconds()
-        reading = maybeDeferred(translate.whole_synchronization, payload).addCallback(
-            lambda request: ensureDeferred(flows.read_everything(Inventory(request), None))
-        )
+        """Collect containerd's synchronization (in parts, NRI 0.8: each answered at once); the store agrees
+        with the whole of it once the last part has come, within the deadline the first part gave."""
+        if self._synchronizing is None:
+            now = self._parts.clock.seconds()
+            self._synchronizing = _Synchronization(self._parts.store.ids(), None if timeout is None else now + timeout)
+        synchronizing = self._synchronizing
 
-        def agreed(found: flows.Inventory) -> bytes:
-            agree(self._parts.store, found, known_before, "containerd's NRI")
-            if timeout is not None and self._parts.clock.seconds() - started > timeout - ANSWER_MARGIN:
+        async def collected(part: nri.SynchronizeRequest) -> flows.Inventory | None:
+            synchronizing.parts.append(part)
+            if part.more:
+                return None
+            self._synchronizing = None
+            whole = translate.synchronization(synchronizing.parts)
+            return await flows.read_everything(Inventory(whole), None)
+
+        def agreed(found: flows.Inventory | None) -> bytes:
+            if found is None:
+                return nri.SynchronizeResponse(more=True).SerializeToString()
+            agree(self._parts.store, found, synchronizing.known_before, "containerd's NRI")
+            deadline = synchronizing.deadline
+            if deadline is not None and self._parts.clock.seconds() > deadline - ANSWER_MARGIN:
                 raise NRIError(UNKNOWN, f"koordrp synchronized after containerd's {timeout:g}s")
             self._on_synchronized(self._runtime)
             return nri.SynchronizeResponse().SerializeToString()
@@ -317,12 +341,14 @@ class NRIPlugin:
         def not_synchronized(failure: Failure) -> bytes:
             # containerd keeps a plugin it could not synchronize connected, but never calls it: only a
             # new connection makes koordrp a plugin again.
+            self._synchronizing = None
             reason = shortened(failure.getErrorMessage())
             self.log.error("cannot synchronize with containerd's NRI ({reason}); connecting again", reason=reason)
             if self._connection is not None:
                 self._connection.close()
             raise NRIError(UNKNOWN, f"koordrp cannot synchronize: {reason}")
 
+        reading = maybeDeferred(nri.SynchronizeRequest.FromString, payload).addCallback(lambda part: ensureDeferred(collected(part)))
         return reading.addCallback(agreed).addErrback(not_synchronized)
 
     def _shutdown(self, payload: bytes, timeout: float | None) -> Deferred[bytes]:

@@ -7,9 +7,7 @@ one being updated, nothing for a sandbox. What a hook's answer changes that NRI 
 named, field by field, with why (``flows.LeftAlone``): the call's log line and metrics show it.
 """
 
-from typing import Mapping
-
-from google.protobuf.unknown_fields import UnknownFieldSet
+from typing import Mapping, Sequence
 
 from koordrp.api.nri.v1alpha1 import api_pb2 as nri
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
@@ -66,18 +64,19 @@ def pod_hook_request(pod: nri.PodSandbox) -> PodHookRequest:
     return request
 
 
-_SYNCHRONIZE_MORE = 3
-"""NRI 0.8's ``SynchronizeRequest.more``: containerd split its synchronization, and more parts follow."""
+def synchronization(parts: Sequence[nri.SynchronizeRequest]) -> nri.SynchronizeRequest:
+    """Every pod and container containerd told of at Synchronize, as one request.
 
-
-def whole_synchronization(payload: bytes) -> nri.SynchronizeRequest:
-    """containerd's Synchronize request; ValueError if it is a part of a split one (NRI 0.8 and later),
-    which is not everything containerd has, and which a plugin of NRI 0.6 cannot answer."""
-    request = nri.SynchronizeRequest.FromString(payload)
-    unknown = UnknownFieldSet(request)
-    if any(unknown[index].field_number == _SYNCHRONIZE_MORE and unknown[index].data for index in range(len(unknown))):
-        raise ValueError("containerd split its synchronization (NRI 0.8 and later), which koordrp cannot take")
-    return request
+    containerd ≥ 2.0 (NRI 0.8) splits a synchronization that does not fit one ttrpc message (4 MiB)
+    into parts, each but the last marked ``more``; before, it is one part.
+    """
+    if len(parts) == 1:
+        return parts[0]
+    whole = nri.SynchronizeRequest()
+    for part in parts:
+        whole.pods.extend(part.pods)
+        whole.containers.extend(part.containers)
+    return whole
 
 
 def _attempt(annotations: Mapping[str, str]) -> int:

@@ -8,7 +8,7 @@ from typing import Any, Callable, Iterator
 import pytest
 
 from tests.fake.hook_server import FakeHookServer
-from tests.support.containerd import Containerd, ContainerdError, require_binaries, require_containerd_1_7
+from tests.support.containerd import RELEASES, Containerd, ContainerdError, require_binaries
 from tests.support.daemons import DaemonError
 from tests.support.images import ImageSet, build_test_images
 from tests.support.koordrp_process import KoordrpProcess
@@ -48,22 +48,39 @@ def images() -> Iterator[ImageSet]:
         yield build_test_images(Path(out))
 
 
+class Runtimes:
+    """The session's private containerds, one per release (``RELEASES``), each with the test images and,
+    where the release has it, NRI enabled on its ``paths.nri_socket``; started when a test first needs it.
+
+    A release that is not unpacked here skips its tests; in CI that is a failure.
+    """
+
+    def __init__(self, images: ImageSet) -> None:
+        self._images = images
+        self._started: dict[str, Containerd] = {}
+
+    def get(self, release: str) -> Containerd:
+        if release not in self._started:
+            require(RELEASES[release].require, f"containerd {release}")
+            self._started[release] = start_containerd(self._images, release=release, nri=RELEASES[release].nri)
+        return self._started[release]
+
+    def stop(self) -> None:
+        for runtime in self._started.values():
+            runtime.stop()
+
+
 @pytest.fixture(scope="session")
-def containerd(images: ImageSet) -> Iterator[Containerd]:
+def runtimes(images: ImageSet) -> Iterator[Runtimes]:
+    started = Runtimes(images)
+    yield started
+    started.stop()
+
+
+@pytest.fixture(scope="session")
+def containerd(runtimes: Runtimes) -> Containerd:
     """The machine's containerd 1.6, private, with the test images."""
-    runtime = start_containerd(images)
-    yield runtime
-    runtime.stop()
-
-
-@pytest.fixture(scope="session")
-def containerd_1_7(images: ImageSet) -> Iterator[Containerd]:
-    """Debian 13's containerd 1.7 (unpacked under .deps by scripts/debian-13), private, with the test images,
-    and NRI enabled on its `paths.nri_socket`. Skipped where it is not unpacked; in CI that is a failure."""
-    require(require_containerd_1_7, "containerd 1.7")
-    runtime = start_containerd(images, release="1.7", nri=True)
-    yield runtime
-    runtime.stop()
+    return runtimes.get("1.6")
 
 
 @pytest.fixture

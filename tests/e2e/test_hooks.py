@@ -1,10 +1,10 @@
 """Runtime hooks end to end: koordrp between a real containerd and real hook servers.
 
-Every test here runs three ways (the `mode` fixture): koordrp in CRI mode in front of the machine's
-containerd 1.6, the same in front of Debian 13's containerd 1.7, and koordrp as containerd 1.7's NRI
-plugin, kubelet's calls going to containerd itself (`runtime` is then containerd's own CRI). The hook
-servers are the same. A test of what only the proxy can do (change a pod's sandbox) runs in the two
-CRI ways; tests/e2e/test_nri.py has NRI mode's own.
+Every test here runs five ways (the `mode` fixture): koordrp in CRI mode in front of the machine's
+containerd 1.6, of Debian 13's containerd 1.7 and of Debian sid's containerd 2.1, and koordrp as the NRI
+plugin of containerd 1.7 and of 2.1, kubelet's calls going to containerd itself (`runtime` is then
+containerd's own CRI). The hook servers are the same. A test of what only the proxy can do (change a
+pod's sandbox) runs in the CRI ways; tests/e2e/test_nri.py has NRI mode's own.
 """
 
 import json
@@ -17,7 +17,7 @@ import pytest
 from cri_api.v1 import api_pb2
 
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
-from tests.e2e.conftest import hook_server, wait_registered
+from tests.e2e.conftest import Runtimes, hook_server, wait_registered
 from tests.fake.hook_server import FakeHookServer
 from tests.support.containerd import Containerd
 from tests.support.cri_objects import container_config, linux_resources, pod_sandbox_config
@@ -32,8 +32,14 @@ CREATE = "PreCreateContainerHook"
 
 
 # The ways koordrp runs here: the containerd release, and whether koordrp is its NRI plugin.
-MODES = {"containerd-1.6": ("1.6", False), "containerd-1.7": ("1.7", False), "nri": ("1.7", True)}
-PROXY_MODES = ["containerd-1.6", "containerd-1.7"]
+MODES = {
+    "containerd-1.6": ("1.6", False),
+    "containerd-1.7": ("1.7", False),
+    "nri-1.7": ("1.7", True),
+    "containerd-2.1": ("2.1", False),
+    "nri-2.1": ("2.1", True),
+}
+PROXY_MODES = [mode for mode, (_, nri) in MODES.items() if not nri]
 
 
 @pytest.fixture(params=list(MODES))
@@ -43,12 +49,9 @@ def mode(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-def containerd(request: pytest.FixtureRequest, mode: str, containerd: Containerd) -> Containerd:
-    """The session's containerd of the mode's release: the conftest's (1.6), or `containerd_1_7`."""
-    if MODES[mode][0] == containerd.release:
-        return containerd
-    runtime: Containerd = request.getfixturevalue("containerd_1_7")
-    return runtime
+def containerd(mode: str, runtimes: Runtimes) -> Containerd:
+    """The session's containerd of the mode's release."""
+    return runtimes.get(MODES[mode][0])
 
 
 @pytest.fixture

@@ -1,4 +1,5 @@
-"""NRI mode end to end: koordrp as a plugin of a real containerd 1.7 with NRI, kubelet's calls going to
+"""NRI mode end to end: koordrp as a plugin of a real containerd with NRI (1.7 and 2.1: every test runs on
+both, the `nri_containerd` fixture), kubelet's calls going to
 containerd itself, hook servers as in the proxy (tests/e2e/test_hooks.py runs the hook tests that
 apply to both in both). Here: what NRI cannot do (a sandbox, a cleared cpuset) named; containerd's
 deadline on each plugin call; post hooks once; containerd and koordrp restarting, and koordrp
@@ -15,10 +16,10 @@ import pytest
 from cri_api.v1 import api_pb2
 
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
-from tests.e2e.conftest import hook_server, wait_registered
+from tests.e2e.conftest import Runtimes, hook_server, wait_registered
 from tests.fake.hook_server import FakeHookServer, koordlet_cpuset_rule
 from tests.support import koordlet
-from tests.support.containerd import Containerd
+from tests.support.containerd import NRI_RELEASES, Containerd
 from tests.support.cri_objects import container_config, linux_resources, pod_sandbox_config
 from tests.support.dockerd import remove_cgroup
 from tests.support.hook_registration import register
@@ -33,19 +34,31 @@ CGROUP_PARENT = "/koordrp-nri-e2e"
 BESTEFFORT = "/kubepods/besteffort/pod-nri-e2e"
 
 
+@pytest.fixture(params=NRI_RELEASES)
+def nri_release(request: pytest.FixtureRequest) -> str:
+    release: str = request.param
+    return release
+
+
 @pytest.fixture
-def plugin(containerd_1_7: Containerd, workdir: Path) -> Iterator[KoordrpProcess]:
-    """koordrp in NRI mode, registered with the session's containerd 1.7."""
-    koordrp = KoordrpProcess(workdir, containerd_1_7.endpoint, nri_socket=containerd_1_7.paths.nri_socket)
+def nri_containerd(nri_release: str, runtimes: Runtimes) -> Containerd:
+    """The session's containerd of the release, NRI enabled."""
+    return runtimes.get(nri_release)
+
+
+@pytest.fixture
+def plugin(nri_containerd: Containerd, workdir: Path) -> Iterator[KoordrpProcess]:
+    """koordrp in NRI mode, registered with the session's containerd."""
+    koordrp = KoordrpProcess(workdir, nri_containerd.endpoint, nri_socket=nri_containerd.paths.nri_socket)
     koordrp.start()
     yield koordrp
     koordrp.stop()
 
 
 @pytest.fixture
-def runtime(containerd_1_7: Containerd) -> Any:
+def runtime(nri_containerd: Containerd) -> Any:
     """containerd's own RuntimeService: in NRI mode kubelet calls containerd."""
-    return containerd_1_7.runtime()
+    return nri_containerd.runtime()
 
 
 def call_line(koordrp: KoordrpProcess, text: str) -> str:
@@ -162,17 +175,17 @@ def test_post_hooks_once_each_after_what_they_tell_of(
 
 
 def test_after_containerd_restarts_koordrp_is_its_plugin_again_and_knows_its_pods(
-    containerd_1_7: Containerd, plugin: KoordrpProcess, runtime: Any, servers: dict[str, FakeHookServer], workdir: Path, hooks_dir: Path
+    nri_containerd: Containerd, plugin: KoordrpProcess, runtime: Any, servers: dict[str, FakeHookServer], workdir: Path, hooks_dir: Path
 ) -> None:
     server = hook_server(servers, workdir, "memory")
     server.behaviours[CREATE] = lambda request: hook.ContainerResourceHookResponse(container_envs={"TUNED": "1"})
     register(hooks_dir, "memory", server.path, ["PreCreateContainer", "PostStopContainer"])
     wait_registered(plugin, 1)
     with running_container(runtime, "survivor", workdir, container_options={"env": {"A": "1"}}) as pod:
-        containerd_1_7.restart()
+        nri_containerd.restart()
         plugin.log_lines("store rebuilt from containerd's NRI", count=2, timeout=20)
         assert "the connection was lost" in plugin.log()
-        runtime = containerd_1_7.runtime()
+        runtime = nri_containerd.runtime()
         runtime.StopContainer(api_pb2.StopContainerRequest(container_id=pod.container_id, timeout=0), timeout=TIMEOUT)
         [stopped] = server.rpcs_once(2, timeout=5)[1:]
         assert stopped == "PostStopContainerHook"
@@ -183,21 +196,21 @@ def test_after_containerd_restarts_koordrp_is_its_plugin_again_and_knows_its_pod
 
 
 def test_after_koordrp_restarts_hooks_get_the_same_information(
-    containerd_1_7: Containerd, runtime: Any, servers: dict[str, FakeHookServer], workdir: Path, hooks_dir: Path
+    nri_containerd: Containerd, runtime: Any, servers: dict[str, FakeHookServer], workdir: Path, hooks_dir: Path
 ) -> None:
     server = hook_server(servers, workdir, "memory")
     server.behaviours[CREATE] = lambda request: hook.ContainerResourceHookResponse(
         container_envs={"KOORDRP_TEST": "1"}, container_resources=hook.LinuxContainerResources(cpu_shares=700)
     )
     register(hooks_dir, "memory", server.path, ["PreCreateContainer", "PreStartContainer", "PostStopContainer"])
-    nri_socket = containerd_1_7.paths.nri_socket
-    first = KoordrpProcess(workdir, containerd_1_7.endpoint, nri_socket=nri_socket)
+    nri_socket = nri_containerd.paths.nri_socket
+    first = KoordrpProcess(workdir, nri_containerd.endpoint, nri_socket=nri_socket)
     first.start()
     try:
         with running_container(runtime, "restart", workdir, container_options={"env": {"B": "2", "A": "1"}}) as pod:
             before = server.calls("PreStartContainerHook")[-1]
             assert first.terminate() == 0
-            second = KoordrpProcess(workdir, containerd_1_7.endpoint, nri_socket=nri_socket)
+            second = KoordrpProcess(workdir, nri_containerd.endpoint, nri_socket=nri_socket)
             second.start()
             try:
                 runtime.StopContainer(api_pb2.StopContainerRequest(container_id=pod.container_id, timeout=0), timeout=TIMEOUT)
@@ -214,9 +227,9 @@ def test_after_koordrp_restarts_hooks_get_the_same_information(
 
 
 def test_koordrp_started_before_containerd_registers_once_it_is_up(
-    images: ImageSet, servers: dict[str, FakeHookServer], workdir: Path, hooks_dir: Path
+    nri_release: str, images: ImageSet, servers: dict[str, FakeHookServer], workdir: Path, hooks_dir: Path
 ) -> None:
-    containerd = Containerd(workdir / "containerd", release="1.7", nri=True)
+    containerd = Containerd(workdir / "containerd", release=nri_release, nri=True)
     koordrp = KoordrpProcess(workdir, containerd.endpoint, nri_socket=containerd.paths.nri_socket)
     server = hook_server(servers, workdir, "early")
     server.behaviours[CREATE] = lambda request: hook.ContainerResourceHookResponse(container_envs={"EARLY": "1"})
@@ -226,7 +239,7 @@ def test_koordrp_started_before_containerd_registers_once_it_is_up(
             koordrp.start(timeout=2.5)  # no containerd: it keeps trying
         [warning] = koordrp.log_lines("pods run without koordrp's hooks until it is back")
         assert "cannot connect" in warning
-        started = start_containerd(images, containerd.paths.base, release="1.7", nri=True)
+        started = start_containerd(images, containerd.paths.base, release=nri_release, nri=True)
         try:
             koordrp.log_lines("store rebuilt from containerd's NRI", timeout=10)
             assert "EARLY=1" in env_of_new_container(started.runtime(), workdir, "early")
@@ -254,18 +267,18 @@ def test_a_fail_policy_server_fails_the_call_kubelet_made_to_containerd(
 
 
 def test_koordrp_check_knows_nri_mode_and_that_two_modes_are_one_too_many(
-    containerd_1_7: Containerd, plugin: KoordrpProcess, workdir: Path
+    nri_release: str, nri_containerd: Containerd, plugin: KoordrpProcess, workdir: Path
 ) -> None:
     node = FakeNode(workdir / "node", str(plugin.socket))
-    node.run_kubelet(["kubelet", f"--container-runtime-endpoint=unix://{containerd_1_7.paths.socket}"])
+    node.run_kubelet(["kubelet", f"--container-runtime-endpoint=unix://{nri_containerd.paths.socket}"])
     node.shows(plugin.pid)
-    nri = [f"--nri-socket={containerd_1_7.paths.nri_socket}", f"--state-dir={workdir / 'state'}"]
+    nri = [f"--nri-socket={nri_containerd.paths.nri_socket}", f"--state-dir={workdir / 'state'}"]
     code, output = run_check(node, "--backend-runtime-mode=NRI", *nri)
     assert code == 0, output
-    assert f"sends runtime calls to unix://{containerd_1_7.paths.socket} (its flag --container-runtime-endpoint), which calls koordrp through NRI" in output
-    assert f"✓ containerd's NRI socket is at {containerd_1_7.paths.nri_socket}" in output
-    assert f"✓ koordrp (pid {plugin.pid}) is plugin 10-koordrp of containerd 1.7.24" in output
-    proxy = KoordrpProcess(workdir / "proxy", containerd_1_7.endpoint)
+    assert f"sends runtime calls to unix://{nri_containerd.paths.socket} (its flag --container-runtime-endpoint), which calls koordrp through NRI" in output
+    assert f"✓ containerd's NRI socket is at {nri_containerd.paths.nri_socket}" in output
+    assert f"✓ koordrp (pid {plugin.pid}) is plugin 10-koordrp of containerd {nri_release}." in output
+    proxy = KoordrpProcess(workdir / "proxy", nri_containerd.endpoint)
     (workdir / "proxy").mkdir()
     proxy.start()
     try:

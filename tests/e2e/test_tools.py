@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.conftest import require, require_runtime
-from tests.support.containerd import require_containerd_1_7
+from tests.support.containerd import RELEASES
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -45,7 +45,7 @@ def test_demo_walks_a_pod_through_koordrp_and_cleans_up() -> None:
 
 
 def test_demo_in_nri_mode_calls_containerd_which_calls_koordrp() -> None:
-    require(require_containerd_1_7, "containerd 1.7")
+    require(RELEASES["1.7"].require, "containerd 1.7")
     before = kubepods_cgroups()
     output = run_module("scripts.demo", "--mode", "nri", "--repeat-stops")
     assert "private containerd 1.7 on unix://" in output and "--backend-runtime-mode=NRI" in output
@@ -141,7 +141,7 @@ def test_passthrough_benchmark_prints_its_table() -> None:
 
 
 def test_hooks_benchmark_prints_its_figures() -> None:
-    require(require_containerd_1_7, "containerd 1.7")
+    require(RELEASES["1.7"].require, "containerd 1.7")
     output = run_module(
         "benchmarks.hooks", "--pods", "2", "--rounds", "5", "--servers", "1", "2", "--pod-pause", "0.1", "--nri-pods", "2"
     )

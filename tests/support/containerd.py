@@ -7,11 +7,12 @@ containerd's /var/lib/containerd or /run/containerd (except the shim sockets,
 which containerd 1.6 and 1.7 always put in /run/containerd/s; ``stop()``
 removes those of shims it had to SIGKILL).
 
-Two releases run (``RELEASES``): the machine's own containerd 1.6 (Debian 12),
-found on PATH, and Debian 13's containerd 1.7, which has NRI built in, unpacked
-but never installed under .deps/debian-13 by ``scripts/debian-13 containerd``
-(``scripts/bootstrap`` runs it). Each runs its own shim and ctr; both use the
-machine's runc.
+Three releases run (``RELEASES``): the machine's own containerd 1.6 (Debian 12),
+found on PATH; Debian 13's containerd 1.7 and Debian sid's containerd 2.1, which
+have NRI built in, unpacked but never installed under .deps/trixie and .deps/sid
+by ``scripts/debian-unpack`` (``scripts/bootstrap`` runs it). Each runs its own
+shim and ctr; all use the machine's runc. containerd 2.1 takes the same version 2
+config as 1.7 (it migrates it at start, as it does a node's that was never migrated).
 """
 
 from __future__ import annotations
@@ -59,21 +60,25 @@ require_binaries = functools.partial(
 # The project's root (this file is tests/support/containerd.py): .deps/ sits there.
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
-# Where scripts/debian-13 unpacks Debian 13's containerd 1.7 (containerd, its shims, ctr).
-CONTAINERD_1_7_BIN = PROJECT_ROOT / ".deps" / "debian-13" / "root" / "usr" / "bin"
+# What an unpacked containerd brings of its own; runc is the machine's (a newer Debian's does not run on Debian 12).
+UNPACKED_BINARIES: tuple[str, ...] = ("containerd", "containerd-shim-runc-v2", "ctr")
 
-# What containerd 1.7 brings of its own; runc is the machine's (Debian 13's does not run on Debian 12).
-CONTAINERD_1_7_BINARIES: tuple[str, ...] = ("containerd", "containerd-shim-runc-v2", "ctr")
 
-# Raises MissingBinariesError naming every tool a containerd 1.7 lacks.
-require_containerd_1_7 = functools.partial(
-    check_binaries,
-    ("runc",),
-    files=[CONTAINERD_1_7_BIN / name for name in CONTAINERD_1_7_BINARIES] + [BUSYBOX_PATH],
-    tests="containerd 1.7 tests",
-    packages="",
-    remedy="run scripts/bootstrap, or scripts/debian-13 containerd, to unpack Debian 13's containerd there",
-)
+def unpacked_bin(suite: str) -> Path:
+    """Where scripts/debian-unpack puts a Debian suite's containerd (containerd, its shims, ctr)."""
+    return PROJECT_ROOT / ".deps" / suite / "root" / "usr" / "bin"
+
+
+def require_unpacked(release: str, suite: str) -> Callable[[], None]:
+    """Raises MissingBinariesError naming every tool the containerd ``release`` unpacked from ``suite`` lacks."""
+    return functools.partial(
+        check_binaries,
+        ("runc",),
+        files=[unpacked_bin(suite) / name for name in UNPACKED_BINARIES] + [BUSYBOX_PATH],
+        tests=f"containerd {release} tests",
+        packages="",
+        remedy=f"run scripts/bootstrap, or scripts/debian-unpack {suite} containerd, to unpack it there",
+    )
 
 # Plugins that either cannot work here (no btrfs/zfs/aufs/devmapper on an ext4
 # disk), would write outside our tree (opt writes /opt/containerd), or only add
@@ -93,6 +98,12 @@ DISABLED_PLUGINS: tuple[str, ...] = (
 # skipped without a scratch file configured. Nothing else of 1.7's writes outside our tree.
 DISABLED_PLUGINS_1_7: tuple[str, ...] = DISABLED_PLUGINS + ("io.containerd.snapshotter.v1.blockfile",)
 
+# containerd 2.1 adds the erofs snapshotter and differ (no mkfs.erofs here) to 1.7's.
+DISABLED_PLUGINS_2_1: tuple[str, ...] = DISABLED_PLUGINS_1_7 + (
+    "io.containerd.snapshotter.v1.erofs",
+    "io.containerd.differ.v1.erofs",
+)
+
 NRI_PLUGIN = "io.containerd.nri.v1.nri"
 
 
@@ -105,6 +116,7 @@ class Release:
     disabled_plugins: tuple[str, ...]
     require: Callable[[], None]  # raises MissingBinariesError if it cannot run here
     nri: bool  # whether it has NRI built in
+    cri_options: str = "    systemd_cgroup = false\n"  # what its CRI section takes beyond the common ones
 
     def binary(self, name: str) -> str:
         """What to run for one of its binaries."""
@@ -117,8 +129,13 @@ class Release:
 
 RELEASES: dict[str, Release] = {
     "1.6": Release("1.6", None, DISABLED_PLUGINS, require_binaries, nri=False),
-    "1.7": Release("1.7", CONTAINERD_1_7_BIN, DISABLED_PLUGINS_1_7, require_containerd_1_7, nri=True),
+    "1.7": Release("1.7", unpacked_bin("trixie"), DISABLED_PLUGINS_1_7, require_unpacked("1.7", "trixie"), nri=True),
+    # 2.x dropped systemd_cgroup (the runtime's SystemdCgroup option below says it).
+    "2.1": Release("2.1", unpacked_bin("sid"), DISABLED_PLUGINS_2_1, require_unpacked("2.1", "sid"), True, ""),
 }
+
+# The releases with NRI, as tests name them.
+NRI_RELEASES: tuple[str, ...] = tuple(name for name, release in RELEASES.items() if release.nri)
 
 # Pods and images may need a few seconds each on a loaded 2-core machine.
 CRI_CALL_TIMEOUT = 30.0
@@ -150,7 +167,7 @@ class ContainerdPaths(DaemonPaths):
     cni_bin_dir: Path
     pod_logs: Path  # a convenient parent for tests' PodSandboxConfig.log_directory
     ttrpc_socket: Path
-    nri_socket: Path  # where containerd 1.7 listens for NRI plugins, when NRI is enabled
+    nri_socket: Path  # where containerd ≥ 1.7 listens for NRI plugins, when NRI is enabled
     nri_plugins: Path  # NRI's plugin_path (plugins it would start itself): kept empty
     nri_plugin_config: Path  # NRI's plugin_config_path: kept empty
 
@@ -183,7 +200,7 @@ def _toml_str(value: str | Path) -> str:
 
 
 def render_nri(paths: ContainerdPaths, enabled: bool) -> str:
-    """containerd 1.7's NRI section: NRI on our own socket, with no plugins of its own to start; or off."""
+    """NRI's section (containerd ≥ 1.7): NRI on our own socket, with no plugins of its own to start; or off."""
     section = f'[plugins."{NRI_PLUGIN}"]'
     if not enabled:
         return f"""\
@@ -244,8 +261,7 @@ required_plugins = ["io.containerd.grpc.v1.cri"]
     # apparmor_parser is not installed; never try to load a profile.
     disable_apparmor = true
     enable_selinux = false
-    systemd_cgroup = false
-
+{of.cri_options}
     {cri[:-1]}.cni]
       # Empty on purpose: host-network pods need no CNI plugin.
       bin_dir = {_toml_str(paths.cni_bin_dir)}
@@ -286,11 +302,11 @@ class Containerd(Daemon[ContainerdPaths]):
         log_level: str = "info",
         start_timeout: float = 30.0,
     ) -> None:
-        """`release`: a key of RELEASES; `nri`: NRI enabled on `paths.nri_socket` (containerd 1.7 only)."""
+        """`release`: a key of RELEASES; `nri`: NRI enabled on `paths.nri_socket` (a release with NRI)."""
         if release not in RELEASES:
             raise ValueError(f"no containerd release {release!r}; the harness runs {', '.join(RELEASES)}")
         if nri and not RELEASES[release].nri:
-            raise ValueError(f"containerd {release} has no NRI: nri=True needs release 1.7")
+            raise ValueError(f"containerd {release} has no NRI: nri=True needs one of {', '.join(NRI_RELEASES)}")
         base_dir.mkdir(parents=True, exist_ok=True)
         paths = ContainerdPaths.under(base_dir.resolve())
         super().__init__(paths, start_timeout, containerd_socket=paths.socket, containerd_state=paths.state)

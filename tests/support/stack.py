@@ -11,7 +11,7 @@ from tests.support.koordrp_process import KoordrpProcess
 
 
 def start_containerd(images: ImageSet, base: Path | None = None, release: str = "1.6", nri: bool = False) -> Containerd:
-    """A private containerd of `release` (with NRI if `nri`: 1.7 only), running, with `images` imported."""
+    """A private containerd of `release` (with NRI if `nri`: a release with NRI), running, with `images` imported."""
     runtime = Containerd(base or Path(tempfile.mkdtemp(prefix="krp-cd-", dir="/tmp")), release=release, nri=nri)
     runtime.start()
     try:
@@ -24,11 +24,11 @@ def start_containerd(images: ImageSet, base: Path | None = None, release: str = 
 
 @contextlib.contextmanager
 def containerd_and_koordrp(
-    base: Path, koordrp_args: Sequence[str] = (), nri: bool = False
+    base: Path, koordrp_args: Sequence[str] = (), nri: bool = False, release: str | None = None
 ) -> Iterator[tuple[Containerd, KoordrpProcess]]:
-    """Both running under ``base`` (``nri``: containerd 1.7, koordrp its NRI plugin); both stopped, and
-    containerd's state removed, on exit."""
-    release = "1.7" if nri else "1.6"
+    """Both running under ``base`` (``nri``: koordrp containerd's NRI plugin); both stopped, and containerd's
+    state removed, on exit. ``release`` is containerd's (default: 1.7 for NRI, else the machine's 1.6)."""
+    release = release or ("1.7" if nri else "1.6")
     containerd = start_containerd(build_test_images(base / "images"), base / "containerd", release=release, nri=nri)
     nri_socket = containerd.paths.nri_socket if nri else None
     proxy = KoordrpProcess(base, containerd.endpoint, koordrp_args, nri_socket=nri_socket)

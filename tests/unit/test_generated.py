@@ -1,7 +1,7 @@
 """The committed stubs are exactly what scripts/generate-stubs makes: the hook API and ttrpc's envelope from
 proto/, the CRI schema from the container-runtime-interface-api package's descriptors, NRI's messages from
-the api.proto of Debian 13's golang-github-containerd-nri-dev; the hand-written ttrpc envelope agrees with
-the request.proto of its golang-github-containerd-ttrpc-dev."""
+the api.proto of Debian sid's golang-github-containerd-nri-dev (NRI 0.8); the hand-written ttrpc envelope
+agrees with the request.proto of Debian 13's golang-github-containerd-ttrpc-dev."""
 
 import os
 import subprocess
@@ -13,7 +13,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from tests.support.tempdirs import short_tempdir
 
 ROOT = Path(__file__).resolve().parents[2]
-TTRPC_SOURCE = ROOT / ".deps/debian-13/root/usr/share/gocode/src/github.com/containerd/ttrpc"
+TTRPC_SOURCE = ROOT / ".deps/trixie/root/usr/share/gocode/src/github.com/containerd/ttrpc"
 GENERATED = {
     Path("koordrp/api/runtime/v1alpha1"): ["api_pb2.py", "api_pb2.pyi", "api_pb2_grpc.py"],
     Path("koordrp/api/cri/v1"): ["api_pb2.py", "api_pb2.pyi"],
