@@ -34,7 +34,7 @@ import grpc
 from koordrp import koordrp_version
 from koordrp.api.cri.v1 import api_pb2 as cri
 from koordrp.hooks.config import DEFAULT_HOOK_TIMEOUT
-from koordrp.hooks.registry import Refusal, describe, list_registrations, read_registration, understand
+from koordrp.hooks.registry import Rejection, describe, list_registrations, read_registration, understand
 from koordrp.hooks.types import HookServers
 from koordrp.nri import registration
 from koordrp.tap import DEFAULT_HOOK_CONFIG_DIR, DEFAULT_NRI_SOCKET, DEFAULT_PROXY_ENDPOINT, DEFAULT_STATE_DIR, RUNTIME_MODES
@@ -265,10 +265,10 @@ def hook_findings(directory: str, default_timeout: float, timeout: float) -> tup
     for name in sorted(listing):
         path = os.path.join(directory, name)
         found = listing[name]
-        understood = understand(name, found if isinstance(found, Refusal) else read_registration(path), default_timeout)
+        understood = understand(name, found if isinstance(found, Rejection) else read_registration(path), default_timeout)
         if understood is None:
             continue
-        if isinstance(understood, Refusal):
+        if isinstance(understood, Rejection):
             findings.append(Finding(False, f"{path} is rejected: {understood.reason}", _FIX_FILE))
             continue
         registered += 1

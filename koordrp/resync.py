@@ -1,28 +1,73 @@
 """Keeping the store in agreement with the runtime: at start, and after the runtime was away.
 
-Every front end reads what its runtime has with ``koordrp.flows.read_everything`` (NRI mode: what
-containerd tells at Synchronize); ``agree`` decides what the store makes of it. ``StoreSync`` reads
+Every front end reads what its runtime has with ``read_everything`` (NRI mode: from what containerd
+tells at Synchronize); ``agree`` decides what the store makes of it. ``StoreSync`` reads
 it, and retries every second while the runtime cannot say, with one log
 line when that starts (or its reason changes) and one when it is over.
 """
 
-from typing import Callable
+from typing import Awaitable, Callable, TypeVar
 
 from twisted.internet.defer import CancelledError, Deferred, maybeDeferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from koordrp.flows import Inventory, LookupFailed
-from koordrp.store import Store
+from koordrp.adapters import LookupFailed, RuntimeInventory, Unreadable
+from koordrp.hooks.messages import PodHookRequest
+from koordrp.store import Store, StoredContainer, StoredPod
 from koordrp.text import shortened
 
 RETRY_SECONDS = 1.0
 
+Result = TypeVar("Result")
+
 log = Logger()
 
+Snapshot = tuple[list[tuple[str, StoredPod]], list[tuple[str, StoredContainer]]]
+"""Every Kubernetes pod and container the runtime has, by id, as the store keeps them."""
 
-def agree(store: Store, found: Inventory, known_before: tuple[set[str], set[str]], runtime: str) -> None:
+
+async def read_everything(runtime: RuntimeInventory, timeout: float | None) -> Snapshot:
+    """Every Kubernetes pod and container the runtime has, as the store keeps them; each question bounded by ``timeout``.
+
+    One that cannot be read is left out with a warning; one the runtime no longer knows is left
+    out; if the runtime cannot be asked, LookupFailed says why.
+    """
+    sandbox_ids, container_ids = await runtime.listed(timeout)
+    pods: dict[str, StoredPod] = {}
+    for sandbox_id in sandbox_ids:
+        pod = await _readable("pod", sandbox_id, runtime.read_pod(sandbox_id, timeout))
+        if pod is not None:
+            pods[sandbox_id] = pod
+
+    async def listed_pod(sandbox_id: str) -> PodHookRequest | None:
+        found = pods.get(sandbox_id)
+        return None if found is None else found.given
+
+    containers: list[tuple[str, StoredContainer]] = []
+    for container_id in container_ids:
+        stored = await _readable("container", container_id, runtime.read_container(container_id, listed_pod, timeout))
+        if stored is not None:
+            containers.append((container_id, stored))
+    return list(pods.items()), containers
+
+
+async def _readable(kind: str, identifier: str, reading: Awaitable[Result | None]) -> Result | None:
+    try:
+        return await reading
+    except Unreadable as error:
+        log.warn(
+            "{kind} {id} cannot be read from the runtime; left out: {error}",
+            kind=kind,
+            id=shortened(identifier, 80),
+            error=shortened(str(error)),
+        )
+        return None
+
+
+
+def agree(store: Store, found: Snapshot, known_before: tuple[set[str], set[str]], runtime: str) -> None:
     """The store agrees with what ``runtime`` (named in the log line) has, read after ``known_before``."""
     pods, containers = found
     forgotten, learnt = store.reconcile(pods, containers, known_before)
@@ -40,7 +85,7 @@ class StoreSync:
     log = Logger()
 
     def __init__(
-        self, store: Store, read: Callable[[], "Deferred[Inventory]"], clock: IReactorTime, runtime: str
+        self, store: Store, read: Callable[[], "Deferred[Snapshot]"], clock: IReactorTime, runtime: str
     ) -> None:
         """``read`` asks the runtime for everything; ``runtime`` names it in log lines."""
         self._store = store
@@ -73,14 +118,14 @@ class StoreSync:
         if not self._running:
             return
         known_before = self._store.ids()
-        reading: Deferred[Inventory] = maybeDeferred(self._read)
+        reading: Deferred[Snapshot] = maybeDeferred(self._read)
         self._reading = agreed = reading.addCallbacks(lambda found: self._agree(found, known_before), self._failed)
         agreed.addBoth(self._read_done)
 
     def _read_done(self, result: object) -> None:
         self._reading = None
 
-    def _agree(self, found: Inventory, known_before: tuple[set[str], set[str]]) -> None:
+    def _agree(self, found: Snapshot, known_before: tuple[set[str], set[str]]) -> None:
         agree(self._store, found, known_before, self._runtime)
         self._failing = None
 

@@ -1,4 +1,4 @@
-"""What kubelet asked for each pod and container, and what the runtime was given, by id; safe from any thread.
+"""What kubelet asked for each pod and container, and what the runtime was given, by id; the reactor's alone.
 
 Entries are hook requests. ``asked`` is kubelet's request as hooks are shown it (folded over
 kubelet's updates): every hook request is built from it, so a hook that scales a value scales
@@ -11,7 +11,6 @@ After a restart the store is rebuilt from the runtime, which knows only ``given`
 back from the checkpoint (``koordrp.checkpoint``), where it is kept whenever it differs.
 """
 
-import threading
 from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Iterable
@@ -91,49 +90,42 @@ def _kept(asked: PodHookRequest | ContainerHookRequest, given: PodHookRequest | 
 
 class Store:
     def __init__(self, checkpoint: Checkpoint | None = None) -> None:
-        self._lock = threading.Lock()
         self._pods: dict[str, StoredPod] = {}
         self._containers: dict[str, StoredContainer] = {}
         self._checkpoint: Checkpoint = checkpoint if checkpoint is not None else NoCheckpoint()
 
     def pod(self, sandbox_id: str) -> StoredPod | None:
-        with self._lock:
-            stored = self._pods.get(sandbox_id)
+        stored = self._pods.get(sandbox_id)
         return None if stored is None else stored.copy()
 
     def container(self, container_id: str) -> StoredContainer | None:
-        with self._lock:
-            stored = self._containers.get(container_id)
+        stored = self._containers.get(container_id)
         return None if stored is None else stored.copy()
 
     def has_pod(self, sandbox_id: str) -> bool:
-        with self._lock:
-            return sandbox_id in self._pods
+        return sandbox_id in self._pods
 
     def has_container(self, container_id: str) -> bool:
-        with self._lock:
-            return container_id in self._containers
+        return container_id in self._containers
 
     def put_pod(self, sandbox_id: str, asked: PodHookRequest, given: PodHookRequest) -> None:
         """A pod the runtime has just run."""
         stored = StoredPod(copied(asked), copied(given))
-        with self._lock:
-            self._pods[sandbox_id] = stored
+        self._pods[sandbox_id] = stored
         self._checkpoint.write("pods", sandbox_id, _kept(asked, given))
 
     def resize_pod(self, sandbox_id: str, resources: Resources | None, overhead: Resources | None) -> None:
         """The runtime resized the pod (kubelet's UpdatePodSandboxResources): kubelet's values, asked and given."""
-        with self._lock:
-            stored = self._pods.get(sandbox_id)
-            if stored is None:
-                return
-            resized = stored.copy()
-            for pod in (resized.asked, resized.given):
-                if resources is not None:
-                    pod.resources.CopyFrom(resources)
-                if overhead is not None:
-                    pod.overhead.CopyFrom(overhead)
-            self._pods[sandbox_id] = resized
+        stored = self._pods.get(sandbox_id)
+        if stored is None:
+            return
+        resized = stored.copy()
+        for pod in (resized.asked, resized.given):
+            if resources is not None:
+                pod.resources.CopyFrom(resources)
+            if overhead is not None:
+                pod.overhead.CopyFrom(overhead)
+        self._pods[sandbox_id] = resized
         self._checkpoint.write("pods", sandbox_id, _kept(resized.asked, resized.given))
 
     def put_container(
@@ -141,18 +133,16 @@ class Store:
     ) -> None:
         """A container the runtime has just created."""
         stored = StoredContainer(sandbox_id, copied(asked), copied(given))
-        with self._lock:
-            self._containers[container_id] = stored
+        self._containers[container_id] = stored
         self._checkpoint.write("containers", container_id, _kept(asked, given))
 
     def revise_container(self, container_id: str, asked: ContainerHookRequest, given: ContainerHookRequest) -> None:
         """The runtime took an update of the container; one forgotten meanwhile stays forgotten."""
         asked, given = copied(asked), copied(given)
-        with self._lock:
-            stored = self._containers.get(container_id)
-            if stored is None:
-                return
-            self._containers[container_id] = replace(stored, asked=asked, given=given)
+        stored = self._containers.get(container_id)
+        if stored is None:
+            return
+        self._containers[container_id] = replace(stored, asked=asked, given=given)
         self._checkpoint.write("containers", container_id, _kept(asked, given))
 
     def started(self, container_id: str) -> bool:
@@ -164,12 +154,11 @@ class Store:
         return self._enter(container_id, ContainerState.STOPPED)
 
     def _enter(self, container_id: str, state: ContainerState) -> bool:
-        with self._lock:
-            stored = self._containers.get(container_id)
-            if stored is None or stored.state is state:
-                return False
-            self._containers[container_id] = replace(stored, state=state)
-            return True
+        stored = self._containers.get(container_id)
+        if stored is None or stored.state is state:
+            return False
+        self._containers[container_id] = replace(stored, state=state)
+        return True
 
     def pod_stopped(self, sandbox_id: str) -> tuple[bool, list[StoredContainer]]:
         """The pod stopped, and its containers with it.
@@ -177,30 +166,27 @@ class Store:
         Says whether koordrp knew the pod as not stopped (its PostStopPodSandbox is owed), and which
         of its containers it knew as not stopped (their PostStopContainer are owed), oldest first.
         """
-        with self._lock:
-            stored = self._pods.get(sandbox_id)
-            newly = stored is not None and not stored.stopped
-            if stored is not None:
-                self._pods[sandbox_id] = replace(stored, stopped=True)
-            containers = []
-            for container_id, container in self._containers.items():
-                if container.sandbox_id == sandbox_id and container.state is not ContainerState.STOPPED:
-                    self._containers[container_id] = replace(container, state=ContainerState.STOPPED)
-                    containers.append(container)
+        stored = self._pods.get(sandbox_id)
+        newly = stored is not None and not stored.stopped
+        if stored is not None:
+            self._pods[sandbox_id] = replace(stored, stopped=True)
+        containers = []
+        for container_id, container in self._containers.items():
+            if container.sandbox_id == sandbox_id and container.state is not ContainerState.STOPPED:
+                self._containers[container_id] = replace(container, state=ContainerState.STOPPED)
+                containers.append(container)
         return newly, [container.copy() for container in containers]
 
     def forget_container(self, container_id: str) -> None:
-        with self._lock:
-            self._containers.pop(container_id, None)
+        self._containers.pop(container_id, None)
         self._checkpoint.write("containers", container_id, None)
 
     def forget_pod(self, sandbox_id: str) -> None:
         """Forget a pod and every container in it: the runtime removes them with the sandbox."""
-        with self._lock:
-            self._pods.pop(sandbox_id, None)
-            gone = [cid for cid, c in self._containers.items() if c.sandbox_id == sandbox_id]
-            for container_id in gone:
-                del self._containers[container_id]
+        self._pods.pop(sandbox_id, None)
+        gone = [cid for cid, c in self._containers.items() if c.sandbox_id == sandbox_id]
+        for container_id in gone:
+            del self._containers[container_id]
         self._checkpoint.write("pods", sandbox_id, None)
         for container_id in gone:
             self._checkpoint.write("containers", container_id, None)
@@ -213,22 +199,13 @@ class Store:
         at least as fresh as anything read back from the runtime, so it is kept (and its checkpoint
         file is not read).
         """
-        with self._lock:
-            pods = [(sandbox_id, pod) for sandbox_id, pod in pods if sandbox_id not in self._pods]
-            containers = [(container_id, c) for container_id, c in containers if container_id not in self._containers]
-        new_pods = [
-            (sandbox_id, replace(pod, asked=self._asked("pods", sandbox_id, pod.given), given=copied(pod.given)))
-            for sandbox_id, pod in pods
-        ]
-        new_containers = [
-            (container_id, replace(c, asked=self._asked("containers", container_id, c.given), given=copied(c.given)))
-            for container_id, c in containers
-        ]
-        with self._lock:
-            for sandbox_id, pod in new_pods:
-                self._pods.setdefault(sandbox_id, pod)
-            for container_id, stored in new_containers:
-                self._containers.setdefault(container_id, stored)
+        for sandbox_id, pod in pods:
+            if sandbox_id not in self._pods:
+                self._pods[sandbox_id] = replace(pod, asked=self._asked("pods", sandbox_id, pod.given), given=copied(pod.given))
+        for container_id, stored in containers:
+            if container_id not in self._containers:
+                asked = self._asked("containers", container_id, stored.given)
+                self._containers[container_id] = replace(stored, asked=asked, given=copied(stored.given))
 
     def _asked(self, kind: Kind, identifier: str, given: AnyRequest) -> AnyRequest:
         """What kubelet asked, as the checkpoint kept it; what the runtime has if nothing readable was kept."""
@@ -242,8 +219,7 @@ class Store:
 
     def ids(self) -> tuple[set[str], set[str]]:
         """The pod and container ids known now: what a later reconcile may forget."""
-        with self._lock:
-            return set(self._pods), set(self._containers)
+        return set(self._pods), set(self._containers)
 
     def reconcile(
         self,
@@ -260,24 +236,20 @@ class Store:
         pods_before, containers_before = known_before
         listed_pods = {sandbox_id for sandbox_id, _ in pods}
         listed_containers = {container_id for container_id, _ in containers}
-        with self._lock:
-            gone_pods = [i for i in pods_before - listed_pods if i in self._pods]
-            gone_containers = [i for i in containers_before - listed_containers if i in self._containers]
-            for sandbox_id in gone_pods:
-                del self._pods[sandbox_id]
-            for container_id in gone_containers:
-                del self._containers[container_id]
-            new = sum(i not in self._pods for i in listed_pods) + sum(
-                i not in self._containers for i in listed_containers
-            )
+        gone_pods = [i for i in pods_before - listed_pods if i in self._pods]
+        gone_containers = [i for i in containers_before - listed_containers if i in self._containers]
+        for sandbox_id in gone_pods:
+            del self._pods[sandbox_id]
+        for container_id in gone_containers:
+            del self._containers[container_id]
+        new = sum(i not in self._pods for i in listed_pods) + sum(
+            i not in self._containers for i in listed_containers
+        )
         self.learn(pods, containers)
         # What was kept for the pods and containers removed while koordrp could not see it.
-        with self._lock:
-            known_pods, known_containers = set(self._pods), set(self._containers)
-        self._checkpoint.retain("pods", known_pods)
-        self._checkpoint.retain("containers", known_containers)
+        self._checkpoint.retain("pods", set(self._pods))
+        self._checkpoint.retain("containers", set(self._containers))
         return len(gone_pods) + len(gone_containers), new
 
     def sizes(self) -> tuple[int, int]:
-        with self._lock:
-            return len(self._pods), len(self._containers)
+        return len(self._pods), len(self._containers)

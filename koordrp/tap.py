@@ -15,7 +15,7 @@ from koordrp import koordrp_version
 from koordrp.checkpoint import CheckpointError, DirectoryCheckpoint
 from koordrp.cri.server import CRIProxyService, CRIProxySettings
 from koordrp.docker.service import DockerProxyService, DockerProxySettings
-from koordrp.flows import Parts, SkipLabel
+from koordrp.call import Parts, SkipLabel
 from koordrp.frontend import IFrontEnd
 from koordrp.hooks.client import HookClients
 from koordrp.hooks.config import DEFAULT_HOOK_TIMEOUT

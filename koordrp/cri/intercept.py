@@ -1,8 +1,8 @@
 """The lifecycle calls in CRI mode: kubelet's requests parsed and run through ``koordrp.flows`` on the reactor.
 
 A handler runs on a grpc worker thread: it parses kubelet's bytes, crosses into the reactor once to
-start the flow (``flows.Call``), and waits for its outcome, which it turns into the grpc answer
-(``answer``: the one place an outcome becomes a status). Hook calls, the runtime's call and read-backs
+start the flow (``Call``), and waits for its outcome, which it turns into the grpc answer
+(``answer``: the one place an outcome becomes a grpc answer). Hook calls, the runtime's call and read-backs
 are Deferreds on the reactor. When grpc says the RPC has ended (answered, cancelled by kubelet, or
 past its deadline), the reactor hears of it once: an unfinished flow is cancelled, which cancels
 what it waits for upstream, and the call's end (post stages, log line, metrics) follows.
@@ -16,6 +16,8 @@ import grpc
 from google.protobuf.message import DecodeError
 from twisted.internet.interfaces import IReactorFromThreads
 
+from koordrp import adapters
+from koordrp.call import Call, Parts
 from koordrp import flows
 from koordrp.api.cri.v1 import api_pb2 as cri
 from koordrp.cri import translate
@@ -36,7 +38,7 @@ Flow = Coroutine[Any, Any, "CRIReply"]
 
 @dataclass(frozen=True)
 class CRIReply:
-    """The runtime's answer to a forwarded call (``flows.Reply``)."""
+    """The runtime's answer to a forwarded call (``adapters.Reply``)."""
 
     answer: Answer
     created_id: str = ""
@@ -45,13 +47,17 @@ class CRIReply:
     def ok(self) -> bool:
         return self.answer.ok
 
+    @property
+    def label(self) -> str:
+        return self.answer.code.name
+
 
 @dataclass(frozen=True)
 class _Method(Generic[Request]):
     """How one lifecycle method is read and which flow it takes."""
 
     parse: Callable[[bytes], Request]
-    flow: Callable[["flows.Call[CRIReply]", Request], Flow]
+    flow: Callable[["Call[CRIReply]", Request], Flow]
     created_id: Callable[[bytes], str] | None = None
 
 
@@ -103,7 +109,7 @@ _METHODS: dict[str, _Method[Any]] = {
 
 
 class CRIBackend:
-    """``flows.Backend`` for one CRI call: its bytes forwarded with kubelet's metadata, read-backs from containerd."""
+    """``adapters.Backend`` for one CRI call: its bytes forwarded with kubelet's metadata, read-backs from containerd."""
 
     def __init__(
         self,
@@ -136,21 +142,12 @@ class CRIBackend:
         return self._interceptor.lookup.read_pod(sandbox_id, timeout)
 
     def read_container(
-        self, container_id: str, pods: flows.PodSource, timeout: float | None
+        self, container_id: str, pods: adapters.PodSource, timeout: float | None
     ) -> Awaitable[StoredContainer | None]:
         return self._interceptor.lookup.read_container(container_id, pods, timeout)
 
 
-def status(outcome: "flows.Outcome[CRIReply]") -> grpc.StatusCode:
-    """The status the caller gets for ``outcome`` (and the call's line and metrics name)."""
-    if isinstance(outcome, CRIReply):
-        return outcome.answer.code
-    if isinstance(outcome, flows.Refusal):
-        return grpc.StatusCode[outcome.status_code.name]
-    return grpc.StatusCode.CANCELLED
-
-
-def answer(outcome: "flows.Outcome[CRIReply]", context: grpc.ServicerContext, backend: BackendChannel) -> bytes:
+def answer(outcome: "adapters.Outcome[CRIReply]", context: grpc.ServicerContext, backend: BackendChannel) -> bytes:
     """Answer the caller with ``outcome``: the runtime's answer as it came, or koordrp's own status."""
     if isinstance(outcome, CRIReply):
         reply = outcome.answer
@@ -159,26 +156,27 @@ def answer(outcome: "flows.Outcome[CRIReply]", context: grpc.ServicerContext, ba
                 context.set_trailing_metadata(reply.trailing)
             return reply.raw
         relay_status(context, backend, reply.code, reply.details, reply.trailing)
-    message = outcome.message if isinstance(outcome, flows.Refusal) else "koordrp: the call was given up"
-    context.abort(status(outcome), message)
+    if isinstance(outcome, adapters.Refusal):
+        context.abort(grpc.StatusCode[outcome.status_code.name], outcome.message)
+    context.abort(grpc.StatusCode.CANCELLED, "koordrp: the call was given up")
 
 
 class _Exchange:
     """One intercepted call between its grpc worker and the reactor."""
 
     def __init__(self) -> None:
-        self.call: flows.Call[CRIReply] | None = None
-        self.outcome: flows.Outcome[CRIReply] = flows.CALLER_GONE
+        self.call: Call[CRIReply] | None = None
+        self.outcome: adapters.Outcome[CRIReply] = adapters.CALLER_GONE
         # Held until the outcome is known: the cheapest hand-off from the reactor to a waiting thread.
         self._known = threading.Lock()
         self._known.acquire()
 
-    def start(self, call: "flows.Call[CRIReply]", flow: Flow) -> None:
+    def start(self, call: "Call[CRIReply]", flow: Flow) -> None:
         """On the reactor: the flow runs; its outcome is handed to the waiting worker."""
         self.call = call
         call.run(flow).addCallback(self._answered)
 
-    def _answered(self, outcome: "flows.Outcome[CRIReply]") -> None:
+    def _answered(self, outcome: "adapters.Outcome[CRIReply]") -> None:
         self.outcome = outcome
         self._known.release()
 
@@ -191,14 +189,14 @@ class _Exchange:
         call = self.call
         assert call is not None
         call.cancel()  # the outcome is known from here on
-        call.ended(status(self.outcome).name)
+        call.ended()
 
 
 class Interceptor:
     """Handlers for the CRI methods that have hooks or change the store."""
 
     def __init__(
-        self, reactor: IReactorFromThreads, backend: BackendChannel, parts: flows.Parts, lookup: RuntimeLookup
+        self, reactor: IReactorFromThreads, backend: BackendChannel, parts: Parts, lookup: RuntimeLookup
     ) -> None:
         self.reactor = reactor
         self.backend = backend
@@ -224,7 +222,7 @@ class Interceptor:
             timeout = remaining_timeout(context)
             exchange = _Exchange()
             backend = CRIBackend(self, path, raw, tuple(context.invocation_metadata()), method.created_id)
-            call = flows.Call(self._parts, name, backend, timeout)
+            call = Call(self._parts, name, backend, timeout)
             try:
                 flow = method.flow(call, method.parse(raw))
             except DecodeError as error:

@@ -24,7 +24,7 @@ from koordrp.cri.runtime_info import (
     pod_info_from_status,
 )
 from koordrp.cri.backend import call_unary
-from koordrp.flows import LookupFailed, PodSource, Unreadable
+from koordrp.adapters import LookupFailed, PodSource, Unreadable
 from koordrp.store import ContainerState, StoredContainer, StoredPod, runtime_state
 
 Parsed = TypeVar("Parsed", bound=Message)
@@ -56,7 +56,7 @@ def listed_ids(raw: bytes) -> list[str]:
 
 
 class RuntimeLookup:
-    """containerd's answers about pods and containers, as the store keeps them (``flows.RuntimeInventory``)."""
+    """containerd's answers about pods and containers, as the store keeps them (``adapters.RuntimeInventory``)."""
 
     def __init__(self, reactor: IReactorFromThreads, channel: grpc.Channel) -> None:
         def method(name: str) -> "grpc.UnaryUnaryMultiCallable[bytes, bytes]":

@@ -14,7 +14,8 @@ from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 from zope.interface import implementer
 
-from koordrp import flows
+from koordrp.call import Parts
+from koordrp import resync
 from koordrp.cri.backend import CHANNEL_OPTIONS, Answer, BackendChannel, call_unary
 from koordrp.cri.intercept import Interceptor
 from koordrp.cri.methods import BackendRole
@@ -61,7 +62,7 @@ class CRIProxyService(service.Service):
     log = Logger()
 
     def __init__(
-        self, settings: CRIProxySettings, reactor: IReactorThreads, parts: flows.Parts, metrics: Metrics | None = None
+        self, settings: CRIProxySettings, reactor: IReactorThreads, parts: Parts, metrics: Metrics | None = None
     ) -> None:
         """``reactor`` also provides IReactorTime."""
         self._metrics = metrics
@@ -105,7 +106,7 @@ class CRIProxyService(service.Service):
         # CRI calls are served throughout: a call about something not learnt yet reads it back itself.
         self._sync = StoreSync(
             self._parts.store,
-            lambda: ensureDeferred(flows.read_everything(lookup, _REBUILD_TIMEOUT)),
+            lambda: ensureDeferred(resync.read_everything(lookup, _REBUILD_TIMEOUT)),
             IReactorTime(self._reactor),
             "the runtime",
         )

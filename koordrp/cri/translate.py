@@ -12,7 +12,7 @@ from google.protobuf.message import Message
 
 from koordrp.api.cri.v1 import api_pb2 as cri
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
-from koordrp.flows import Written
+from koordrp.adapters import Written
 from koordrp.hooks.messages import ContainerHookRequest, PodHookRequest, merged_envs
 
 

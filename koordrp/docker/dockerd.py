@@ -16,7 +16,7 @@ from twisted.python.failure import Failure
 
 from koordrp.docker import translate
 from koordrp.docker.http import HTTPError, parse_response
-from koordrp.flows import LookupFailed, PodSource, Unreadable
+from koordrp.adapters import LookupFailed, PodSource, Unreadable
 from koordrp.store import ContainerState, StoredContainer, StoredPod, runtime_state
 
 CONNECT_SECONDS = 10.0
@@ -150,7 +150,7 @@ class Dockerd:
         found = await self.get_json(f"/containers/{identifier}/json", timeout)
         return found if isinstance(found, dict) else None
 
-    # flows.RuntimeInventory
+    # adapters.RuntimeInventory
 
     async def read_pod(self, sandbox_id: str, timeout: float | None) -> StoredPod | None:
         return await self.pod_from(await self.inspect(sandbox_id, timeout))

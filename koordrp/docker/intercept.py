@@ -15,6 +15,8 @@ from typing import Any, Coroutine
 from twisted.internet.defer import Deferred
 from zope.interface import implementer
 
+from koordrp import adapters
+from koordrp.call import Call, Parts
 from koordrp import flows
 from koordrp.docker import translate
 from koordrp.docker.dockerd import Dockerd
@@ -47,12 +49,13 @@ class DockerReply:
         return str(document.get("Id", "")) if isinstance(document, dict) else ""
 
     @property
-    def status(self) -> str:
+    def label(self) -> str:
+        """dockerd's HTTP status."""
         return self.raw[9:12].decode("latin-1", "replace")
 
 
 class DockerBackend:
-    """``flows.Backend`` for one Docker call: its request forwarded to dockerd, read-backs from dockerd."""
+    """``adapters.Backend`` for one Docker call: its request forwarded to dockerd, read-backs from dockerd."""
 
     def __init__(self, dockerd: Dockerd, head: RequestHead, body: bytes, action: str) -> None:
         self._dockerd = dockerd
@@ -85,24 +88,22 @@ class DockerBackend:
     async def read_pod(self, sandbox_id: str, timeout: float | None) -> StoredPod | None:
         return await self._dockerd.pod_from(await self._inspect_once(sandbox_id, timeout))
 
-    async def read_container(self, container_id: str, pods: flows.PodSource, timeout: float | None) -> StoredContainer | None:
+    async def read_container(self, container_id: str, pods: adapters.PodSource, timeout: float | None) -> StoredContainer | None:
         return await self._dockerd.container_from(await self._inspect_once(container_id, timeout), pods)
 
 
-def answer(outcome: "flows.Outcome[DockerReply]") -> tuple[bytes | None, str]:
-    """What the client is sent for ``outcome`` (None: it is gone), and how the call's line and metrics name it."""
+def answer(outcome: "adapters.Outcome[DockerReply]") -> bytes | None:
+    """What the client is sent for ``outcome`` (None: it is gone)."""
     if isinstance(outcome, DockerReply):
-        return outcome.raw, outcome.status
-    if isinstance(outcome, flows.Refusal):
-        if outcome.kind is flows.RefusalKind.UNREADABLE:
-            return json_response(400, "Bad Request", outcome.message), "400"
-        return json_response(500, "Internal Server Error", outcome.message), "500"
-    return None, "client gone"
+        return outcome.raw
+    if isinstance(outcome, adapters.Refusal):
+        return json_response(*outcome.status_code.http, outcome.message)
+    return None
 
 
 @implementer(IDockerInterceptor)
 class DockerInterceptor:
-    def __init__(self, dockerd: Dockerd, parts: flows.Parts) -> None:
+    def __init__(self, dockerd: Dockerd, parts: Parts) -> None:
         self._dockerd = dockerd
         self._parts = parts
 
@@ -113,12 +114,12 @@ class DockerInterceptor:
         action = _action(head)
         assert action is not None
         backend = DockerBackend(self._dockerd, head, body, action)
-        call = flows.Call(self._parts, f"{head.method} {head.path}", backend)
+        call = Call(self._parts, f"{head.method} {head.path}", backend)
         running = call.run(self._answer(action, head, body, call, backend))
         return running.addCallback(_intercepted, call)
 
     async def _answer(
-        self, action: str, head: RequestHead, body: bytes, call: "flows.Call[DockerReply]", backend: DockerBackend
+        self, action: str, head: RequestHead, body: bytes, call: "Call[DockerReply]", backend: DockerBackend
     ) -> DockerReply:
         flow = await self._flow(action, head, body, call, backend)
         if flow is None:
@@ -127,7 +128,7 @@ class DockerInterceptor:
         return await flow
 
     async def _flow(
-        self, action: str, head: RequestHead, body: bytes, call: "flows.Call[DockerReply]", backend: DockerBackend
+        self, action: str, head: RequestHead, body: bytes, call: "Call[DockerReply]", backend: DockerBackend
     ) -> Coroutine[Any, Any, DockerReply] | None:
         """The flow this call takes; None: it is not about a Kubernetes pod, and goes to dockerd as it is."""
         if action == "create":
@@ -177,7 +178,7 @@ class DockerInterceptor:
             return "sandbox", identifier
         try:
             inspect = await backend.inspect(identifier)
-        except flows.LookupFailed:
+        except adapters.LookupFailed:
             return None  # dockerd gives its own answer to the call itself
         kind = translate.kind_of_inspect(inspect)
         if inspect is None or kind is None:
@@ -185,9 +186,8 @@ class DockerInterceptor:
         return kind, str(inspect.get("Id", identifier))
 
 
-def _intercepted(outcome: "flows.Outcome[DockerReply]", call: "flows.Call[DockerReply]") -> Intercepted:
-    response, label = answer(outcome)
-    return Intercepted(response, lambda: call.ended(label))
+def _intercepted(outcome: "adapters.Outcome[DockerReply]", call: "Call[DockerReply]") -> Intercepted:
+    return Intercepted(answer(outcome), call.ended)
 
 
 def _action(head: RequestHead) -> str | None:

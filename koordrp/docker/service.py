@@ -8,7 +8,8 @@ from twisted.internet.interfaces import IListeningPort, IReactorTime, IReactorUN
 from twisted.logger import Logger
 from zope.interface import implementer
 
-from koordrp import flows
+from koordrp.call import Parts
+from koordrp import resync
 from koordrp.docker.dockerd import Dockerd
 from koordrp.docker.http import json_response
 from koordrp.docker.intercept import DockerInterceptor
@@ -30,7 +31,7 @@ class DockerProxyService(service.Service):
     log = Logger()
 
     def __init__(
-        self, settings: DockerProxySettings, reactor: IReactorUNIX, parts: flows.Parts, dockerd: Dockerd | None = None
+        self, settings: DockerProxySettings, reactor: IReactorUNIX, parts: Parts, dockerd: Dockerd | None = None
     ) -> None:
         """``reactor`` also provides IReactorTime; ``dockerd`` is how koordrp asks dockerd (its own bounds)."""
         self.settings = settings
@@ -41,7 +42,7 @@ class DockerProxyService(service.Service):
         self._interceptor = DockerInterceptor(self._dockerd, parts)
         # Each question to dockerd has koordrp's own bound (koordrp.docker.dockerd).
         self._sync = StoreSync(
-            parts.store, lambda: ensureDeferred(flows.read_everything(self._dockerd, None)), clock, "dockerd"
+            parts.store, lambda: ensureDeferred(resync.read_everything(self._dockerd, None)), clock, "dockerd"
         )
         self._port: IListeningPort | None = None
 

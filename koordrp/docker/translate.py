@@ -25,7 +25,7 @@ import re
 from typing import Any, Literal, Mapping, MutableMapping
 
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
-from koordrp.flows import LeftAlone, Written
+from koordrp.adapters import LeftAlone, Written
 from koordrp.hooks.messages import (
     ContainerHookRequest,
     PodHookRequest,
@@ -528,7 +528,7 @@ _NOT_IN_AN_UPDATE = _NOT_IN_A_CONTAINER + _left_alone(
 
 
 class SandboxCreate:
-    """``POST /containers/create`` of a pod's sandbox (flows.RunPodSandbox)."""
+    """``POST /containers/create`` of a pod's sandbox (adapters.RunPodSandbox)."""
 
     def __init__(self, name: str, body: JSONObject, cgroup_driver: str) -> None:
         """DockerShapeError: a body koordrp cannot read."""
@@ -544,7 +544,7 @@ class SandboxCreate:
 
 
 class ContainerCreate:
-    """``POST /containers/create`` of a pod's container (flows.CreateContainer)."""
+    """``POST /containers/create`` of a pod's container (adapters.CreateContainer)."""
 
     def __init__(self, name: str, body: JSONObject, cgroup_driver: str) -> None:
         """DockerShapeError: a body koordrp cannot read."""
@@ -565,7 +565,7 @@ class ContainerCreate:
 
 
 class ContainerUpdate:
-    """``POST /containers/{id}/update`` (flows.UpdateContainerResources)."""
+    """``POST /containers/{id}/update`` (adapters.UpdateContainerResources)."""
 
     def __init__(self, container_id: str, body: object) -> None:
         """DockerShapeError: a body koordrp cannot read."""

@@ -75,17 +75,17 @@ class Content:
 
 
 @dataclass(frozen=True)
-class Refusal:
+class Rejection:
     reason: str
     seen: StatKey | None = None
     version: bytes | None = None
-    """A digest of the refused content, when it was read: a different bad version is logged again."""
+    """A digest of the rejected content, when it was read: a different bad version is logged again."""
 
 
-Reading = Content | Refusal | None
+Reading = Content | Rejection | None
 """What reading one file gave; None when it vanished or stopped being a regular file meanwhile."""
 
-Listing = Mapping[str, StatKey | Refusal]
+Listing = Mapping[str, StatKey | Rejection]
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ class Entry:
     seen: StatKey | None
     good: HookServerConfig | None
     complaint: tuple[str, bytes | None] | None
-    """The refusal already logged for the file's current version."""
+    """The rejection already logged for the file's current version."""
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,7 @@ DIRECTORY_BACK = "hook server directory {directory} is back"
 SERVERS = "hook servers: {servers}"
 
 
-def list_registrations(directory: str) -> dict[str, StatKey | Refusal] | None:
+def list_registrations(directory: str) -> dict[str, StatKey | Rejection] | None:
     """Stat every ``*.json`` in ``directory``; None if there is no such directory.
 
     Directories, sockets, FIFOs and the like are not registrations and are left out. A file that
@@ -130,7 +130,7 @@ def list_registrations(directory: str) -> dict[str, StatKey | Refusal] | None:
         names = os.listdir(directory)
     except (FileNotFoundError, NotADirectoryError):
         return None
-    listing: dict[str, StatKey | Refusal] = {}
+    listing: dict[str, StatKey | Rejection] = {}
     for name in names:
         if not name.endswith(SUFFIX):
             continue
@@ -139,10 +139,10 @@ def list_registrations(directory: str) -> dict[str, StatKey | Refusal] | None:
             info = os.stat(path)
         except FileNotFoundError:
             if os.path.islink(path):
-                listing[name] = Refusal("is a symbolic link to a missing file")
+                listing[name] = Rejection("is a symbolic link to a missing file")
             continue
         except OSError as error:
-            listing[name] = Refusal(f"cannot stat: {error.strerror or error}")
+            listing[name] = Rejection(f"cannot stat: {error.strerror or error}")
             continue
         if stat.S_ISREG(info.st_mode):
             listing[name] = stat_key(info)
@@ -161,7 +161,7 @@ def read_registration(path: str) -> Reading:
     except FileNotFoundError:
         return None
     except OSError as error:
-        return Refusal(f"cannot open: {error.strerror or error}")
+        return Rejection(f"cannot open: {error.strerror or error}")
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
@@ -170,9 +170,9 @@ def read_registration(path: str) -> Reading:
         # Checked on the opened file, so a swap between this check and the read cannot slip through.
         untrusted = permission_problem(info.st_mode, info.st_uid, os.geteuid())
         if untrusted is not None:
-            return Refusal(untrusted, seen=key)
+            return Rejection(untrusted, seen=key)
         if info.st_size > MAX_CONFIG_BYTES:
-            return Refusal(TOO_LARGE, seen=key)
+            return Rejection(TOO_LARGE, seen=key)
         chunks: list[bytes] = []
         total = 0
         while total <= MAX_CONFIG_BYTES:
@@ -182,13 +182,13 @@ def read_registration(path: str) -> Reading:
             chunks.append(chunk)
             total += len(chunk)
         if total > MAX_CONFIG_BYTES:  # it grew after fstat
-            return Refusal(TOO_LARGE, seen=key)
+            return Rejection(TOO_LARGE, seen=key)
         # Keyed by the fstat taken before reading: a write that lands during the read moves
         # mtime past it, so the next rescan reads again.
         fresh = time.time_ns() - info.st_mtime_ns < RACY_NANOSECONDS
         return Content(b"".join(chunks), seen=None if fresh else key)
     except OSError as error:
-        return Refusal(f"cannot read: {error.strerror or error}")
+        return Rejection(f"cannot read: {error.strerror or error}")
     finally:
         os.close(fd)
 
@@ -201,14 +201,14 @@ class Understood:
     seen: StatKey | None
 
 
-def understand(name: str, reading: Reading, default_timeout: float) -> Understood | Refusal | None:
+def understand(name: str, reading: Reading, default_timeout: float) -> Understood | Rejection | None:
     """What koordrp makes of one file's reading, as the daemon and ``koordrp check`` both judge it."""
-    if reading is None or isinstance(reading, Refusal):
+    if reading is None or isinstance(reading, Rejection):
         return reading
     try:
         return Understood(parse_hook_server_config(name, reading.data, default_timeout), reading.seen)
     except HookConfigError as error:
-        return Refusal(error.reason, reading.seen, hashlib.sha256(reading.data).digest())
+        return Rejection(error.reason, reading.seen, hashlib.sha256(reading.data).digest())
 
 
 def describe(servers: HookServers) -> str:
@@ -273,19 +273,19 @@ class RegistrationBook:
         self,
         name: str,
         old: Entry | None,
-        found: StatKey | Refusal,
+        found: StatKey | Rejection,
         read: Callable[[str], Reading],
         notices: list[Notice],
     ) -> Entry | None:
-        if isinstance(found, Refusal):
-            return self._refuse(name, old, found, notices)
+        if isinstance(found, Rejection):
+            return self._reject(name, old, found, notices)
         if old is not None and old.seen == found:
             return old
         understood = understand(name, read(name), self._default_timeout)
         if understood is None:
             return None
-        if isinstance(understood, Refusal):
-            return self._refuse(name, old, understood, notices)
+        if isinstance(understood, Rejection):
+            return self._reject(name, old, understood, notices)
         config = understood.config
         if old is not None and old.complaint is not None:
             notices.append(Notice(LogLevel.info, VALID_AGAIN, {"file": self._path(name)}))
@@ -305,18 +305,18 @@ class RegistrationBook:
             remarks.append(Notice(LogLevel.info, NO_HOOKS, {"file": self._path(name)}))
         return remarks
 
-    def _refuse(self, name: str, old: Entry | None, refusal: Refusal, notices: list[Notice]) -> Entry:
+    def _reject(self, name: str, old: Entry | None, rejection: Rejection, notices: list[Notice]) -> Entry:
         good = old.good if old is not None else None
-        complaint = (refusal.reason, refusal.version)
+        complaint = (rejection.reason, rejection.version)
         if old is None or old.complaint != complaint:
             notices.append(
                 Notice(
                     LogLevel.warn,
                     REJECTED if good is None else REJECTED_KEEPING,
-                    {"file": self._path(name), "reason": refusal.reason},
+                    {"file": self._path(name), "reason": rejection.reason},
                 )
             )
-        return Entry(seen=refusal.seen, good=good, complaint=complaint)
+        return Entry(seen=rejection.seen, good=good, complaint=complaint)
 
     def _path(self, name: str) -> str:
         return os.path.join(self.directory, name)

@@ -21,6 +21,9 @@ from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from koordrp import adapters
+from koordrp.call import Call, Parts
+from koordrp import resync
 from koordrp import flows
 from koordrp.api.nri.v1alpha1 import api_pb2 as nri
 from koordrp.hooks.messages import placed_in_pod
@@ -73,7 +76,7 @@ _EMPTY = nri.Empty().SerializeToString()
 
 @dataclass(frozen=True)
 class NRIReply:
-    """containerd's part of a call (flows.Reply): whether it said it did it."""
+    """containerd's part of a call (adapters.Reply): whether it said it did it."""
 
     ok: bool
     created_id: str = ""
@@ -131,7 +134,7 @@ class Confirmations:
 
 
 class NRIBackend:
-    """``flows.Backend`` for one NRI request: answering containerd, and what the request says of its pod and container."""
+    """``adapters.Backend`` for one NRI request: answering containerd, and what the request says of its pod and container."""
 
     def __init__(
         self,
@@ -162,14 +165,14 @@ class NRIBackend:
             return None
         return StoredPod.read_back(translate.pod_hook_request(self._pod), stopped=False)
 
-    async def read_container(self, container_id: str, pods: flows.PodSource, timeout: float | None) -> StoredContainer | None:
+    async def read_container(self, container_id: str, pods: adapters.PodSource, timeout: float | None) -> StoredContainer | None:
         container = self._container
         if container is None or self._pod is None or container_id != container.id:
             return None
         return await _stored_container(container, self._pod, pods)
 
 
-async def _stored_container(container: nri.Container, pod: nri.PodSandbox, pods: flows.PodSource) -> StoredContainer:
+async def _stored_container(container: nri.Container, pod: nri.PodSandbox, pods: adapters.PodSource) -> StoredContainer:
     """``container`` as the store keeps it, in its pod as ``pods`` has it (or as NRI told of it)."""
     request = translate.container_hook_request(container, pod.linux.cgroup_parent)
     stored_pod = await pods(container.pod_sandbox_id)
@@ -178,8 +181,8 @@ async def _stored_container(container: nri.Container, pod: nri.PodSandbox, pods:
     return StoredContainer.read_back(container.pod_sandbox_id, request, translate.container_state(container.state))
 
 
-class Inventory:
-    """What containerd told at Synchronize, as ``flows.RuntimeInventory`` (for the store to agree with)."""
+class Synchronized:
+    """What containerd told at Synchronize, as ``adapters.RuntimeInventory`` (for the store to agree with)."""
 
     def __init__(self, request: nri.SynchronizeRequest) -> None:
         self._pods = {pod.id: pod for pod in request.pods}
@@ -192,7 +195,7 @@ class Inventory:
         pod = self._pods.get(sandbox_id)
         return None if pod is None else StoredPod.read_back(translate.pod_hook_request(pod), stopped=False)
 
-    async def read_container(self, container_id: str, pods: flows.PodSource, timeout: float | None) -> StoredContainer | None:
+    async def read_container(self, container_id: str, pods: adapters.PodSource, timeout: float | None) -> StoredContainer | None:
         container = self._containers.get(container_id)
         if container is None:
             return None
@@ -208,14 +211,6 @@ class _Synchronization:
     deadline: float | None
     """containerd's, for all of its parts."""
     parts: list[nri.SynchronizeRequest] = field(default_factory=list)
-
-
-def outcome_label(outcome: flows.Outcome[NRIReply]) -> str:
-    if isinstance(outcome, NRIReply):
-        return outcome.label
-    if isinstance(outcome, flows.Refusal):
-        return outcome.status_code.name
-    return "CANCELLED"
 
 
 @dataclass(frozen=True)
@@ -234,13 +229,13 @@ class NRIPlugin:
     log = Logger()
 
     def __init__(
-        self, parts: flows.Parts, identity: PluginIdentity, on_synchronized: Callable[[str], None] = lambda runtime: None
+        self, parts: Parts, identity: PluginIdentity, on_synchronized: Callable[[str], None] = lambda runtime: None
     ) -> None:
         """``on_synchronized`` is told containerd's name and version once it has synchronized the plugin."""
         self._parts = parts
         self._identity = identity
         self._confirmations = Confirmations(parts.clock)
-        self._calls: set[flows.Call[NRIReply]] = set()
+        self._calls: set[Call[NRIReply]] = set()
         self._on_synchronized = on_synchronized
         self._connection: NRIConnection | None = None
         self._runtime = "containerd"
@@ -320,15 +315,15 @@ class NRIPlugin:
             self._synchronizing = _Synchronization(self._parts.store.ids(), None if timeout is None else now + timeout)
         synchronizing = self._synchronizing
 
-        async def collected(part: nri.SynchronizeRequest) -> flows.Inventory | None:
+        async def collected(part: nri.SynchronizeRequest) -> resync.Snapshot | None:
             synchronizing.parts.append(part)
             if part.more:
                 return None
             self._synchronizing = None
             whole = translate.synchronization(synchronizing.parts)
-            return await flows.read_everything(Inventory(whole), None)
+            return await resync.read_everything(Synchronized(whole), None)
 
-        def agreed(found: flows.Inventory | None) -> bytes:
+        def agreed(found: resync.Snapshot | None) -> bytes:
             if found is None:
                 return nri.SynchronizeResponse(more=True).SerializeToString()
             agree(self._parts.store, found, synchronizing.known_before, "containerd's NRI")
@@ -393,7 +388,7 @@ class NRIPlugin:
         event = nri.StateChangeEvent.FromString(payload)
         pod, container = event.pod, event.container
         self._confirmations.happened(event.event, container)
-        flow: Callable[[flows.Call[NRIReply]], Coroutine[Any, Any, NRIReply]]
+        flow: Callable[[Call[NRIReply]], Coroutine[Any, Any, NRIReply]]
         confirm = None
         readable: nri.PodSandbox | None = pod
         if event.event == nri.RUN_POD_SANDBOX:
@@ -434,11 +429,11 @@ class NRIPlugin:
         method: str,
         timeout: float | None,
         backend: Callable[[Deferred[bytes]], NRIBackend],
-        flow: Callable[[flows.Call[NRIReply]], Coroutine[Any, Any, NRIReply]],
+        flow: Callable[[Call[NRIReply]], Coroutine[Any, Any, NRIReply]],
     ) -> Deferred[bytes]:
         """Run ``flow`` for containerd's request; the Deferred is containerd's answer (the flow may go on after it)."""
         answer: Deferred[bytes] = Deferred(lambda _: call.cancel())
-        call = flows.Call(
+        call = Call(
             self._parts,
             method,
             backend(answer),
@@ -448,14 +443,14 @@ class NRIPlugin:
         )
         self._calls.add(call)
 
-        def over(outcome: flows.Outcome[NRIReply]) -> None:
+        def over(outcome: adapters.Outcome[NRIReply]) -> None:
             self._calls.discard(call)
             if not answer.called:
-                if isinstance(outcome, flows.Refusal):
+                if isinstance(outcome, adapters.Refusal):
                     answer.errback(NRIError(outcome.status_code, outcome.message))
                 else:
                     answer.errback(NRIError(UNKNOWN, "koordrp: the call was given up"))
-            call.ended(outcome_label(outcome))
+            call.ended()
 
         call.run(flow(call)).addCallback(over)
         return answer

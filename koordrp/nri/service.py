@@ -21,7 +21,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
-from koordrp import flows
+from koordrp.call import Parts
 from koordrp.frontend import IFrontEnd
 from koordrp.nri import registration
 from koordrp.nri.connection import NRIConnection
@@ -59,7 +59,7 @@ class _Session(NRIPlugin):
 class NRIService(service.Service):
     log = Logger()
 
-    def __init__(self, settings: NRISettings, reactor: IReactorUNIX, parts: flows.Parts) -> None:
+    def __init__(self, settings: NRISettings, reactor: IReactorUNIX, parts: Parts) -> None:
         """``reactor`` also provides IReactorTime."""
         self.settings = settings
         self.parts = parts

@@ -4,14 +4,14 @@ from what the hooks changed. Nothing here does I/O.
 NRI tells a plugin about a pod or container as containerd has it, and lets it answer with what to
 change, no more: a ``ContainerAdjustment`` for a container being created, a ``ContainerUpdate`` for
 one being updated, nothing for a sandbox. What a hook's answer changes that NRI cannot express is
-named, field by field, with why (``flows.LeftAlone``): the call's log line and metrics show it.
+named, field by field, with why (``adapters.LeftAlone``): the call's log line and metrics show it.
 """
 
 from typing import Mapping, Sequence
 
 from koordrp.api.nri.v1alpha1 import api_pb2 as nri
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
-from koordrp.flows import LeftAlone, Written
+from koordrp.adapters import LeftAlone, Written
 from koordrp.hooks.messages import ContainerHookRequest, PodHookRequest, Resources, merged_envs, oci_env_map, oci_env_variable
 from koordrp.store import ContainerState, runtime_state
 
@@ -164,7 +164,7 @@ def _env_list(env: list[str], before: Mapping[str, str], after: Mapping[str, str
 
 
 class RunPodSandbox:
-    """NRI's RunPodSandbox event (flows.RunPodSandbox): the sandbox is made already; nothing is written back."""
+    """NRI's RunPodSandbox event (adapters.RunPodSandbox): the sandbox is made already; nothing is written back."""
 
     def __init__(self, pod: nri.PodSandbox) -> None:
         self.pod = pod
@@ -177,7 +177,7 @@ class RunPodSandbox:
 
 
 class CreateContainer:
-    """NRI's CreateContainer request (flows.CreateContainer), answered with a ContainerAdjustment."""
+    """NRI's CreateContainer request (adapters.CreateContainer), answered with a ContainerAdjustment."""
 
     def __init__(self, pod: nri.PodSandbox, container: nri.Container) -> None:
         self.pod = pod
@@ -219,7 +219,7 @@ class CreateContainer:
 
 
 class UpdateContainer:
-    """NRI's UpdateContainer request (flows.UpdateContainerResources), answered with a ContainerUpdate of it."""
+    """NRI's UpdateContainer request (adapters.UpdateContainerResources), answered with a ContainerUpdate of it."""
 
     def __init__(self, container: nri.Container, resources: nri.LinuxResources | None) -> None:
         self.container_id = container.id

@@ -418,7 +418,7 @@ def test_a_stop_the_client_gives_up_on_drops_koordrps_exchange_with_dockerd_and_
         client.close()
         assert stopping.closed.wait(5)
         assert stopping.closed_at is not None and stopping.closed_at - gone_at < 0.1
-        [line] = proxy.log_lines(f"/containers/{container_id}/stop pod default/stubborn (uid-stubborn) container app: client gone")
+        [line] = proxy.log_lines(f"/containers/{container_id}/stop pod default/stubborn (uid-stubborn) container app: CANCELLED")
         assert "hooks: none" in line, line
         # dockerd 20.10 stops it all the same, after its 3 s; koordrp's question came before: nothing owed yet.
         assert server.rpcs() == []

@@ -6,7 +6,8 @@ from typing import Any, Callable, Iterable, Sequence
 
 from twisted.internet.defer import Deferred, succeed
 
-from koordrp.flows import LookupFailed, PodSource
+from koordrp.call import Stages
+from koordrp.adapters import LookupFailed, PodSource
 from koordrp.hooks.messages import HookRequest, HookResponse, PodHookRequest, merge_response
 from koordrp.hooks.types import OK, HookCall, HookFailure, HookType, PostStage, StageOutcome, Subscribers
 from koordrp.store import StoredContainer, StoredPod
@@ -22,7 +23,7 @@ class StageRecord:
 
 @dataclass
 class ScriptedStages:
-    """``flows.Stages`` whose servers all answer ``answers[hook]`` (or what ``behaviours[hook]`` makes of the
+    """``Stages`` whose servers all answer ``answers[hook]`` (or what ``behaviours[hook]`` makes of the
     request), merged as the dispatcher merges, or fail."""
 
     answers: dict[HookType, HookResponse] = field(default_factory=dict)
@@ -70,10 +71,14 @@ class Reply:
     ok: bool
     created_id: str
 
+    @property
+    def label(self) -> str:
+        return "OK" if self.ok else "FAILED"
+
 
 @dataclass
 class RecordingRuntime:
-    """``flows.Backend``: records what is forwarded, answers ``ok`` with ``created_id``, knows ``pods``/``containers``."""
+    """``adapters.Backend``: records what is forwarded, answers ``ok`` with ``created_id``, knows ``pods``/``containers``."""
 
     ok: bool = True
     created_id: str = "created-1"

@@ -19,7 +19,9 @@ from twisted.trial.unittest import SynchronousTestCase, TestCase
 from twisted.web.server import NOT_DONE_YET
 from twisted.web.test.requesthelper import DummyRequest
 
-from koordrp import flows
+from koordrp import adapters
+from koordrp.call import Parts, SkipLabel
+from koordrp import resync
 from koordrp.docker.dockerd import Dockerd
 from koordrp.docker.service import DockerProxyService, DockerProxySettings
 from koordrp.hooks.client import HookClients
@@ -93,7 +95,7 @@ class WedgedDockerdTests(TestCase):
         port = unix.listenUNIX(backend, self.wedged)
         self.addCleanup(port.stopListening)
         self.listen = os.path.join(directory, "koordrp", "koordrp.sock")
-        parts = flows.Parts(Store(), Dispatcher(HookClients(reactor), reactor), HookServers, flows.SkipLabel("skip", "true"), reactor)
+        parts = Parts(Store(), Dispatcher(HookClients(reactor), reactor), HookServers, SkipLabel("skip", "true"), reactor)
         dockerd = Dockerd(unix, backend, question_seconds=QUESTION_SECONDS, probe_seconds=PROBE_SECONDS)
         self.service = DockerProxyService(DockerProxySettings(self.listen, backend), unix, parts, dockerd)
         self.events: list[LogEvent] = []
@@ -163,15 +165,15 @@ class StoreSyncTests(SynchronousTestCase):
     def setUp(self) -> None:
         self.clock = Clock()
         self.store = Store()
-        self.answers: list[Deferred[flows.Inventory]] = []
+        self.answers: list[Deferred[resync.Snapshot]] = []
         self.sync = StoreSync(self.store, self.read, self.clock, "dockerd")
         self.events: list[LogEvent] = []
         observer = cast(ILogObserver, self.events.append)
         globalLogPublisher.addObserver(observer)
         self.addCleanup(globalLogPublisher.removeObserver, observer)
 
-    def read(self) -> "Deferred[flows.Inventory]":
-        answer: Deferred[flows.Inventory] = Deferred()
+    def read(self) -> "Deferred[resync.Snapshot]":
+        answer: Deferred[resync.Snapshot] = Deferred()
         self.answers.append(answer)
         return answer
 
@@ -180,11 +182,11 @@ class StoreSyncTests(SynchronousTestCase):
 
     def test_failures_are_told_once_per_reason_and_retried_until_the_runtime_answers(self) -> None:
         self.sync.start()
-        self.answers[0].errback(flows.LookupFailed("GET /containers/json: no answer within 10s"))
+        self.answers[0].errback(adapters.LookupFailed("GET /containers/json: no answer within 10s"))
         self.clock.advance(RETRY_SECONDS)
-        self.answers[1].errback(flows.LookupFailed("GET /containers/json: no answer within 10s"))
+        self.answers[1].errback(adapters.LookupFailed("GET /containers/json: no answer within 10s"))
         self.clock.advance(RETRY_SECONDS)
-        self.answers[2].errback(flows.LookupFailed("GET /containers/json: connection refused"))
+        self.answers[2].errback(adapters.LookupFailed("GET /containers/json: connection refused"))
         self.assertEqual([event["reason"] for event in self.lines("cannot read")], [
             "GET /containers/json: no answer within 10s",
             "GET /containers/json: connection refused",
@@ -196,6 +198,6 @@ class StoreSyncTests(SynchronousTestCase):
 
     def test_stopping_ends_the_retries(self) -> None:
         self.sync.start()
-        self.answers[0].errback(flows.LookupFailed("no answer"))
+        self.answers[0].errback(adapters.LookupFailed("no answer"))
         self.sync.stop()
         self.assertEqual(self.clock.getDelayedCalls(), [])

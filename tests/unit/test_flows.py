@@ -14,6 +14,9 @@ from twisted.internet.task import Clock
 from twisted.logger import ILogObserver, LogEvent, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 
+from koordrp import adapters
+from koordrp.call import Call, Parts, SETTLE_SECONDS, SkipLabel
+from koordrp import resync
 from koordrp import flows
 from koordrp.api.cri.v1 import api_pb2 as cri
 from koordrp.api.nri.v1alpha1 import api_pb2 as nri
@@ -29,7 +32,7 @@ from koordrp.hooks.types import NOT_MADE, SKIPPED, UNREADABLE, FailurePolicy, Ho
 from koordrp.store import ContainerState, Store, StoredContainer, StoredPod
 from tests.fake.flows import RecordingRuntime, Reply, ScriptedStages
 
-SKIP = flows.SkipLabel("runtimeproxy.koordinator.sh/skip-hookserver", "true")
+SKIP = SkipLabel("runtimeproxy.koordinator.sh/skip-hookserver", "true")
 POD_PARENT = "/kubepods/pod-1"
 
 PRE_RUN = HookType.PRE_RUN_POD_SANDBOX
@@ -50,7 +53,7 @@ def container_request(request: HookRequest | None) -> ContainerHookRequest:
 class CRIWire:
     """kubelet's requests, as CRI mode reads them, and what reached the runtime."""
 
-    def sandbox(self, labels: dict[str, str]) -> flows.RunPodSandbox:
+    def sandbox(self, labels: dict[str, str]) -> adapters.RunPodSandbox:
         config = cri.PodSandboxConfig(
             metadata=cri.PodSandboxMetadata(name="web", namespace="default", uid="uid-1"),
             labels=labels,
@@ -58,7 +61,7 @@ class CRIWire:
         )
         return cri_translate.RunPodSandbox(cri.RunPodSandboxRequest(config=config))
 
-    def container(self, sandbox_id: str, envs: Sequence[tuple[str, str]]) -> flows.CreateContainer:
+    def container(self, sandbox_id: str, envs: Sequence[tuple[str, str]]) -> adapters.CreateContainer:
         config = cri.ContainerConfig(
             metadata=cri.ContainerMetadata(name="app"),
             envs=[cri.KeyValue(key=key, value=value.encode()) for key, value in envs],
@@ -70,13 +73,13 @@ class CRIWire:
         request = cri.CreateContainerRequest(pod_sandbox_id=sandbox_id, config=config, sandbox_config=sandbox)
         return cri_translate.CreateContainer(request)
 
-    def update(self, container_id: str, cpu_shares: int = 0, cpuset: str = "") -> flows.UpdateContainerResources:
+    def update(self, container_id: str, cpu_shares: int = 0, cpuset: str = "") -> adapters.UpdateContainerResources:
         request = cri.UpdateContainerResourcesRequest(
             container_id=container_id, linux=cri.LinuxContainerResources(cpu_shares=cpu_shares, cpuset_cpus=cpuset)
         )
         return cri_translate.UpdateContainerResources(request)
 
-    def resize(self, sandbox_id: str, cpu_quota: int) -> flows.UpdatePodSandboxResources:
+    def resize(self, sandbox_id: str, cpu_quota: int) -> adapters.UpdatePodSandboxResources:
         request = cri.UpdatePodSandboxResourcesRequest(
             pod_sandbox_id=sandbox_id, resources=cri.LinuxContainerResources(cpu_quota=cpu_quota)
         )
@@ -106,14 +109,14 @@ class DockerWire:
 
     DRIVER = "cgroupfs"
 
-    def sandbox(self, labels: dict[str, str]) -> flows.RunPodSandbox:
+    def sandbox(self, labels: dict[str, str]) -> adapters.RunPodSandbox:
         body = {
             "Labels": {docker_translate.TYPE_LABEL: docker_translate.SANDBOX_TYPE, **labels},
             "HostConfig": {"CgroupParent": POD_PARENT},
         }
         return docker_translate.SandboxCreate("k8s_POD_web_default_uid-1_0", body, self.DRIVER)
 
-    def container(self, sandbox_id: str, envs: Sequence[tuple[str, str]]) -> flows.CreateContainer:
+    def container(self, sandbox_id: str, envs: Sequence[tuple[str, str]]) -> adapters.CreateContainer:
         body = {
             "Env": [f"{key}={value}" for key, value in envs],
             "Labels": {
@@ -124,7 +127,7 @@ class DockerWire:
         }
         return docker_translate.ContainerCreate("k8s_app_web_default_uid-1_0", body, self.DRIVER)
 
-    def update(self, container_id: str, cpu_shares: int = 0, cpuset: str = "") -> flows.UpdateContainerResources:
+    def update(self, container_id: str, cpu_shares: int = 0, cpuset: str = "") -> adapters.UpdateContainerResources:
         body: dict[str, object] = {"CpuShares": cpu_shares} if cpu_shares else {}
         if cpuset:
             body["CpusetCpus"] = cpuset
@@ -161,12 +164,12 @@ class NRIWire:
             id="s-1", name="web", namespace="default", uid="uid-1", linux=nri.LinuxPodSandbox(cgroup_parent=POD_PARENT)
         )
 
-    def sandbox(self, labels: dict[str, str]) -> flows.RunPodSandbox:
+    def sandbox(self, labels: dict[str, str]) -> adapters.RunPodSandbox:
         pod = self.pod()
         pod.labels.update(labels)
         return nri_translate.RunPodSandbox(pod)
 
-    def container(self, sandbox_id: str, envs: Sequence[tuple[str, str]]) -> flows.CreateContainer:
+    def container(self, sandbox_id: str, envs: Sequence[tuple[str, str]]) -> adapters.CreateContainer:
         resources = nri.LinuxResources()
         resources.cpu.shares.value, resources.cpu.quota.value, resources.cpu.cpus = 2, 100000, "0-3"
         self._container = nri.Container(
@@ -178,7 +181,7 @@ class NRIWire:
         )
         return nri_translate.CreateContainer(self.pod(), self._container)
 
-    def update(self, container_id: str, cpu_shares: int = 0, cpuset: str = "") -> flows.UpdateContainerResources:
+    def update(self, container_id: str, cpu_shares: int = 0, cpuset: str = "") -> adapters.UpdateContainerResources:
         self._update = nri.LinuxResources()
         self._update.cpu.shares.value, self._update.cpu.cpus = cpu_shares, cpuset
         return nri_translate.UpdateContainer(nri.Container(id=container_id), self._update)
@@ -218,8 +221,8 @@ class FlowTestCase(SynchronousTestCase):
         self.runtime = RecordingRuntime()
         self.servers = HookServers()
         self.clock = Clock()
-        self.parts = flows.Parts(self.store, self.stages, lambda: self.servers, SKIP, self.clock)
-        self.calls: list[flows.Call[Reply]] = []
+        self.parts = Parts(self.store, self.stages, lambda: self.servers, SKIP, self.clock)
+        self.calls: list[Call[Reply]] = []
         self.events: list[LogEvent] = []
         observer = cast(ILogObserver, self.events.append)
         globalLogPublisher.addObserver(observer)
@@ -230,8 +233,8 @@ class FlowTestCase(SynchronousTestCase):
             (HookServerConfig("a.json", "/run/a.sock", FailurePolicy.FAIL, frozenset(hooks), 2.0),)
         )
 
-    def call(self, method: str = "Method", timeout: float | None = None) -> "flows.Call[Reply]":
-        call = flows.Call(self.parts, method, self.runtime, timeout)
+    def call(self, method: str = "Method", timeout: float | None = None) -> "Call[Reply]":
+        call = Call(self.parts, method, self.runtime, timeout)
         self.calls.append(call)
         return call
 
@@ -245,12 +248,12 @@ class FlowTestCase(SynchronousTestCase):
         """The hook calls the calls made so far spared: hook, server and why."""
         return [(c.hook, c.server.name, c.result) for call in self.calls for c in call.record.calls if c.result in NOT_MADE]
 
-    def start(self, flow: Callable[..., Coroutine[Any, Any, Reply]], *args: Any) -> "Deferred[flows.Outcome[Reply]]":
+    def start(self, flow: Callable[..., Coroutine[Any, Any, Reply]], *args: Any) -> "Deferred[adapters.Outcome[Reply]]":
         """Start ``flow`` with a new call and ``args``; the call is ``self.calls[-1]``."""
         call = self.call()
         return call.run(flow(call, *args))
 
-    def drive(self, flow: Callable[..., Coroutine[Any, Any, Reply]], *args: Any) -> "flows.Outcome[Reply]":
+    def drive(self, flow: Callable[..., Coroutine[Any, Any, Reply]], *args: Any) -> "adapters.Outcome[Reply]":
         """Run ``flow`` to its end with a new call and ``args``; its outcome."""
         return self.successResultOf(self.start(flow, *args))
 
@@ -332,7 +335,7 @@ class RequestRules:
         self.stages.failures[PRE_CREATE] = "no answer within 2s"
         self.put_pod()
         refusal = self.drive(flows.create_container, self.wire.container("s-1", [("A", "1")]))
-        self.assertEqual(refusal.kind, flows.RefusalKind.HOOK_FAILED)
+        self.assertEqual(refusal.kind, adapters.RefusalKind.HOOK_FAILED)
         self.assertIn("a.json", refusal.message)
         self.assertIn("PreCreateContainer: no answer within 2s", refusal.message)
         self.assertEqual((self.runtime.forwarded, self.store.sizes()), ([], (1, 0)))
@@ -448,7 +451,7 @@ class NRIRequestRules(RequestRules, FlowTestCase):
 
     def test_what_nri_cannot_set_is_left_alone_named_and_counted(self) -> None:
         metrics = Metrics()
-        self.parts = flows.Parts(self.store, self.stages, lambda: self.servers, SKIP, self.clock, metrics)
+        self.parts = Parts(self.store, self.stages, lambda: self.servers, SKIP, self.clock, metrics)
         self.put_pod()
         self.subscribe(PRE_CREATE)
         # koordlet's answer for a best-effort pod: a copy of the request whose cpuset is cleared.
@@ -465,7 +468,7 @@ class NRIRequestRules(RequestRules, FlowTestCase):
                 ("container_resources.cpuset_cpus", False, nri_translate.NO_CLEARING),
             ],
         )
-        self.calls[0].ended("OK")
+        self.calls[0].ended()
         counted = {
             field: metrics.registry.get_sample_value(
                 "koordrp_hook_changes_left_alone_total", {"server": "a.json", "hook": "PreCreateContainer", "field": field}
@@ -605,8 +608,8 @@ class IdentityRules(FlowTestCase):
     def test_a_fail_policy_pre_hook_refuses_a_request_it_cannot_be_shown(self) -> None:
         self.subscribe(PRE_CREATE)
         refusal = self.drive(flows.unreadable, "CreateContainer", "truncated message")
-        assert isinstance(refusal, flows.Refusal), refusal
-        self.assertEqual(refusal.kind, flows.RefusalKind.UNREADABLE)
+        assert isinstance(refusal, adapters.Refusal), refusal
+        self.assertEqual(refusal.kind, adapters.RefusalKind.UNREADABLE)
         self.assertIn("a.json (Fail policy) must see at PreCreateContainer: truncated message", refusal.message)
         self.assertEqual(self.runtime.forwarded, [])
 
@@ -619,7 +622,7 @@ class IdentityRules(FlowTestCase):
     def test_what_a_call_owes_waits_until_it_has_answered(self) -> None:
         metrics = Metrics()
         clock = Clock()
-        self.parts = flows.Parts(self.store, Dispatcher(HookClients(clock), clock, metrics), lambda: self.servers, SKIP, clock, metrics)
+        self.parts = Parts(self.store, Dispatcher(HookClients(clock), clock, metrics), lambda: self.servers, SKIP, clock, metrics)
         self.put_container("c-1", labels={SKIP.key: SKIP.value})
         self.put_container("c-2")
         self.subscribe(PRE_START, POST_START, POST_STOP)
@@ -635,9 +638,9 @@ class IdentityRules(FlowTestCase):
 
         self.assertEqual([hook_calls(PRE_START, SKIPPED), hook_calls(POST_STOP, "error")], [None, None])
         self.assertEqual(self.call_lines(), [])
-        start.ended("OK")
-        stop.ended("OK")
-        stop.ended("OK")  # once is all a call ends
+        start.ended()
+        stop.ended()
+        stop.ended()  # once is all a call ends
         # The skipped ones are counted; the post stage was made (a.json has no socket here: it failed).
         self.assertEqual([hook_calls(PRE_START, SKIPPED), hook_calls(POST_START, SKIPPED), hook_calls(POST_STOP, "error")], [1, 1, 1])
         self.assertEqual([(line["method"], line["outcome"]) for line in self.call_lines()], [("Method", "OK")] * 2)
@@ -663,7 +666,7 @@ class IdentityRules(FlowTestCase):
             ("UpdatePodSandboxResources", flows.update_pod_sandbox_resources, (CRIWire().resize("s-1", 2000),)),
         ):
             self.store = Store()
-            self.parts = flows.Parts(self.store, self.stages, lambda: self.servers, SKIP, self.clock)
+            self.parts = Parts(self.store, self.stages, lambda: self.servers, SKIP, self.clock)
             self.put_pod()
             self.put_container()
             self.stages.ran.clear()
@@ -685,7 +688,7 @@ class CancellationTests(FlowTestCase):
         answer = self.start(flows.start_container, "c-1")
         self.assertNoResult(answer)
         answer.cancel()
-        self.assertIs(self.successResultOf(answer), flows.CALLER_GONE)
+        self.assertIs(self.successResultOf(answer), adapters.CALLER_GONE)
         self.assertTrue(waiting.called)  # by its cancellation: nothing else fires it
         self.assertEqual(self.runtime.forwarded, [])
 
@@ -693,7 +696,7 @@ class CancellationTests(FlowTestCase):
         self.runtime.answering = Deferred()
         answer = self.start(flows.run_pod_sandbox, CRIWire().sandbox({}))
         self.calls[-1].cancel()
-        self.assertIs(self.successResultOf(answer), flows.CALLER_GONE)
+        self.assertIs(self.successResultOf(answer), adapters.CALLER_GONE)
         self.assertEqual((self.runtime.cancelled, self.store.sizes()), (1, (0, 0)))
 
     def stop_cancelled(self, runtime_state: ContainerState) -> None:
@@ -703,10 +706,10 @@ class CancellationTests(FlowTestCase):
         self.runtime.answering = Deferred()
         answer = self.start(flows.stop_container, "c-1")
         self.calls[-1].cancel()
-        self.assertIs(self.successResultOf(answer), flows.CALLER_GONE)
+        self.assertIs(self.successResultOf(answer), adapters.CALLER_GONE)
         self.assertEqual(self.runtime.cancelled, 1)
         # Asked on koordrp's own bound: the caller's deadline is of no use once it is gone.
-        self.assertEqual(self.runtime.timeouts[-1], flows.SETTLE_SECONDS)
+        self.assertEqual(self.runtime.timeouts[-1], SETTLE_SECONDS)
         self.runtime.answering = None
 
     def test_a_cancelled_stop_the_runtime_did_not_do_owes_no_post_stop_until_a_stop_succeeds(self) -> None:
@@ -735,7 +738,7 @@ class CancellationTests(FlowTestCase):
         self.calls.clear()
         answer = self.start(flows.stop_pod_sandbox, "s-1")
         self.calls[-1].cancel()
-        self.assertIs(self.successResultOf(answer), flows.CALLER_GONE)
+        self.assertIs(self.successResultOf(answer), adapters.CALLER_GONE)
         self.assertEqual(self.announced, [])  # the runtime says the pod is still up
         self.runtime.answering = None
         self.drive(flows.stop_pod_sandbox, "s-1")
@@ -743,7 +746,7 @@ class CancellationTests(FlowTestCase):
 
     def test_the_end_of_a_cancelled_call_waits_for_what_it_asks_the_runtime(self) -> None:
         class SlowReader(RecordingRuntime):
-            async def read_container(self, container_id: str, pods: flows.PodSource, timeout: float | None) -> StoredContainer | None:
+            async def read_container(self, container_id: str, pods: adapters.PodSource, timeout: float | None) -> StoredContainer | None:
                 await reading
                 return StoredContainer.read_back("s-1", ContainerHookRequest(), ContainerState.STOPPED)
 
@@ -754,8 +757,8 @@ class CancellationTests(FlowTestCase):
         answer = self.start(flows.stop_container, "c-1")
         call = self.calls[-1]
         call.cancel()
-        call.ended("CANCELLED")
-        self.assertIs(self.successResultOf(answer), flows.CALLER_GONE)  # the caller is not kept waiting
+        call.ended()
+        self.assertIs(self.successResultOf(answer), adapters.CALLER_GONE)  # the caller is not kept waiting
         self.assertEqual((self.stages.announced, self.call_lines()), ([], []))
         reading.callback(None)
         self.assertEqual([stage.hook for stage in self.stages.announced], [POST_STOP])
@@ -788,7 +791,7 @@ class ReadEverythingTests(FlowTestCase):
         self.runtime.pods["s-1"] = PodHookRequest(cgroup_parent="/p")
         self.runtime.containers["c-1"] = StoredContainer.read_back("s-1", ContainerHookRequest(), ContainerState.CREATED)
         self.runtime.containers["c-2"] = StoredContainer.read_back("s-gone", ContainerHookRequest(), ContainerState.CREATED)
-        pods, containers = self.successResultOf(ensureDeferred(flows.read_everything(self.runtime, None)))
+        pods, containers = self.successResultOf(ensureDeferred(resync.read_everything(self.runtime, None)))
         self.assertEqual([sandbox_id for sandbox_id, _ in pods], ["s-1"])
         self.assertEqual([(cid, stored.given.pod_cgroup_parent) for cid, stored in containers], [("c-1", "/p"), ("c-2", "")])
 
@@ -796,18 +799,18 @@ class ReadEverythingTests(FlowTestCase):
         class HalfReadable(RecordingRuntime):
             async def read_pod(self, sandbox_id: str, timeout: float | None) -> StoredPod | None:
                 if sandbox_id == "s-bad":
-                    raise flows.Unreadable("verbose info is not JSON")
+                    raise adapters.Unreadable("verbose info is not JSON")
                 return await super().read_pod(sandbox_id, timeout)
 
         runtime = HalfReadable(pods={"s-bad": PodHookRequest(), "s-good": PodHookRequest()})
-        pods, _ = self.successResultOf(ensureDeferred(flows.read_everything(runtime, None)))
+        pods, _ = self.successResultOf(ensureDeferred(resync.read_everything(runtime, None)))
         self.assertEqual([sandbox_id for sandbox_id, _ in pods], ["s-good"])
         [warning] = [event for event in self.events if "left out" in event["log_format"]]
         self.assertEqual((warning["id"], warning["error"]), ("s-bad", "verbose info is not JSON"))
 
     def test_a_runtime_that_cannot_be_asked_fails_the_whole_reading(self) -> None:
         self.runtime.broken = "UNAVAILABLE"
-        self.failureResultOf(ensureDeferred(flows.read_everything(self.runtime, None)), flows.LookupFailed)
+        self.failureResultOf(ensureDeferred(resync.read_everything(self.runtime, None)), adapters.LookupFailed)
 
 
 class PodRulesTests(FlowTestCase):

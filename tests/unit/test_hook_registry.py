@@ -21,7 +21,7 @@ from koordrp.hooks.registry import (
     Notice,
     Reading,
     RegistrationBook,
-    Refusal,
+    Rejection,
     StatKey,
     Trouble,
     describe,
@@ -66,7 +66,7 @@ class BookTests(SynchronousTestCase):
         self.book = RegistrationBook(DIRECTORY, 3.0)
         self.files = FakeFiles()
 
-    def update(self, listing: dict[str, StatKey | Refusal] | None) -> tuple[bool, list[Notice]]:
+    def update(self, listing: dict[str, StatKey | Rejection] | None) -> tuple[bool, list[Notice]]:
         self.files.reads.clear()
         return self.book.update(listing, self.files.read)
 
@@ -160,8 +160,8 @@ class BookTests(SynchronousTestCase):
         )
 
     def test_refusals_from_listing_and_reading(self) -> None:
-        self.files.found["big.json"] = Refusal(TOO_LARGE, key(2))
-        loop = Refusal("cannot stat: Too many levels of symbolic links")
+        self.files.found["big.json"] = Rejection(TOO_LARGE, key(2))
+        loop = Rejection("cannot stat: Too many levels of symbolic links")
         _, notices = self.update({"loop.json": loop, "big.json": key(2)})
         self.assertEqual(
             self.warnings(notices),
@@ -313,8 +313,8 @@ class FileTests(SynchronousTestCase):
         listing = list_registrations(self.dir)
         assert listing is not None
         self.assertEqual(listing["link.json"], registry.stat_key(os.stat(target)))
-        self.assertEqual(listing["loop.json"], Refusal("cannot stat: Too many levels of symbolic links"))
-        self.assertEqual(listing["dangling.json"], Refusal("is a symbolic link to a missing file"))
+        self.assertEqual(listing["loop.json"], Rejection("cannot stat: Too many levels of symbolic links"))
+        self.assertEqual(listing["dangling.json"], Rejection("is a symbolic link to a missing file"))
         self.assertNotIn("dir.json", listing)
 
     def test_file_vanishing_between_listing_and_stat_is_left_out(self) -> None:
@@ -347,7 +347,7 @@ class FileTests(SynchronousTestCase):
 
         path = self.write("a.json", b"{}")
         self.patch(os, "open", refuse)
-        self.assertEqual(read_registration(path), Refusal("cannot open: Permission denied"))
+        self.assertEqual(read_registration(path), Rejection("cannot open: Permission denied"))
 
     def test_oversized_file_is_not_read(self) -> None:
         read: list[int] = []
@@ -363,7 +363,7 @@ class FileTests(SynchronousTestCase):
             file.truncate(10 * MAX_CONFIG_BYTES)
         self.patch(os, "read", counting_read)
         reading = read_registration(path)
-        self.assertEqual(reading, Refusal(TOO_LARGE, registry.stat_key(os.stat(path))))
+        self.assertEqual(reading, Rejection(TOO_LARGE, registry.stat_key(os.stat(path))))
         self.assertEqual(read, [])
 
     def test_file_that_grows_past_the_limit_is_read_only_that_far(self) -> None:
@@ -375,7 +375,7 @@ class FileTests(SynchronousTestCase):
 
         path = self.write("grows.json", b"{}")
         self.patch(os, "read", growing_read)
-        self.assertIsInstance(read_registration(path), Refusal)
+        self.assertIsInstance(read_registration(path), Rejection)
         self.assertLessEqual(sum(read), MAX_CONFIG_BYTES + 64 * 1024)
 
     def test_a_thousand_unchanged_files_are_not_read_again(self) -> None:

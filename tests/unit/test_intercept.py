@@ -22,7 +22,7 @@ from koordrp.cri.intercept import Interceptor
 from koordrp.cri.methods import BackendRole
 from koordrp.cri.passthrough import PassThroughHandler
 from koordrp.cri.runtime_lookup import RuntimeLookup
-from koordrp.flows import Parts, SkipLabel
+from koordrp.call import Parts, SkipLabel
 from koordrp.hooks.client import HookClients
 from koordrp.hooks.dispatcher import Dispatcher
 from koordrp.hooks.messages import ContainerHookRequest

@@ -12,7 +12,8 @@ from twisted.logger import ILogObserver, LogEvent, globalLogPublisher
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 
-from koordrp import flows
+from koordrp import adapters
+from koordrp.call import Parts, SkipLabel
 from koordrp.api.nri.v1alpha1 import api_pb2 as nri
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
 from koordrp.hooks.types import FailurePolicy, HookServerConfig, HookServers, HookType
@@ -25,7 +26,7 @@ from koordrp.store import ContainerState, Store
 from tests.fake.flows import ScriptedStages
 from tests.fake.nri import FakeContainerd
 
-SKIP = flows.SkipLabel("runtimeproxy.koordinator.sh/skip-hookserver", "true")
+SKIP = SkipLabel("runtimeproxy.koordinator.sh/skip-hookserver", "true")
 POD_PARENT = "/kubepods/besteffort/pod-uid-1"
 PRE_CREATE = HookType.PRE_CREATE_CONTAINER
 POST_START = HookType.POST_START_CONTAINER
@@ -188,7 +189,7 @@ class PluginTests(LogCapture):
         self.store = Store()
         self.stages = ScriptedStages()
         self.servers = HookServers()
-        parts = flows.Parts(self.store, self.stages, lambda: self.servers, SKIP, self.clock)
+        parts = Parts(self.store, self.stages, lambda: self.servers, SKIP, self.clock)
         self.synchronized = 0
         self.plugin = NRIPlugin(parts, PluginIdentity("koordrp", "10"), on_synchronized=self.count_synchronized)
         self.containerd = FakeContainerd(NRIConnection(self.plugin, self.clock))
@@ -480,7 +481,7 @@ class TranslateTests(SynchronousTestCase):
         self.assertEqual((dict(sent.unified), [(h.page_size, h.limit) for h in sent.hugepage_limits]), ({"memory.high": "max"}, [("2MB", 1 << 21)]))
         self.assertFalse(sent.cpu.HasField("shares") or sent.cpu.cpus)  # unchanged: not named
         self.assertEqual(
-            written.left_alone, (flows.LeftAlone("container_resources.memory_swap_limit_in_bytes", translate.NO_SWAP),)
+            written.left_alone, (adapters.LeftAlone("container_resources.memory_swap_limit_in_bytes", translate.NO_SWAP),)
         )
 
     def test_an_update_names_only_what_the_hooks_changed_and_leaves_the_rest_named(self) -> None:
@@ -497,14 +498,14 @@ class TranslateTests(SynchronousTestCase):
         [sent] = nri.UpdateContainerResponse.FromString(written.request).update
         self.assertEqual(sent.container_id, "c-1")
         self.assertEqual((sent.linux.resources.cpu.quota.value, sent.linux.resources.cpu.HasField("shares")), (50000, False))
-        self.assertIn(flows.LeftAlone("container_annotations", translate.NOT_IN_AN_UPDATE), written.left_alone)
+        self.assertIn(adapters.LeftAlone("container_annotations", translate.NOT_IN_AN_UPDATE), written.left_alone)
 
 
 class ServiceTests(LogCapture):
     def setUp(self) -> None:
         super().setUp()
         self.reactor = MemoryReactorClock()
-        parts = flows.Parts(Store(), ScriptedStages(), HookServers, SKIP, self.reactor)
+        parts = Parts(Store(), ScriptedStages(), HookServers, SKIP, self.reactor)
         self.state_dir = self.mktemp()
         os.makedirs(self.state_dir)
         settings = NRISettings("/run/nri/nri.sock", PluginIdentity("koordrp", "10"), self.state_dir)

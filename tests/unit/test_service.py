@@ -12,7 +12,7 @@ from twisted.logger import ILogObserver, LogEvent, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 
 from koordrp.cri.server import CRIProxyService, CRIProxySettings
-from koordrp.flows import Parts, SkipLabel
+from koordrp.call import Parts, SkipLabel
 from koordrp.hooks.client import HookClients
 from koordrp.hooks.dispatcher import Dispatcher
 from koordrp.hooks.types import HookServers

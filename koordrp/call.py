@@ -1,0 +1,354 @@
+"""``Call`` drives one intercepted call's flow on the reactor, whichever front end it came through.
+
+``run`` starts the flow and fires with its ``Outcome`` as soon as the caller can be answered;
+``cancel`` is the caller giving up (what the flow waits for, a hook or the runtime, is cancelled at
+once); ``ended`` is the answer having left, after which the call's post stages start and its line and
+metrics are written, the same way in every mode. In between, the flow uses the call for what flows
+do: name what the call is about (``concerns``), run pre and post stages, forward, find its pod or
+container in the store or read it back from the runtime.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Coroutine, Generic, Iterable, Mapping, Protocol, Sequence, TypeVar
+
+from twisted.internet.defer import CancelledError, Deferred, ensureDeferred
+from twisted.internet.interfaces import IReactorTime
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+
+from koordrp import calllog
+from koordrp.adapters import (
+    CALLER_GONE,
+    AnyReply,
+    Backend,
+    LookupFailed,
+    Outcome,
+    Refusal,
+    RefusalKind,
+    Written,
+    outcome_label,
+)
+from koordrp.calllog import CallRecord
+from koordrp.hooks.messages import ContainerHookRequest, HookRequest, PodHookRequest, copied, placed_in_pod
+from koordrp.hooks.types import SENT, SKIPPED, HookCall, HookServers, HookType, PostStage, StageOutcome, Subscribers
+from koordrp.store import ContainerState, Store, StoredContainer, StoredPod
+from koordrp.text import shortened
+
+if TYPE_CHECKING:
+    # Only --metrics-endpoint loads prometheus_client: it costs a node daemon ~6 MB of RSS.
+    from koordrp.metrics import Metrics
+
+Result = TypeVar("Result")
+Request = TypeVar("Request", PodHookRequest, ContainerHookRequest)
+
+HOOKS_SHARE = 0.5
+"""The share of what is left of a call's deadline its hook stage may take; the runtime's call keeps the rest."""
+
+SETTLE_SECONDS = 2.0
+"""How long koordrp asks the runtime, on its own account, what a call the caller gave up on did."""
+
+
+class Stages(Protocol):
+    """The hook stages (``koordrp.hooks.dispatcher.Dispatcher``)."""
+
+    def run(
+        self, hook: HookType, servers: Subscribers, request: HookRequest, budget: float | None
+    ) -> Awaitable[StageOutcome]:
+        """Run a pre stage: ``request`` comes back changed by each server's answer in turn."""
+
+    def announce(self, stages: Sequence[PostStage]) -> None:
+        """Start the post stages one call owes, one after another, without waiting for them."""
+
+    def count_not_made(self, calls: Iterable[HookCall]) -> None:
+        """Count the hook calls a call spared."""
+
+    def drain(self) -> Deferred[Any]:
+        """Fires once every post stage announced so far has ended."""
+
+
+@dataclass(frozen=True)
+class SkipLabel:
+    """The pod label that spares a pod (and its containers) every hook call."""
+
+    key: str
+    value: str
+
+    def skips(self, labels: Mapping[str, str]) -> bool:
+        return labels.get(self.key) == self.value
+
+
+@dataclass(frozen=True)
+class Parts:
+    """What every intercepted call shares, whichever front end it came through."""
+
+    store: Store
+    dispatcher: Stages
+    registrations: Callable[[], HookServers]
+    """The hook servers in force now."""
+    skip: SkipLabel
+    clock: IReactorTime
+    metrics: Metrics | None = None
+
+
+class Refused(Exception):
+    """How a flow stops where koordrp refuses the call; ``Call.run`` turns it into the Refusal value."""
+
+    def __init__(self, refusal: Refusal) -> None:
+        super().__init__(refusal.message)
+        self.refusal = refusal
+
+
+class Call(Generic[AnyReply]):
+    """One intercepted call, driven on the reactor: its flow, its answer, and what it owes once answered.
+
+    It takes the hook servers in force when it arrives and uses them throughout. What it owes once
+    it has answered (its post stages, counting the hook calls it spared, its log line and metrics)
+    waits until the front end says the answer has left (``ended``) and the flow is over.
+    """
+
+    log = Logger()
+
+    def __init__(
+        self,
+        parts: Parts,
+        method: str,
+        backend: Backend[AnyReply],
+        timeout: float | None = None,
+        hooks_share: float = HOOKS_SHARE,
+    ) -> None:
+        """``method`` names the call in its log line; ``timeout`` is what is left of the caller's deadline, of
+        which the hook stages may take ``hooks_share``."""
+        self.store = parts.store
+        self._parts = parts
+        self.servers = parts.registrations()
+        self.backend = backend
+        self.record = CallRecord(method)
+        self.lifecycle = method
+        """The CRI method the call stands for (its flow says), for metrics."""
+        self.logged = True
+        """Whether the call gets a line and metrics (a Docker call about a container that is not Kubernetes' does not)."""
+        self.posts: list[PostStage] = []
+        self._skipping = False
+        self._started = parts.clock.seconds()
+        self._deadline = None if timeout is None else self._started + timeout
+        self._hooks_share = hooks_share
+        self._answer: Deferred[Outcome[AnyReply]] = Deferred(lambda _: self.cancel())
+        self._running: Deferred[AnyReply] | None = None
+        self._cancelled = False
+        self._flow_over = False
+        self._outcome: Outcome[AnyReply] | None = None
+        self._ended = False
+        self._seconds = 0.0
+
+    # Driving the flow
+
+    def run(self, flow: Coroutine[Any, Any, AnyReply]) -> Deferred[Outcome[AnyReply]]:
+        """Start ``flow``; fires with its outcome as soon as the caller can be answered.
+
+        Cancelling the Deferred is ``cancel()``.
+        """
+        running = ensureDeferred(flow)
+        self._running = running
+        running.addCallbacks(self._answered, self._stopped).addBoth(self._over)
+        return self._answer
+
+    def cancel(self) -> None:
+        """The caller gave up: what the flow waits for (a hook, the runtime) is cancelled at once.
+
+        The answer is CALLER_GONE at once; a flow that gave up on the runtime may still ask it what
+        happened (``_forward_changing``) before it is over.
+        """
+        if self._cancelled:
+            return
+        self._cancelled = True
+        if self._running is not None and not self._running.called:
+            self._running.cancel()
+        self._answered(CALLER_GONE)
+
+    def ended(self) -> None:
+        """The answer has left (or nobody is left to take it)."""
+        if not self._ended:
+            self._ended = True
+            self._finish_if_over()
+
+    def remaining(self) -> float | None:
+        """What is left of the caller's deadline, in seconds (None: it set none)."""
+        return None if self._deadline is None else self._deadline - self._parts.clock.seconds()
+
+    def _answered(self, outcome: Outcome[AnyReply]) -> None:
+        if not self._answer.called:
+            self._outcome = outcome
+            self._seconds = self._parts.clock.seconds() - self._started
+            self._answer.callback(outcome)
+
+    def _stopped(self, failure: Failure) -> None:
+        if isinstance(failure.value, Refused):
+            self._answered(failure.value.refusal)
+        elif isinstance(failure.value, CancelledError):
+            self._answered(CALLER_GONE)
+        else:
+            self.log.failure("{method} failed inside koordrp", failure, method=self.record.method)
+            self._answered(Refusal(RefusalKind.INTERNAL, f"koordrp: {shortened(failure.getErrorMessage())}"))
+
+    def _over(self, _: object) -> None:
+        self._flow_over = True
+        self._finish_if_over()
+
+    def _finish_if_over(self) -> None:
+        if self._outcome is None or not self._ended or not self._flow_over:
+            return
+        outcome = outcome_label(self._outcome)
+        dispatcher = self._parts.dispatcher
+        if self.posts:
+            dispatcher.announce(self.posts)
+        dispatcher.count_not_made(self.record.calls)
+        metrics = self._parts.metrics
+        if metrics is not None:
+            for call, change in self.record.left_alone():
+                metrics.changes_left_alone.labels(call.server.name, call.hook.value, calllog.field_name(change)).inc()
+        if self.logged:
+            calllog.write(self.record, outcome, self._seconds)
+            if metrics is not None:
+                metrics.cri_call(self.lifecycle, outcome, self._seconds)
+
+    # What flows do
+
+    def concerns(self, subject: HookRequest) -> None:
+        """The call is about this pod or container: its line names it, and its pod's labels say whether hooks are skipped."""
+        self.record.subject = subject
+        labels = subject.labels if isinstance(subject, PodHookRequest) else subject.pod_labels
+        self._skipping = self._parts.skip.skips(labels)
+
+    def _callees(self, hook: HookType) -> Subscribers:
+        """The servers to call: none when nobody subscribed, or when the pod is skipped (counted)."""
+        subscribed = self.servers.subscribed(hook)
+        if subscribed and self._skipping:
+            self.not_called(hook, subscribed, SKIPPED)
+            return ()
+        return subscribed
+
+    def not_called(self, hook: HookType, servers: Subscribers, result: str) -> None:
+        """Record the calls to ``servers`` that ``result`` (SKIPPED, UNREADABLE) spared; they are counted at the end."""
+        self.record.add(HookCall(server, hook, result) for server in servers)
+
+    def hook_budget(self) -> float | None:
+        """How long a hook stage may take: its share of what is left of the caller's deadline.
+
+        kubelet gives each call 2 minutes, crictl its --timeout: a slow hook server gets its answer
+        applied as long as the runtime keeps enough of the deadline to do the call.
+        """
+        remaining = self.remaining()
+        return None if remaining is None else remaining * self._hooks_share
+
+    async def _run(self, hook: HookType, callees: Subscribers, request: HookRequest) -> None:
+        outcome = await self._parts.dispatcher.run(hook, callees, request, self.hook_budget())
+        self.record.add(outcome.calls)
+        if outcome.failure is not None:
+            raise Refused(Refusal(RefusalKind.HOOK_FAILED, outcome.failure.message))
+
+    async def pre(self, hook: HookType, request: HookRequest) -> None:
+        """Run a pre stage on ``request``, which comes back changed by the hooks."""
+        callees = self._callees(hook)
+        if callees:
+            await self._run(hook, callees, request)
+
+    async def pre_rewriting(
+        self,
+        hook: HookType,
+        request: Request,
+        rewritten: Callable[[Request, Request], Written],
+        sent: Request | None = None,
+    ) -> bytes | None:
+        """Run a pre stage and write what it changed into the call's request; None: forward it as received.
+
+        ``sent`` is the hook request as the call's request has it (default: ``request`` before the
+        stage); ``rewritten`` runs even when no hook is called, since what the store knows may
+        differ from what the caller sent (a pod's cgroup parent, set by hooks when it ran).
+        """
+        callees = self._callees(hook)
+        if sent is None:
+            sent = copied(request) if callees else request
+        if callees:
+            await self._run(hook, callees, request)
+        written = rewritten(sent, request)
+        for left in written.left_alone:
+            self.record.leave_alone(hook, left.path_prefix, left.why)
+        return written.request
+
+    def post(self, hook: HookType, request: HookRequest) -> None:
+        callees = self._callees(hook)
+        if callees:
+            self.posts.append(PostStage(hook, callees, request))
+            self.record.add(HookCall(server, hook, SENT) for server in callees)
+
+    async def forward(self, rewritten: bytes | None = None) -> AnyReply:
+        return await self.backend.forward(rewritten, self.remaining())
+
+    async def pod(self, sandbox_id: str) -> StoredPod | None:
+        """The pod from the store, or read back from the runtime (and remembered) if the store lacks it."""
+        pod = self.store.pod(sandbox_id)
+        if pod is None and sandbox_id:
+            stored = await self._read_back("pod", sandbox_id, lambda: self.backend.read_pod(sandbox_id, self.remaining()))
+            if stored is not None:
+                self.store.learn([(sandbox_id, stored)], [])
+                pod = self.store.pod(sandbox_id)
+        return pod
+
+    async def _pod_as_given(self, sandbox_id: str) -> PodHookRequest | None:
+        pod = await self.pod(sandbox_id)
+        return None if pod is None else pod.given
+
+    async def container(self, container_id: str) -> StoredContainer | None:
+        """The container from the store, or read back from the runtime (and remembered), with its pod."""
+        stored = self.store.container(container_id)
+        if stored is None and container_id:
+            stored = await self._read_back(
+                "container",
+                container_id,
+                lambda: self.backend.read_container(container_id, self._pod_as_given, self.remaining()),
+            )
+            if stored is not None:
+                self.store.learn([], [(container_id, stored)])
+                stored = self.store.container(container_id)
+        return stored
+
+    def container_request(self, container: ContainerHookRequest, sandbox_id: str) -> ContainerHookRequest:
+        """What a hook about a container is shown: ``container`` (kubelet's, copied), in its pod as the pod is now."""
+        request = copied(container)
+        pod = self.store.pod(sandbox_id)
+        return request if pod is None else placed_in_pod(request, pod.given)
+
+    async def _read_back(self, kind: str, identifier: str, read: Callable[[], Awaitable[Result | None]]) -> Result | None:
+        try:
+            return await read()
+        except LookupFailed as error:
+            self.log.warn(
+                "{kind} {id} is not in the store and could not be read from the runtime: {error}",
+                kind=kind,
+                id=shortened(identifier, 80),
+                error=shortened(str(error)),
+            )
+            return None
+
+    async def container_now(self, container_id: str, state: ContainerState) -> bool:
+        """Whether the runtime says, on koordrp's own account (the caller is gone), the container is in ``state``."""
+
+        async def stored_pod(sandbox_id: str) -> PodHookRequest | None:
+            pod = self.store.pod(sandbox_id)
+            return None if pod is None else pod.given
+
+        try:
+            found = await self.backend.read_container(container_id, stored_pod, SETTLE_SECONDS)
+        except LookupFailed:
+            return False
+        return found is not None and found.state is state
+
+    async def pod_now_stopped(self, sandbox_id: str) -> bool:
+        """Whether the runtime says, on koordrp's own account (the caller is gone), the pod is stopped."""
+        try:
+            found = await self.backend.read_pod(sandbox_id, SETTLE_SECONDS)
+        except LookupFailed:
+            return False
+        return found is not None and found.stopped
