@@ -19,24 +19,7 @@ import time
 from pathlib import Path
 
 from tests.support.dockerd import Dockerd
-from tests.support.koordrp_process import KoordrpProcess, rss_bytes
-
-
-def status_field(pid: int, name: str) -> int:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith(f"{name}:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {name} for {pid}")
-
-
-def reset_peak(pid: int) -> None:
-    """VmHWM back to VmRSS (Linux ≥ 4.0, the process's owner or root); where it cannot, the peak stays."""
-    try:
-        with open(f"/proc/{pid}/clear_refs", "w") as clear_refs:
-            clear_refs.write("5")
-    except OSError:
-        pass
+from tests.support.koordrp_process import KoordrpProcess, peak_rss_bytes, reset_peak_rss, rss_bytes
 
 
 def send(client: socket.socket, head: bytes, body_parts: list[bytes]) -> None:
@@ -84,10 +67,10 @@ def measure(proxy: KoordrpProcess, megabytes: int, give_up: float) -> None:
     print(f"{'body':<16}{'answer after':>14}{'peak RSS growth':>17}  status")
     for label, (framing, body_parts) in ways.items():
         head = b"POST /v1.41/containers/create HTTP/1.1\r\nHost: docker\r\nContent-Type: application/json\r\n" + framing
-        reset_peak(proxy.pid)
+        reset_peak_rss(proxy.pid)
         before = rss_bytes(proxy.pid)
         seconds, status = answer_after(proxy.socket, head, body_parts, give_up)
-        growth = status_field(proxy.pid, "VmHWM") - before
+        growth = peak_rss_bytes(proxy.pid) - before
         shown = "none" if seconds is None else f"{seconds:.2f}s"
         print(f"{label:<16}{shown:>14}{growth / 1e6:>15.1f}MB  {status or '(no answer)'}")
 
