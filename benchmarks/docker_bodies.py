@@ -13,12 +13,11 @@ reset first where the kernel lets us). No dockerd is asked: nothing is created.
 import argparse
 import select
 import socket
-import tempfile
 import threading
 import time
 from pathlib import Path
 
-from tests.support.dockerd import Dockerd
+from benchmarks.docker import docker_mode
 from tests.support.koordrp_process import KoordrpProcess, peak_rss_bytes, reset_peak_rss, rss_bytes
 
 
@@ -80,17 +79,8 @@ def main() -> None:
     parser.add_argument("--megabytes", type=int, default=48)
     parser.add_argument("--give-up", type=float, default=120.0)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="krp-bench-", dir="/tmp") as scratch:
-        base = Path(scratch)
-        dockerd = Dockerd(base / "dockerd")
-        dockerd.start()
-        proxy = KoordrpProcess(base, dockerd.host, ["--backend-runtime-mode=Docker"])
-        try:
-            proxy.start()
-            measure(proxy, args.megabytes, args.give_up)
-        finally:
-            proxy.stop()
-            dockerd.stop()
+    with docker_mode() as (_, _, proxy):
+        measure(proxy, args.megabytes, args.give_up)
 
 
 if __name__ == "__main__":

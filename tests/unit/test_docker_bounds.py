@@ -6,31 +6,25 @@ before reading, as naive HTTP clients do.
 """
 
 import json
-import os
 import select
 import socket
 from typing import Any, cast
 
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred, inlineCallbacks
-from twisted.internet.interfaces import IReactorUNIX
 from twisted.internet.threads import deferToThread
-from twisted.logger import ILogObserver, LogEvent, formatEvent, globalLogPublisher
-from twisted.trial.unittest import TestCase
+from twisted.logger import formatEvent
 
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
 from koordrp.call import Parts, SkipLabel
 from koordrp.docker import dockerd as dockerd_module
 from koordrp.docker import proxy as proxy_module
-from koordrp.docker.dockerd import Dockerd
 from koordrp.docker.http import MAX_BODY_BYTES, MAX_HEAD_BYTES
-from koordrp.docker.service import DockerProxyService, DockerProxySettings
 from koordrp.hooks.types import FailurePolicy, HookServerConfig, HookServers, HookType
 from koordrp.store import Store
 from tests.fake.dockerd import WEDGED, ScriptedDockerd, answer
 from tests.fake.flows import ScriptedStages
-from tests.support.tempdirs import short_tempdir
-from tests.unit.test_docker_waits import until
+from tests.unit.test_docker_waits import DockerModeTestCase, until
 
 QUESTION_SECONDS = 0.5
 FORTY_EIGHT_MB = 48_000_000
@@ -71,32 +65,17 @@ def hung_up_within(client: socket.socket, seconds: float) -> bool:
     return bool(poller.poll(seconds * 1000))
 
 
-class DockerModeOnRealSockets(TestCase):
+class DockerModeOnRealSockets(DockerModeTestCase):
     def setUp(self) -> None:
-        directory = short_tempdir(self)
         self.dockerd = ScriptedDockerd({
             "GET /containers/json": answer(200, []),
             "GET /info": answer(200, {"CgroupDriver": "systemd"}),
             "POST /containers/create": answer(201, {"Id": "created-1", "Warnings": []}, "Created"),
         })
-        backend = os.path.join(directory, "docker.sock")
-        unix = IReactorUNIX(reactor)
-        self.port = unix.listenUNIX(backend, self.dockerd)
-        self.addCleanup(self.port.stopListening)
-        self.listen = os.path.join(directory, "koordrp", "koordrp.sock")
         self.stages = ScriptedStages()
         self.servers = HookServers()
         parts = Parts(Store(), self.stages, lambda: self.servers, SkipLabel("skip", "true"), reactor)
-        dockerd = Dockerd(unix, backend, question_seconds=QUESTION_SECONDS)
-        self.service = DockerProxyService(DockerProxySettings(self.listen, backend), unix, parts, dockerd)
-        self.events: list[LogEvent] = []
-        observer = cast(ILogObserver, self.events.append)
-        globalLogPublisher.addObserver(observer)
-        self.addCleanup(globalLogPublisher.removeObserver, observer)
-
-    def start(self) -> None:
-        self.service.startService()
-        self.addCleanup(self.service.stopService)
+        self.serve(self.dockerd, parts, question_seconds=QUESTION_SECONDS)
 
     def lines(self, containing: str) -> list[str]:
         texts = [formatEvent(event) for event in self.events]

@@ -86,18 +86,19 @@ async def until(condition: Any, timeout: float = 5.0) -> None:
         await deferLater(reactor, 0.01, lambda: None)
 
 
-class WedgedDockerdTests(TestCase):
-    def setUp(self) -> None:
+class DockerModeTestCase(TestCase):
+    """koordrp's Docker mode service on the real reactor, in front of a dockerd on a real unix socket."""
+
+    def serve(self, backend: Factory, parts: Parts, **bounds: float) -> None:
+        """``backend`` plays dockerd; ``bounds`` are Dockerd's own (question_seconds, probe_seconds)."""
         directory = short_tempdir(self)
-        self.wedged = WedgedDockerd()
-        backend = os.path.join(directory, "docker.sock")
+        path = os.path.join(directory, "docker.sock")
         unix = IReactorUNIX(reactor)
-        port = unix.listenUNIX(backend, self.wedged)
-        self.addCleanup(port.stopListening)
+        self.port = unix.listenUNIX(path, backend)
+        self.addCleanup(self.port.stopListening)
         self.listen = os.path.join(directory, "koordrp", "koordrp.sock")
-        parts = Parts(Store(), Dispatcher(HookClients(reactor), reactor), HookServers, SkipLabel("skip", "true"), reactor)
-        dockerd = Dockerd(unix, backend, question_seconds=QUESTION_SECONDS, probe_seconds=PROBE_SECONDS)
-        self.service = DockerProxyService(DockerProxySettings(self.listen, backend), unix, parts, dockerd)
+        dockerd = Dockerd(unix, path, **bounds)
+        self.service = DockerProxyService(DockerProxySettings(self.listen, path), unix, parts, dockerd)
         self.events: list[LogEvent] = []
         observer = cast(ILogObserver, self.events.append)
         globalLogPublisher.addObserver(observer)
@@ -106,6 +107,13 @@ class WedgedDockerdTests(TestCase):
     def start(self) -> None:
         self.service.startService()
         self.addCleanup(self.service.stopService)
+
+
+class WedgedDockerdTests(DockerModeTestCase):
+    def setUp(self) -> None:
+        self.wedged = WedgedDockerd()
+        parts = Parts(Store(), Dispatcher(HookClients(reactor), reactor), HookServers, SkipLabel("skip", "true"), reactor)
+        self.serve(self.wedged, parts, question_seconds=QUESTION_SECONDS, probe_seconds=PROBE_SECONDS)
 
     @inlineCallbacks
     def test_healthz_answers_503_naming_dockerd_within_the_probe_time(self):  # type: ignore[no-untyped-def]
