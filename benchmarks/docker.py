@@ -13,7 +13,9 @@ import json
 import statistics
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from benchmarks.stats import quantile, timed
 from tests.support.dockerd import Dockerd, unix_http
@@ -21,23 +23,30 @@ from tests.support.images import BUSYBOX_REF, build_test_images
 from tests.support.koordrp_process import KoordrpProcess
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--calls", type=int, default=1000)
-    parser.add_argument("--starts", type=int, default=50)
-    args = parser.parse_args()
+@contextmanager
+def docker_mode() -> Iterator[tuple[Path, Dockerd, KoordrpProcess]]:
+    """A private dockerd and ``twistd -n koordrp --backend-runtime-mode=Docker`` in front of it, in a scratch directory."""
     with tempfile.TemporaryDirectory(prefix="krp-bench-", dir="/tmp") as scratch:
         base = Path(scratch)
         dockerd = Dockerd(base / "dockerd")
         dockerd.start()
         proxy = KoordrpProcess(base, dockerd.host, ["--backend-runtime-mode=Docker"])
         try:
-            dockerd.load_images(build_test_images(base / "images"))
             proxy.start()
-            measure(args, dockerd, proxy)
+            yield base, dockerd, proxy
         finally:
             proxy.stop()
             dockerd.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--calls", type=int, default=1000)
+    parser.add_argument("--starts", type=int, default=50)
+    args = parser.parse_args()
+    with docker_mode() as (base, dockerd, proxy):
+        dockerd.load_images(build_test_images(base / "images"))
+        measure(args, dockerd, proxy)
 
 
 def measure(args: argparse.Namespace, dockerd: Dockerd, proxy: KoordrpProcess) -> None:

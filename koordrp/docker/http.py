@@ -11,6 +11,9 @@ from urllib.parse import parse_qs, urlsplit
 
 MAX_HEAD_BYTES = 64 * 1024
 MAX_BODY_BYTES = 1024 * 1024
+"""The most of an intercepted call's body koordrp reads (cri-dockerd's bodies are a few KB)."""
+MAX_CHUNK_LINE_BYTES = 4096
+"""The longest chunk size line (with its extensions) or trailer line, as Go's net/http allows."""
 HEAD_END = b"\r\n\r\n"
 
 
@@ -90,31 +93,162 @@ def parse_request_head(data: bytes) -> RequestHead:
     return head
 
 
-def dechunk(data: bytes) -> tuple[bytes, bytes] | None:
-    """The body of a complete chunked message and what follows it, or None while it is incomplete."""
-    body = bytearray()
-    position = 0
-    while True:
-        line_end = data.find(b"\r\n", position)
-        if line_end < 0:
+class HeadTooLarge(HTTPError):
+    """A request head longer than MAX_HEAD_BYTES."""
+
+
+class BodyTooLarge(HTTPError):
+    """A body longer than koordrp reads whole: told as soon as the length is known, before it arrives."""
+
+
+def in_units(limit: int) -> str:
+    """``limit`` bytes in words for a message: "1 MiB", "64 KiB"."""
+    for unit, shift in (("MiB", 20), ("KiB", 10)):
+        if limit >= 1 << shift:
+            return f"{limit / (1 << shift):g} {unit}"
+    return f"{limit} bytes"
+
+
+class HeadReader:
+    """A request head as it arrives: everything up to the blank line, never more than MAX_HEAD_BYTES of it.
+
+    Each byte is looked at once, however the head is split across reads.
+    """
+
+    def __init__(self, limit: int = MAX_HEAD_BYTES) -> None:
+        self._limit = limit
+        self._buffer = bytearray()
+
+    def feed(self, data: bytes) -> tuple[bytes, bytes] | None:
+        """The head (without its blank line) and the bytes after it, once the head is complete.
+
+        HeadTooLarge as soon as more than the limit has arrived without the head ending.
+        """
+        searched = max(0, len(self._buffer) - len(HEAD_END) + 1)
+        self._buffer += data
+        end = self._buffer.find(HEAD_END, searched)
+        if end < 0 or end > self._limit:
+            if len(self._buffer) > self._limit + len(HEAD_END):
+                raise HeadTooLarge(f"request head larger than {in_units(self._limit)}")
             return None
-        size_text = data[position:line_end].split(b";", 1)[0].strip()
-        try:
-            size = int(size_text, 16)
-        except ValueError:
-            raise HTTPError(f"bad chunk size {size_text[:20]!r}") from None
-        position = line_end + 2
-        if size == 0:
-            trailer_end = data.find(b"\r\n\r\n", line_end)
-            if trailer_end < 0:
-                return None
-            return bytes(body), data[trailer_end + 4 :]
-        if len(data) < position + size + 2:
-            return None
-        body += data[position : position + size]
-        position += size + 2
-        if len(body) > MAX_BODY_BYTES:
-            raise HTTPError("body larger than 1 MiB")
+        head, rest = bytes(self._buffer[:end]), bytes(self._buffer[end + len(HEAD_END) :])
+        self._buffer = bytearray()
+        return head, rest
+
+
+class LengthBody:
+    """A body of a known length, as it arrives."""
+
+    def __init__(self, length: int) -> None:
+        self._length = length
+        self._body = bytearray()
+
+    def feed(self, data: bytes) -> bool:
+        """Take the next bytes; True once the body is complete (what follows it is not kept)."""
+        self._body += memoryview(data)[: self._length - len(self._body)]
+        return len(self._body) == self._length
+
+    @property
+    def body(self) -> bytes:
+        return bytes(self._body)
+
+
+_SIZE, _DATA, _DATA_END, _TRAILER, _DONE = range(5)
+
+
+class ChunkedBody:
+    """A chunked body (RFC 9112 section 7.1) decoded as it arrives, in time linear in its length.
+
+    It holds the decoded body and at most one unfinished line, of MAX_CHUNK_LINE_BYTES; a chunk that
+    would take the body past ``limit`` is refused (BodyTooLarge) from its size line, before its
+    data arrives. Extensions are skipped and trailers read and dropped (the Docker API uses neither);
+    lines may end in a bare LF, as Go's readers accept.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._body = bytearray()
+        self._line = bytearray()
+        self._state = _SIZE
+        self._left = 0
+        self._trailer_bytes = 0
+        self.rest = b""
+        """What followed the body in the last bytes fed, once it is complete."""
+
+    @property
+    def body(self) -> bytes:
+        return bytes(self._body)
+
+    def feed(self, data: bytes) -> bool:
+        """Take the next bytes; True once the body is complete. HTTPError: not a chunked body."""
+        view = memoryview(data)
+        position = 0
+        while position < len(view) and self._state != _DONE:
+            if self._state == _DATA:
+                taken = min(self._left, len(view) - position)
+                self._body += view[position : position + taken]
+                position += taken
+                self._left -= taken
+                if self._left == 0:
+                    self._state = _DATA_END
+                continue
+            line_end = data.find(b"\n", position)
+            if line_end < 0:
+                self._add_to_line(view[position:])
+                break
+            self._add_to_line(view[position:line_end])
+            position = line_end + 1
+            line = bytes(self._line).removesuffix(b"\r")
+            self._line.clear()
+            self._end_of_line(line)
+        if self._state == _DONE:
+            self.rest = bytes(view[position:])
+            return True
+        return False
+
+    def _add_to_line(self, part: memoryview) -> None:
+        self._line += part
+        if len(self._line) > MAX_CHUNK_LINE_BYTES:
+            what = "chunk size line" if self._state == _SIZE else "chunk data's end" if self._state == _DATA_END else "trailer line"
+            raise HTTPError(f"{what} longer than {MAX_CHUNK_LINE_BYTES} bytes")
+
+    def _end_of_line(self, line: bytes) -> None:
+        if self._state == _DATA_END:
+            if line:
+                raise HTTPError("chunk data longer than its size says")
+            self._state = _SIZE
+        elif self._state == _SIZE:
+            size = _chunkin_units(line)
+            if size == 0:
+                self._state = _TRAILER
+            elif len(self._body) + size > self._limit:
+                raise BodyTooLarge(f"body larger than {in_units(self._limit)}")
+            else:
+                self._left = size
+                self._state = _DATA
+        elif not line:
+            self._state = _DONE
+        else:
+            self._trailer_bytes += len(line)
+            if self._trailer_bytes > MAX_HEAD_BYTES:
+                raise HTTPError(f"trailers larger than {in_units(MAX_HEAD_BYTES)}")
+
+
+def _chunkin_units(line: bytes) -> int:
+    text = line.split(b";", 1)[0].strip(b" \t")
+    if not text or len(text) > 16 or text.strip(b"0123456789abcdefABCDEF"):
+        raise HTTPError(f"bad chunk size {line[:20]!r}")
+    return int(text, 16)
+
+
+def body_reader(head: RequestHead, limit: int) -> LengthBody | ChunkedBody:
+    """How to read ``head``'s body, never more than ``limit`` bytes of it (BodyTooLarge at once if it says more)."""
+    if head.chunked:
+        return ChunkedBody(limit)
+    length = head.content_length() or 0
+    if length > limit:
+        raise BodyTooLarge(f"body larger than {in_units(limit)}")
+    return LengthBody(length)
 
 
 @dataclass
@@ -128,7 +262,7 @@ class Response:
 
 
 def parse_response(raw: bytes) -> Response:
-    """A whole response as read until the backend closed (it was asked to)."""
+    """A whole response as read until the backend closed (it was asked to); what was read bounds it."""
     head_end = raw.find(HEAD_END)
     if head_end < 0:
         raise HTTPError("response ended inside its head")
@@ -139,10 +273,10 @@ def parse_response(raw: bytes) -> Response:
     headers = [(name, value.strip()) for name, _, value in (line.partition(":") for line in header_lines)]
     body = raw[head_end + 4 :]
     if any(name.lower() == "transfer-encoding" and "chunked" in value.lower() for name, value in headers):
-        whole = dechunk(body)
-        if whole is None:
+        chunked = ChunkedBody(len(body))
+        if not chunked.feed(body):
             raise HTTPError("chunked response ended early")
-        body = whole[0]
+        body = chunked.body
     return Response(int(parts[1]), headers, body)
 
 

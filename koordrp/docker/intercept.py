@@ -13,13 +13,14 @@ from dataclasses import dataclass
 from typing import Any, Coroutine
 
 from twisted.internet.defer import Deferred
+from twisted.internet.error import ConnectError
 from zope.interface import implementer
 
 from koordrp import adapters
 from koordrp.call import Call, Parts
 from koordrp import flows
 from koordrp.docker import translate
-from koordrp.docker.dockerd import Dockerd
+from koordrp.docker.dockerd import AnswerTooLarge, Dockerd
 from koordrp.docker.http import HTTPError, RequestHead, Response, json_response, parse_response
 from koordrp.docker.proxy import IDockerInterceptor, Intercepted
 from koordrp.store import StoredContainer, StoredPod
@@ -65,9 +66,18 @@ class DockerBackend:
         self._inspected: dict[str, dict[str, Any]] = {}
 
     async def forward(self, rewritten: bytes | None, timeout: float | None) -> DockerReply:
-        """Sent to dockerd, bounded by the client alone (``timeout`` is None): it may wait for a long stop."""
+        """Sent to dockerd, bounded by the client alone (``timeout`` is None): it may wait for a long stop.
+
+        When dockerd cannot be reached, or its answer is too large to read, the client is told so
+        the way a passed-through call would be (503, 502), naming dockerd.
+        """
         body = self._body if rewritten is None else rewritten
-        raw = await self._dockerd.exchange(self._head.serialize(len(body)) + body)
+        try:
+            raw = await self._dockerd.exchange(self._head.serialize(len(body)) + body)
+        except ConnectError as error:
+            raw = self._dockerd.unavailable(str(error))
+        except AnswerTooLarge as error:
+            raw = json_response(502, "Bad Gateway", f"koordrp: backend unix://{self._dockerd.path}: {error}")
         try:
             response: Response | None = parse_response(raw)
         except HTTPError:
@@ -137,7 +147,7 @@ class DockerInterceptor:
             if document is None or kind is None:
                 return None
             name = head.query("name") or ""
-            driver = await self._dockerd.cgroup_driver()
+            driver = await self._dockerd.cgroup_driver.current()
             if kind == "sandbox":
                 try:
                     return flows.run_pod_sandbox(call, translate.SandboxCreate(name, document, driver))

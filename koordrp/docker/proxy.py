@@ -13,21 +13,42 @@ from typing import Callable
 
 from twisted.internet import protocol
 from twisted.internet.defer import Deferred
-from twisted.internet.interfaces import IAddress, IConnector, IHalfCloseableProtocol, IReactorUNIX, ITransport
+from twisted.internet.interfaces import (
+    IAddress,
+    IConnector,
+    IDelayedCall,
+    IHalfCloseableProtocol,
+    IReactorTime,
+    IReactorUNIX,
+    ITCPTransport,
+    ITransport,
+)
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import Interface, implementer
 
 from koordrp.docker.http import (
-    HEAD_END,
     MAX_BODY_BYTES,
-    MAX_HEAD_BYTES,
+    BodyTooLarge,
+    ChunkedBody,
+    HeadReader,
+    HeadTooLarge,
     HTTPError,
+    LengthBody,
     RequestHead,
-    dechunk,
+    body_reader,
     json_response,
     parse_request_head,
 )
+
+LINGER_SECONDS = 10.0
+"""How long koordrp reads (and drops) what a client still sends after answering its request early."""
+
+_REFUSALS = {
+    HeadTooLarge: (431, "Request Header Fields Too Large"),
+    BodyTooLarge: (413, "Request Entity Too Large"),
+}
+"""The answer to a request koordrp refuses to read on; any other HTTPError is a 400."""
 
 
 @dataclass(frozen=True)
@@ -78,72 +99,72 @@ class _UpstreamFactory(protocol.ClientFactory):
 
 @implementer(IHalfCloseableProtocol)
 class DockerClientConnection(protocol.Protocol):
+    """One client connection: its request head read, then spliced to dockerd or handed to the interceptor.
+
+    koordrp holds at most a request head (MAX_HEAD_BYTES), an intercepted call's body
+    (MAX_BODY_BYTES) and one read beyond them; while dockerd is being connected to, the client is
+    not read. A request refused before it was read whole is answered at once, and what the client
+    still sends is read and dropped for LINGER_SECONDS, so that a client that writes its whole
+    request before reading gets the answer.
+    """
+
     log = Logger()
 
     def __init__(self, proxy: "DockerProxyFactory") -> None:
         self.proxy = proxy
-        self._buffer = b""
+        self._head_reader: HeadReader | None = HeadReader()
         self._head: RequestHead | None = None
+        self._body: LengthBody | ChunkedBody | None = None
+        self._after_head = b""
+        """What came with the head, for dockerd once connected."""
         self._upstream: _Upstream | None = None
-        self._client_done_writing = False
-        self._intercepting = False
         self._handling: Deferred[Intercepted] | None = None
         self._connecting: IConnector | None = None
+        self._lingering: IDelayedCall | None = None
         self._gone = False
 
     def dataReceived(self, data: bytes) -> None:
         if self._upstream is not None:
             self._upstream.transport.write(data)  # type: ignore[union-attr]
-            return
-        self._buffer += data
-        if self._head is None:
-            self._read_head()
-        elif self._intercepting:
-            self._read_body()
+        elif self._head_reader is not None:
+            self._read_head(self._head_reader, data)
+        elif self._body is not None:
+            self._read_body(self._body, data)
+        # Otherwise the intercepted call is under way or answered, or the request was refused: koordrp
+        # closes the connection after its answer, so nothing more the client sends on it is kept.
 
-    def _read_head(self) -> None:
-        end = self._buffer.find(HEAD_END)
-        if end < 0:
-            if len(self._buffer) > MAX_HEAD_BYTES:
-                self._answer(json_response(431, "Request Header Fields Too Large", "koordrp: request head too large"))
-            return
+    def _read_head(self, reader: HeadReader, data: bytes) -> None:
         try:
-            self._head = parse_request_head(self._buffer[:end])
+            read = reader.feed(data)
+            if read is None:
+                return
+            self._head_reader = None
+            head = self._head = parse_request_head(read[0])
+            interceptor = self.proxy.interceptor
+            if interceptor is not None and interceptor.wants(head):
+                self._body = body_reader(head, MAX_BODY_BYTES)
         except HTTPError as error:
-            self._answer(json_response(400, "Bad Request", f"koordrp: {error}"))
+            self._refuse(error)
             return
-        self._buffer = self._buffer[end + len(HEAD_END) :]
-        interceptor = self.proxy.interceptor
-        if interceptor is not None and interceptor.wants(self._head):
-            self._intercepting = True
-            self._read_body()
+        if self._body is not None:
+            self._read_body(self._body, read[1])
         else:
+            self._after_head = read[1]
+            # Until dockerd is connected there is nowhere to put what the client sends (a 200 MB image).
+            self.transport.pauseProducing()  # type: ignore[union-attr]
             self._connecting = self.proxy.connect_upstream(_UpstreamFactory(self))
 
-    def _read_body(self) -> None:
-        head = self._head
-        assert head is not None
+    def _read_body(self, reader: LengthBody | ChunkedBody, data: bytes) -> None:
         try:
-            if head.chunked:
-                whole = dechunk(self._buffer)
-                if whole is None:
-                    return
-                body = whole[0]
-            else:
-                length = head.content_length() or 0
-                if length > MAX_BODY_BYTES:
-                    raise HTTPError("body larger than 1 MiB")
-                if len(self._buffer) < length:
-                    return
-                body = self._buffer[:length]
+            if not reader.feed(data):
+                return
         except HTTPError as error:
-            self._answer(json_response(400, "Bad Request", f"koordrp: {error}"))
+            self._refuse(error)
             return
-        self._intercepting = False
-        self._buffer = b""
-        interceptor = self.proxy.interceptor
-        assert interceptor is not None
-        handled: Deferred[Intercepted] = interceptor.handle(head, body)
+        self._body = None
+        head, interceptor = self._head, self.proxy.interceptor
+        assert head is not None and interceptor is not None
+        handled: Deferred[Intercepted] = interceptor.handle(head, reader.body)
         self._handling = handled
         handled.addCallbacks(self._deliver, self._interceptor_failed)
 
@@ -167,6 +188,20 @@ class DockerClientConnection(protocol.Protocol):
         transport.write(response)
         transport.loseConnection()
 
+    def _refuse(self, error: HTTPError) -> None:
+        status, reason = _REFUSALS.get(type(error), (400, "Bad Request"))
+        self._answer_early(json_response(status, reason, f"koordrp: {error}"))
+
+    def _answer_early(self, response: bytes) -> None:
+        """Answer a request not read whole, and drop what the client still sends, for a while."""
+        self._head_reader = self._body = None
+        if self._gone:
+            return
+        transport = ITCPTransport(self.transport)
+        transport.write(response)
+        transport.loseWriteConnection()
+        self._lingering = self.proxy.clock.callLater(LINGER_SECONDS, transport.abortConnection)
+
     # The splice
 
     def upstream_ready(self, upstream: _Upstream) -> None:
@@ -176,18 +211,20 @@ class DockerClientConnection(protocol.Protocol):
             upstream.transport.abortConnection()  # type: ignore[union-attr]
             return
         self._upstream = upstream
-        upstream.transport.write(self._head.serialize() + self._buffer)  # type: ignore[union-attr]
-        self._buffer = b""
+        upstream.transport.write(self._head.serialize() + self._after_head)  # type: ignore[union-attr]
+        self._after_head = b""
         # Each side only reads as fast as the other writes: a 200 MB image load or an endless log
         # stream passes through without piling up in koordrp.
         upstream.transport.registerProducer(self.transport, True)  # type: ignore[union-attr]
         self.transport.registerProducer(upstream.transport, True)  # type: ignore[union-attr]
-        if self._client_done_writing:
-            upstream.transport.loseWriteConnection()  # type: ignore[union-attr]
+        self.transport.resumeProducing()  # type: ignore[union-attr]
 
     def upstream_failed(self, reason: Failure) -> None:
         self._connecting = None
-        self._answer(self.proxy.unavailable(reason.getErrorMessage()))
+        self._after_head = b""
+        if not self._gone:
+            self.transport.resumeProducing()  # type: ignore[union-attr]
+        self._answer_early(self.proxy.unavailable(reason.getErrorMessage()))
 
     def upstream_gone(self) -> None:
         self._upstream = None
@@ -196,7 +233,6 @@ class DockerClientConnection(protocol.Protocol):
             self.transport.loseConnection()
 
     def readConnectionLost(self) -> None:
-        self._client_done_writing = True
         if _hung_up(self.transport):
             # The client closed its end whole (cri-dockerd gave up): nobody is left to answer, and
             # whatever koordrp holds for it goes now (dockerd's own Go HTTP server cancels such a
@@ -205,8 +241,10 @@ class DockerClientConnection(protocol.Protocol):
         elif self._upstream is not None:
             # The client finished writing (an exec whose stdin ended): dockerd must see it too.
             self._upstream.transport.loseWriteConnection()  # type: ignore[union-attr]
-        elif self._handling is not None or self._head is None or self._intercepting:
-            # A request the client stopped sending, or an intercepted call it stopped waiting for.
+        else:
+            # A request the client stopped sending, an intercepted call it stopped waiting for, or
+            # the end of what it sent after koordrp's early answer. (While dockerd is being
+            # connected to, the client is not read: its end is seen once the splice begins.)
             self.transport.loseConnection()  # type: ignore[union-attr]
 
     def writeConnectionLost(self) -> None:
@@ -214,6 +252,8 @@ class DockerClientConnection(protocol.Protocol):
 
     def connectionLost(self, reason: Failure = protocol.connectionDone) -> None:
         self._gone = True
+        if self._lingering is not None and self._lingering.active():
+            self._lingering.cancel()
         if self._handling is not None:
             # Whatever the call still waits for (dockerd, a hook) is dropped with it.
             self._handling.cancel()
@@ -238,6 +278,7 @@ class DockerProxyFactory(protocol.Factory):
     ) -> None:
         self.backend_path = backend_path
         self.reactor = reactor
+        self.clock = IReactorTime(reactor)
         self.interceptor = interceptor
         self.unavailable = unavailable
 

@@ -11,7 +11,6 @@ from zope.interface import implementer
 from koordrp.call import Parts
 from koordrp import resync
 from koordrp.docker.dockerd import Dockerd
-from koordrp.docker.http import json_response
 from koordrp.docker.intercept import DockerInterceptor
 from koordrp.docker.proxy import DockerProxyFactory
 from koordrp.frontend import IFrontEnd
@@ -46,17 +45,13 @@ class DockerProxyService(service.Service):
         )
         self._port: IListeningPort | None = None
 
-    def unavailable(self, reason: str) -> bytes:
-        message = f"koordrp: backend unix://{self.settings.backend_path} is unavailable: {reason}"
-        return json_response(503, "Service Unavailable", message)
-
     def probe(self) -> "Deferred[object]":
         return self._dockerd.probe()
 
     def startService(self) -> None:
         settings = self.settings
         prepare_listening_path(settings.listen_path)
-        factory = DockerProxyFactory(settings.backend_path, self._reactor, self._interceptor, self.unavailable)
+        factory = DockerProxyFactory(settings.backend_path, self._reactor, self._interceptor, self._dockerd.unavailable)
         self._port = self._reactor.listenUNIX(settings.listen_path, factory, mode=SOCKET_MODE, wantPID=False)
         restrict_socket(settings.listen_path, settings.socket_gid)
         super().startService()  # type: ignore[no-untyped-call]
@@ -65,11 +60,13 @@ class DockerProxyService(service.Service):
             listen=settings.listen_path,
             backend=settings.backend_path,
         )
+        self._dockerd.cgroup_driver.start()
         self._sync.start()
 
     def stopService(self) -> "Deferred[None] | None":
         super().stopService()  # type: ignore[no-untyped-call]
         self._sync.stop()
+        self._dockerd.cgroup_driver.stop()
         port, self._port = self._port, None
         if port is None:
             return None

@@ -11,7 +11,9 @@ need survives only in conventions:
 - annotations travel as labels prefixed ``annotation.``; every other label is a CRI label, except
   the shim's own (the three above, and ``io.kubernetes.container.name=POD`` on sandboxes);
 - resources are HostConfig fields, the pod's cgroup is HostConfig.CgroupParent in dockerd's
-  syntax: a path with the cgroupfs driver, a bare slice name with the systemd driver.
+  syntax: a path with the cgroupfs driver, a bare slice name with the systemd driver. While
+  dockerd's driver is not known (``None``: /info did not say), a slice name is read as systemd's,
+  and hooks' cgroup parents are not written (``LeftAlone``).
 
 Hooks are given what they would get through CRI for the same pod; what they change is written back
 into the JSON body, and only that: every other field (unknown ones included) goes to dockerd as the
@@ -241,16 +243,17 @@ def _is_slice_name(value: str) -> bool:
     return all(units)  # systemd refuses empty units: "-a.slice", "a--b.slice", "a-.slice", "-.slice"
 
 
-def to_hook_cgroup_parent(value: str, cgroup_driver: str) -> str:
+def to_hook_cgroup_parent(value: str, cgroup_driver: str | None) -> str:
     """HostConfig.CgroupParent as hooks (and kubelet, through CRI) write it.
 
     With systemd a slice name stands for its whole path, each ``-`` opening one level down:
     ``kubepods-besteffort-pod1.slice`` is
     ``/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod1.slice``, the cgroup parent
     kubelet gives a CRI runtime (cri-dockerd kept its last part). Anything that is not a valid slice
-    name, and every value with another driver, is returned unchanged.
+    name, and every value with another driver, is returned unchanged. With the driver not known, a
+    slice name is read as systemd's: kubelet names cgroupfs parents as paths, never so.
     """
-    if cgroup_driver != SYSTEMD or not _is_slice_name(value):
+    if cgroup_driver not in (SYSTEMD, None) or not _is_slice_name(value):
         return value
     units = value[: -len(".slice")].split("-")
     return "".join("/" + "-".join(units[: depth + 1]) + ".slice" for depth in range(len(units)))
@@ -279,7 +282,7 @@ def to_docker_cgroup_parent(path: str, cgroup_driver: str) -> str:
 
 
 def _pod_request(
-    name: _Name, labels: Mapping[str, str], host: Mapping[str, Any] | None, what: str, cgroup_driver: str
+    name: _Name, labels: Mapping[str, str], host: Mapping[str, Any] | None, what: str, cgroup_driver: str | None
 ) -> PodHookRequest:
     pod_labels, annotations = _split_labels(labels, "sandbox")
     pod = PodHookRequest(
@@ -298,7 +301,12 @@ def _pod_request(
 
 
 def _container_request(
-    name: _Name, labels: Mapping[str, str], env: list[str], host: Mapping[str, Any] | None, what: str, cgroup_driver: str
+    name: _Name,
+    labels: Mapping[str, str],
+    env: list[str],
+    host: Mapping[str, Any] | None,
+    what: str,
+    cgroup_driver: str | None,
 ) -> ContainerHookRequest:
     """The container as its own JSON says, pod fields included (its pod's attempt is not in its name)."""
     _, annotations = _split_labels(labels, "container")
@@ -319,7 +327,7 @@ def _container_request(
     return container
 
 
-def sandbox_hook_request(name: str, body: object, cgroup_driver: str) -> PodHookRequest:
+def sandbox_hook_request(name: str, body: object, cgroup_driver: str | None) -> PodHookRequest:
     """The PreRunPodSandbox request for ``POST /containers/create?name=<name>`` of a sandbox."""
     create = _require_object(body, "create body")
     labels = _labels(create, "create body")
@@ -328,7 +336,7 @@ def sandbox_hook_request(name: str, body: object, cgroup_driver: str) -> PodHook
     return _pod_request(_Name(name, "sandbox"), labels, host, "create body", cgroup_driver)
 
 
-def _container_create(name: str, body: object, cgroup_driver: str) -> ContainerHookRequest:
+def _container_create(name: str, body: object, cgroup_driver: str | None) -> ContainerHookRequest:
     create = _require_object(body, "create body")
     labels = _labels(create, "create body")
     _require_kind(labels, "container", "create body")
@@ -353,7 +361,7 @@ def _inspect_config(inspect: Mapping[str, Any]) -> Mapping[str, Any]:
     return config
 
 
-def stored_sandbox_from_inspect(inspect: object, cgroup_driver: str) -> PodHookRequest:
+def stored_sandbox_from_inspect(inspect: object, cgroup_driver: str | None) -> PodHookRequest:
     """The pod as koordrp stored it at create, read back from dockerd (hooks' changes included)."""
     found = _require_object(inspect, "inspect")
     labels = _labels(_inspect_config(found), "inspect.Config")
@@ -363,7 +371,7 @@ def stored_sandbox_from_inspect(inspect: object, cgroup_driver: str) -> PodHookR
 
 
 def stored_container_from_inspect(
-    inspect: object, pod: PodHookRequest | None, cgroup_driver: str
+    inspect: object, pod: PodHookRequest | None, cgroup_driver: str | None
 ) -> ContainerHookRequest:
     """The container as koordrp stored it at create, read back from dockerd, with its id.
 
@@ -451,18 +459,18 @@ def _write_env(body: MutableMapping[str, Any], before: Mapping[str, str], after:
 
 
 def apply_to_sandbox_create(
-    body: JSONObject, before: PodHookRequest, after: PodHookRequest, cgroup_driver: str
+    body: JSONObject, before: PodHookRequest, after: PodHookRequest, cgroup_driver: str | None
 ) -> bool:
     """Write into a sandbox's create body what the hooks changed; True if the body changed.
 
     Labels and annotations (as ``annotation.`` labels; cri-dockerd's own labels are never
     overwritten), HostConfig resources (the pod's resources: the sandbox is the pod's container
-    in Docker), HostConfig.CgroupParent in dockerd's syntax.
+    in Docker), HostConfig.CgroupParent in dockerd's syntax (not while the driver is not known).
     """
     changed = _write_labels(body, before.labels, after.labels, "", _SANDBOX_SHIM_LABELS)
     changed |= _write_labels(body, before.annotations, after.annotations, ANNOTATION_PREFIX, _SANDBOX_SHIM_LABELS)
     changed |= _write_resources(body, "HostConfig", before.resources, after.resources, _RESOURCE_KEYS)
-    if after.cgroup_parent != before.cgroup_parent:
+    if cgroup_driver is not None and after.cgroup_parent != before.cgroup_parent:
         host = _section(body, "HostConfig", "body")
         changed |= _set(host, "CgroupParent", to_docker_cgroup_parent(after.cgroup_parent, cgroup_driver))
     return changed
@@ -472,13 +480,13 @@ def apply_to_container_create(
     body: JSONObject,
     before: ContainerHookRequest,
     after: ContainerHookRequest,
-    cgroup_driver: str,
+    cgroup_driver: str | None,
 ) -> bool:
     """Write into a container's create body what the hooks changed; True if the body changed.
 
     Annotations (as ``annotation.`` labels), HostConfig resources, Env (order kept), and the pod's
-    cgroup parent: the container's cgroup is HostConfig.CgroupParent, which cri-dockerd filled
-    from kubelet's sandbox config.
+    cgroup parent (not while the driver is not known): the container's cgroup is
+    HostConfig.CgroupParent, which cri-dockerd filled from kubelet's sandbox config.
     """
     changed = _write_labels(
         body, before.container_annotations, after.container_annotations, ANNOTATION_PREFIX, _SHIM_LABELS
@@ -487,7 +495,7 @@ def apply_to_container_create(
         body, "HostConfig", before.container_resources, after.container_resources, _RESOURCE_KEYS
     )
     changed |= _write_env(body, before.container_envs, after.container_envs)
-    if after.pod_cgroup_parent != before.pod_cgroup_parent:
+    if cgroup_driver is not None and after.pod_cgroup_parent != before.pod_cgroup_parent:
         wanted = to_docker_cgroup_parent(after.pod_cgroup_parent, cgroup_driver)
         changed |= _set(_section(body, "HostConfig", "body"), "CgroupParent", wanted)
     return changed
@@ -520,6 +528,7 @@ def _left_alone(why: str, *paths: str) -> tuple[LeftAlone, ...]:
 _NO_DOCKER_FIELD = "Docker has no field for it"
 _NOT_IN_A_SANDBOX = _left_alone(_NO_DOCKER_FIELD, "resources.unified", "resources.hugepage_limits")
 _NOT_IN_A_CONTAINER = _left_alone(_NO_DOCKER_FIELD, "container_resources.unified", "container_resources.hugepage_limits")
+_DRIVER_UNKNOWN = "dockerd's cgroup driver is not known: GET /info failed"
 _NOT_IN_AN_UPDATE = _NOT_IN_A_CONTAINER + _left_alone(
     "a Docker update cannot change it",
     "container_annotations",
@@ -527,38 +536,45 @@ _NOT_IN_AN_UPDATE = _NOT_IN_A_CONTAINER + _left_alone(
 )
 
 
+def _left_alone_without(cgroup_driver: str | None, path: str) -> tuple[LeftAlone, ...]:
+    """The cgroup parent, while dockerd's driver is not known: what the client sent goes to dockerd."""
+    return _left_alone(_DRIVER_UNKNOWN, path) if cgroup_driver is None else ()
+
+
 class SandboxCreate:
     """``POST /containers/create`` of a pod's sandbox (adapters.RunPodSandbox)."""
 
-    def __init__(self, name: str, body: JSONObject, cgroup_driver: str) -> None:
-        """DockerShapeError: a body koordrp cannot read."""
+    def __init__(self, name: str, body: JSONObject, cgroup_driver: str | None) -> None:
+        """DockerShapeError: a body koordrp cannot read. ``cgroup_driver`` None: dockerd has not said."""
         self._body = body
         self._driver = cgroup_driver
         self._pod = sandbox_hook_request(name, body, cgroup_driver)
+        self._left_alone = _NOT_IN_A_SANDBOX + _left_alone_without(cgroup_driver, "cgroup_parent")
 
     def hook_request(self) -> PodHookRequest:
         return self._pod
 
     def rewritten(self, before: PodHookRequest, after: PodHookRequest) -> Written:
-        return _written(self._body, apply_to_sandbox_create(self._body, before, after, self._driver), _NOT_IN_A_SANDBOX)
+        return _written(self._body, apply_to_sandbox_create(self._body, before, after, self._driver), self._left_alone)
 
 
 class ContainerCreate:
     """``POST /containers/create`` of a pod's container (adapters.CreateContainer)."""
 
-    def __init__(self, name: str, body: JSONObject, cgroup_driver: str) -> None:
-        """DockerShapeError: a body koordrp cannot read."""
+    def __init__(self, name: str, body: JSONObject, cgroup_driver: str | None) -> None:
+        """DockerShapeError: a body koordrp cannot read. ``cgroup_driver`` None: dockerd has not said."""
         self._body = body
         self._driver = cgroup_driver
         self.sandbox_id = sandbox_id_of(body)
         self._container = _container_create(name, body, cgroup_driver)
+        self._left_alone = _NOT_IN_A_CONTAINER + _left_alone_without(cgroup_driver, "pod_cgroup_parent")
 
     def hook_request(self) -> ContainerHookRequest:
         return self._container
 
     def rewritten(self, before: ContainerHookRequest, after: ContainerHookRequest) -> Written:
         changed = apply_to_container_create(self._body, before, after, self._driver)
-        return _written(self._body, changed, _NOT_IN_A_CONTAINER)
+        return _written(self._body, changed, self._left_alone)
 
     def envs_sent(self) -> dict[str, str]:
         return oci_env_map(_env(self._body, "create body"))

@@ -83,7 +83,7 @@ class Rejection:
 
 
 Reading = Content | Rejection | None
-"""What reading one file gave; None when it vanished or stopped being a regular file meanwhile."""
+"""What reading one file gave; None when it vanished meanwhile."""
 
 Listing = Mapping[str, StatKey | Rejection]
 
@@ -122,9 +122,9 @@ SERVERS = "hook servers: {servers}"
 def list_registrations(directory: str) -> dict[str, StatKey | Rejection] | None:
     """Stat every ``*.json`` in ``directory``; None if there is no such directory.
 
-    Directories, sockets, FIFOs and the like are not registrations and are left out. A file that
-    vanishes while being looked at is left out too: its removal brings its own event.
-    Other errors reading the directory itself are raised.
+    What is not a regular file (a directory, FIFO, device, socket, or a symbolic link to one) is a
+    Rejection saying what it is; stat never opens it. A file that vanishes while being looked at is
+    left out: its removal brings its own event. Other errors reading the directory itself are raised.
     """
     try:
         names = os.listdir(directory)
@@ -146,7 +146,28 @@ def list_registrations(directory: str) -> dict[str, StatKey | Rejection] | None:
             continue
         if stat.S_ISREG(info.st_mode):
             listing[name] = stat_key(info)
+        else:
+            listing[name] = Rejection(not_a_file(path, info.st_mode))
     return listing
+
+
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def not_a_file(path: str, mode: int) -> str:
+    """Why ``path``, of ``mode`` (as stat follows links), is no registration: what it is, through which link."""
+    kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
+    try:
+        target = os.readlink(path)
+    except OSError:
+        return f"is {kind}, not a regular file"
+    return f"is a symbolic link to {target}, {kind}, not a regular file"
 
 
 def stat_key(info: os.stat_result) -> StatKey:
@@ -164,9 +185,9 @@ def read_registration(path: str) -> Reading:
         return Rejection(f"cannot open: {error.strerror or error}")
     try:
         info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            return None
         key = stat_key(info)
+        if not stat.S_ISREG(info.st_mode):  # swapped in after the listing
+            return Rejection(not_a_file(path, info.st_mode), seen=key)
         # Checked on the opened file, so a swap between this check and the read cannot slip through.
         untrusted = permission_problem(info.st_mode, info.st_uid, os.geteuid())
         if untrusted is not None:

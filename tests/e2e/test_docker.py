@@ -20,7 +20,7 @@ from tests.fake.hook_server import FakeHookServer, koordlet_cpuset_rule
 from tests.support.dockerd import Dockerd, remove_cgroup, require_binaries, unix_http
 from tests.support.hook_registration import register
 from tests.support.images import BUSYBOX_REF, ImageSet
-from tests.support.koordrp_process import KoordrpProcess, rss_bytes
+from tests.support.koordrp_process import KoordrpProcess, peak_rss_bytes, reset_peak_rss, rss_bytes
 from tests.support.relay import UnixRelay
 from tests.support.wedged import WedgedServer
 
@@ -363,6 +363,91 @@ def test_big_transfers_stream_through_without_growing_koordrp(
     assert after_logs - before < 20 << 20, (before, after_logs)
 
 
+def test_a_48_mb_chunk_in_a_create_is_refused_without_growing_koordrp(dockerd: Dockerd, proxy: KoordrpProcess) -> None:
+    """A client that writes its whole chunked body before reading gets koordrp's 413 all the same."""
+    size = 48_000_000
+    reset_peak_rss(proxy.pid)
+    before = rss_bytes(proxy.pid)
+    client = socket.socket(socket.AF_UNIX)
+    client.connect(str(proxy.socket))
+    try:
+        client.sendall(
+            f"POST {API}/containers/create?name=huge HTTP/1.1\r\nHost: docker\r\nContent-Type: application/json\r\n"
+            f"Transfer-Encoding: chunked\r\n\r\n{size:x}\r\n".encode()
+        )
+        part = b"x" * 1_000_000
+        for _ in range(size // len(part)):
+            client.sendall(part)
+        client.sendall(b"\r\n0\r\n\r\n")
+        received = b""
+        while data := client.recv(65536):
+            received += data
+    finally:
+        client.close()
+    head, _, body = received.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413 "), received[:300]
+    assert json.loads(body) == {"message": "koordrp: body larger than 1 MiB"}
+    grown = peak_rss_bytes(proxy.pid) - before
+    assert grown < 16 << 20, grown
+    assert docker(dockerd, "ps", "-a", "--filter", "name=huge", "--format", "{{.ID}}") == (0, "")
+
+
+INFO_FAILS = (
+    b"HTTP/1.1 500 Internal Server Error\r\nContent-Type: application/json\r\nContent-Length: 30\r\n\r\n"
+    b'{"message": "info is broken"}\n'
+)
+
+
+def test_a_failing_info_leaves_cgroup_parents_alone_until_dockerd_names_its_driver(
+    dockerd: Dockerd, servers: dict[str, FakeHookServer], workdir: Path
+) -> None:
+    info_fails = [True]
+    relay = UnixRelay(str(workdir / "dockerd.sock"), str(dockerd.socket))
+    relay.answer = lambda first: INFO_FAILS if info_fails[0] and first.startswith(b"GET /info ") else None
+    relay.start()
+    proxy = KoordrpProcess(workdir, f"unix://{relay.listen_path}", ["--backend-runtime-mode=Docker"])
+    parent = dockerd.cgroup_parent + "/moved"
+    ids: list[str] = []
+    try:
+        proxy.start()
+        server = hook_server(servers, workdir, "mover")
+        server.behaviours["PreRunPodSandboxHook"] = lambda request: hook.PodSandboxHookResponse(
+            cgroup_parent=parent, labels={"moved": "yes"}
+        )
+        register(workdir / "hookserver.d", "mover", server.path, ["PreRunPodSandbox"])
+        wait_registered(proxy, 1)
+        [warning] = proxy.log_lines("cannot read dockerd's cgroup driver")
+        assert "GET /info: dockerd answered 500: info is broken" in warning, warning
+
+        status, created = create(proxy.socket, "k8s_POD_first_default_uid-first_0", sandbox_body("first"))
+        assert status == 201, created
+        ids.append(created["Id"])
+        inspect = json.loads(dockerd.docker("inspect", created["Id"], check=True).stdout)[0]
+        # dockerd's own path for the cgroup parent (the client sent none), every other change made.
+        assert (inspect["HostConfig"]["CgroupParent"], inspect["Config"]["Labels"]["moved"]) == ("", "yes")
+        [line] = proxy.log_lines("/containers/create pod default/first")
+        assert (
+            "left alone (dockerd's cgroup driver is not known: GET /info failed) "
+            f'cgroup_parent ""→"{parent}"' in line
+        ), line
+
+        info_fails[0] = False
+        assert proxy.log_lines("dockerd's cgroup driver is cgroupfs again")
+        status, created = create(proxy.socket, "k8s_POD_second_default_uid-second_0", sandbox_body("second"))
+        assert status == 201, created
+        ids.append(created["Id"])
+        inspect = json.loads(dockerd.docker("inspect", created["Id"], check=True).stdout)[0]
+        assert inspect["HostConfig"]["CgroupParent"] == parent
+        assert "Traceback" not in proxy.log()
+        assert len(proxy.log_lines("cannot read dockerd's cgroup driver")) == 1
+    finally:
+        proxy.stop()
+        relay.cut()
+        if ids:
+            dockerd.docker("rm", "-f", *ids)
+        remove_cgroup(parent)
+
+
 def test_dockerd_away_then_back(images: ImageSet, workdir: Path) -> None:
     late = Dockerd(workdir / "late")
     proxy = KoordrpProcess(workdir, late.host, ["--backend-runtime-mode=Docker"])
@@ -444,7 +529,8 @@ def test_clients_that_go_away_take_their_connections_to_a_wedged_dockerd_along(w
     proxy = KoordrpProcess(workdir, f"unix://{wedged.path}", ["--backend-runtime-mode=Docker"])
     proxy.start()
     try:
-        assert wedged.wait_for(lambda: wedged.open_connections <= 1, 5)  # koordrp's own listing, at most
+        # koordrp's own questions, at most: its listing and /info (each bounded, then asked again).
+        assert wedged.wait_for(lambda: wedged.open_connections <= 2, 5)
         before = open_fds(proxy.pid)
         requests = [
             f"GET {API}/containers/json HTTP/1.1\r\nHost: docker\r\n\r\n",  # passed through
@@ -462,7 +548,7 @@ def test_clients_that_go_away_take_their_connections_to_a_wedged_dockerd_along(w
         for client in clients:
             client.close()
         gone = time.monotonic()
-        assert wedged.wait_for(lambda: wedged.open_connections <= 1 and open_fds(proxy.pid) <= before + 1, 5), (
+        assert wedged.wait_for(lambda: wedged.open_connections <= 2 and open_fds(proxy.pid) <= before + 2, 5), (
             wedged.open_connections,
             open_fds(proxy.pid) - before,
         )

@@ -165,12 +165,30 @@ class KoordrpProcess:
                 self.kill()
 
 
-def rss_bytes(pid: int) -> int:
+def _status_bytes(pid: int, name: str) -> int:
     with open(f"/proc/{pid}/status") as status:
         for line in status:
-            if line.startswith("VmRSS:"):
+            if line.startswith(f"{name}:"):
                 return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmRSS for {pid}")
+    raise RuntimeError(f"no {name} for {pid}")
+
+
+def rss_bytes(pid: int) -> int:
+    return _status_bytes(pid, "VmRSS")
+
+
+def peak_rss_bytes(pid: int) -> int:
+    """The most ``pid`` has held in memory since it started, or since ``reset_peak_rss``."""
+    return _status_bytes(pid, "VmHWM")
+
+
+def reset_peak_rss(pid: int) -> None:
+    """Bring ``pid``'s peak RSS down to its RSS now (Linux ≥ 4.0; the process's owner or root), if we may."""
+    try:
+        with open(f"/proc/{pid}/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+    except OSError:
+        pass  # the peak stays: growth measured against it is only overstated
 
 
 def cpu_seconds(pid: int) -> float:

@@ -1,4 +1,7 @@
-"""A unix socket relay a test can cut: the runtime stays up while koordrp loses sight of it."""
+"""A unix socket relay a test can cut: the runtime stays up while koordrp loses sight of it.
+
+It can also answer some requests itself (``answer``), the way a runtime with one broken endpoint would.
+"""
 
 import contextlib
 import os
@@ -6,6 +9,10 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
+
+WEDGED = b""
+"""What ``answer`` returns for a request the relay accepts and never answers."""
 
 
 @dataclass
@@ -23,6 +30,8 @@ class UnixRelay:
     def __init__(self, listen_path: str, target_path: str) -> None:
         self.listen_path = listen_path
         self.target_path = target_path
+        self.answer: Callable[[bytes], bytes | None] | None = None
+        """Given what a connection's client sent first: the relay's own answer, WEDGED, or None to relay it."""
         self._listener: socket.socket | None = None
         self._connections: list[socket.socket] = []
         self._lock = threading.Lock()
@@ -70,14 +79,36 @@ class UnixRelay:
                 client, _ = listener.accept()
             except OSError:
                 return
-            upstream = socket.socket(socket.AF_UNIX)
-            upstream.connect(self.target_path)
-            relayed = Relayed()
             with self._lock:
-                self._connections += [client, upstream]
-                self.relayed.append(relayed)
-            threading.Thread(target=self._pump, args=(client, upstream, relayed), daemon=True).start()
-            threading.Thread(target=self._pump, args=(upstream, client, None), daemon=True).start()
+                self._connections.append(client)
+            if self.answer is None:
+                self._relay(client, b"")
+            else:
+                threading.Thread(target=self._answer_or_relay, args=(client, self.answer), daemon=True).start()
+
+    def _answer_or_relay(self, client: socket.socket, answer: Callable[[bytes], bytes | None]) -> None:
+        try:
+            first = client.recv(65536)
+        except OSError:
+            return
+        own = answer(first)
+        if own is None:
+            self._relay(client, first)
+        elif own != WEDGED:
+            with contextlib.suppress(OSError):
+                client.sendall(own)
+                client.shutdown(socket.SHUT_RDWR)
+
+    def _relay(self, client: socket.socket, first: bytes) -> None:
+        upstream = socket.socket(socket.AF_UNIX)
+        upstream.connect(self.target_path)
+        upstream.sendall(first)
+        relayed = Relayed(sent=bytearray(first))
+        with self._lock:
+            self._connections.append(upstream)
+            self.relayed.append(relayed)
+        threading.Thread(target=self._pump, args=(client, upstream, relayed), daemon=True).start()
+        threading.Thread(target=self._pump, args=(upstream, client, None), daemon=True).start()
 
     def _pump(self, source: socket.socket, sink: socket.socket, relayed: Relayed | None) -> None:
         try:

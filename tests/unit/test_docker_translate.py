@@ -8,6 +8,7 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from koordrp.hooks import messages
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
+from koordrp.adapters import LeftAlone
 from koordrp.docker import translate
 from koordrp.docker.translate import DockerShapeError
 from koordrp.docker.translate import to_docker_cgroup_parent as to_docker
@@ -633,6 +634,26 @@ class ContainerApplyTests(SynchronousTestCase):
         self.assertTrue(translate.apply_to_container_create(body, sent, after, "cgroupfs"))
         self.assertEqual(body["HostConfig"]["CgroupParent"], "/kubepods/besteffort/pod" + UID)
 
+    def test_without_the_driver_the_cgroup_parent_is_left_as_sent_and_named(self) -> None:
+        # dockerd did not name its driver: the pod's parent (moved by its hooks) and a container
+        # hook's own change cannot be written in a syntax dockerd is known to take.
+        pod = stored_pod()
+        pod.cgroup_parent = "/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-podmoved.slice"
+        create = translate.ContainerCreate(CONTAINER_NAME, container_body(), None)
+        sent = create.hook_request()
+        self.assertEqual(sent.pod_cgroup_parent, POD_PATH)  # a slice name is read as systemd's
+        final = placed(sent, pod)
+        final.pod_cgroup_parent = "/kubepods/besteffort/podother"
+        final.container_envs["ADDED"] = "1"
+        written = create.rewritten(sent, final)
+        assert written.request is not None
+        expected = container_body()
+        expected["Env"].append("ADDED=1")
+        self.assertEqual(json.loads(written.request), expected)
+        self.assertIn(
+            LeftAlone("pod_cgroup_parent", "dockerd's cgroup driver is not known: GET /info failed"), written.left_alone
+        )
+
     def test_envs_added_to_a_body_without_env(self) -> None:
         body = container_body()
         body["Env"] = None
@@ -750,6 +771,12 @@ class CgroupParentTests(SynchronousTestCase):
     def test_systemd_values_that_are_not_slice_names_stay(self) -> None:
         for value in ("-.slice", "a--b.slice", "-a.slice", "a-.slice", "a.slice/x.slice", "/kubepods/pod1", "docker"):
             self.assertEqual(translate.to_hook_cgroup_parent(value, "systemd"), value)
+
+    def test_without_the_driver_a_slice_name_reads_as_systemds(self) -> None:
+        for docker, hook_path in self.SYSTEMD:
+            self.assertEqual(translate.to_hook_cgroup_parent(docker, None), hook_path)
+        for value in ("/kubepods/besteffort/pod123", "a--b.slice", "docker", ""):
+            self.assertEqual(translate.to_hook_cgroup_parent(value, None), value)
 
     def test_cgroupfs_is_a_plain_path(self) -> None:
         for value in ("/kubepods/besteffort/pod123", "kubepods-besteffort-pod123.slice", "", "/"):

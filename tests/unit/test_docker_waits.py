@@ -9,7 +9,7 @@ import time
 from typing import Any, cast
 
 from twisted.internet import reactor
-from twisted.internet.defer import Deferred, inlineCallbacks
+from twisted.internet.defer import CancelledError, Deferred, inlineCallbacks
 from twisted.internet.interfaces import IReactorUNIX
 from twisted.internet.protocol import ClientFactory, Factory, Protocol
 from twisted.internet.task import Clock, deferLater
@@ -22,7 +22,7 @@ from twisted.web.test.requesthelper import DummyRequest
 from koordrp import adapters
 from koordrp.call import Parts, SkipLabel
 from koordrp import resync
-from koordrp.docker.dockerd import Dockerd
+from koordrp.docker.dockerd import DRIVER_RETRY_SECONDS, CgroupDriver, Dockerd
 from koordrp.docker.service import DockerProxyService, DockerProxySettings
 from koordrp.hooks.client import HookClients
 from koordrp.hooks.dispatcher import Dispatcher
@@ -86,18 +86,19 @@ async def until(condition: Any, timeout: float = 5.0) -> None:
         await deferLater(reactor, 0.01, lambda: None)
 
 
-class WedgedDockerdTests(TestCase):
-    def setUp(self) -> None:
+class DockerModeTestCase(TestCase):
+    """koordrp's Docker mode service on the real reactor, in front of a dockerd on a real unix socket."""
+
+    def serve(self, backend: Factory, parts: Parts, **bounds: float) -> None:
+        """``backend`` plays dockerd; ``bounds`` are Dockerd's own (question_seconds, probe_seconds)."""
         directory = short_tempdir(self)
-        self.wedged = WedgedDockerd()
-        backend = os.path.join(directory, "docker.sock")
+        path = os.path.join(directory, "docker.sock")
         unix = IReactorUNIX(reactor)
-        port = unix.listenUNIX(backend, self.wedged)
-        self.addCleanup(port.stopListening)
+        self.port = unix.listenUNIX(path, backend)
+        self.addCleanup(self.port.stopListening)
         self.listen = os.path.join(directory, "koordrp", "koordrp.sock")
-        parts = Parts(Store(), Dispatcher(HookClients(reactor), reactor), HookServers, SkipLabel("skip", "true"), reactor)
-        dockerd = Dockerd(unix, backend, question_seconds=QUESTION_SECONDS, probe_seconds=PROBE_SECONDS)
-        self.service = DockerProxyService(DockerProxySettings(self.listen, backend), unix, parts, dockerd)
+        dockerd = Dockerd(unix, path, **bounds)
+        self.service = DockerProxyService(DockerProxySettings(self.listen, path), unix, parts, dockerd)
         self.events: list[LogEvent] = []
         observer = cast(ILogObserver, self.events.append)
         globalLogPublisher.addObserver(observer)
@@ -106,6 +107,13 @@ class WedgedDockerdTests(TestCase):
     def start(self) -> None:
         self.service.startService()
         self.addCleanup(self.service.stopService)
+
+
+class WedgedDockerdTests(DockerModeTestCase):
+    def setUp(self) -> None:
+        self.wedged = WedgedDockerd()
+        parts = Parts(Store(), Dispatcher(HookClients(reactor), reactor), HookServers, SkipLabel("skip", "true"), reactor)
+        self.serve(self.wedged, parts, question_seconds=QUESTION_SECONDS, probe_seconds=PROBE_SECONDS)
 
     @inlineCallbacks
     def test_healthz_answers_503_naming_dockerd_within_the_probe_time(self):  # type: ignore[no-untyped-def]
@@ -200,4 +208,89 @@ class StoreSyncTests(SynchronousTestCase):
         self.sync.start()
         self.answers[0].errback(adapters.LookupFailed("no answer"))
         self.sync.stop()
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+
+
+class CgroupDriverTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.questions: list[Deferred[str]] = []
+        self.cancelled = 0
+        self.driver = CgroupDriver(self.ask, self.clock)
+        self.events: list[LogEvent] = []
+        observer = cast(ILogObserver, self.events.append)
+        globalLogPublisher.addObserver(observer)
+        self.addCleanup(globalLogPublisher.removeObserver, observer)
+
+    def ask(self) -> "Deferred[str]":
+        question: Deferred[str] = Deferred(lambda _: self.cancel())
+        self.questions.append(question)
+        return question
+
+    def cancel(self) -> None:
+        self.cancelled += 1
+
+    def lines(self, start: str) -> list[LogEvent]:
+        return [event for event in self.events if event.get("log_format", "").startswith(start)]
+
+    def test_asked_at_start_and_kept_once_named(self) -> None:
+        self.driver.start()
+        waiting = self.driver.current()
+        self.assertNoResult(waiting)
+        self.questions[0].callback("systemd")
+        self.assertEqual(self.successResultOf(waiting), "systemd")
+        self.assertEqual(self.successResultOf(self.driver.current()), "systemd")
+        self.assertEqual(len(self.questions), 1)
+        self.assertEqual([event["driver"] for event in self.lines("dockerd's cgroup driver is")], ["systemd"])
+
+    def test_a_failed_answer_is_not_kept_and_is_asked_again_until_dockerd_names_it(self) -> None:
+        self.driver.start()
+        waiting = self.driver.current()
+        self.questions[0].errback(adapters.LookupFailed("GET /info: dockerd answered 500"))
+        self.assertIsNone(self.successResultOf(waiting))
+        # Until the next question, calls go on at once without it.
+        self.assertIsNone(self.successResultOf(self.driver.current()))
+        self.clock.advance(DRIVER_RETRY_SECONDS)
+        self.questions[1].errback(adapters.LookupFailed("GET /info: dockerd answered 500"))
+        self.clock.advance(DRIVER_RETRY_SECONDS)
+        self.questions[2].errback(adapters.LookupFailed("GET /info: no answer within 10s"))
+        self.assertEqual([event["reason"] for event in self.lines("cannot read dockerd's cgroup driver")], [
+            "GET /info: dockerd answered 500",
+            "GET /info: no answer within 10s",
+        ])
+        self.clock.advance(DRIVER_RETRY_SECONDS)
+        waiting = self.driver.current()
+        self.questions[3].callback("cgroupfs")
+        self.assertEqual(self.successResultOf(waiting), "cgroupfs")
+        self.assertEqual([event["again"] for event in self.lines("dockerd's cgroup driver is")], [" again"])
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+
+    def test_callers_share_one_question_and_leave_it_alone_when_they_give_up(self) -> None:
+        self.driver.start()
+        first, second = self.driver.current(), self.driver.current()
+        first.cancel()
+        self.failureResultOf(first, CancelledError)
+        self.assertEqual(self.cancelled, 0)
+        self.questions[0].callback("systemd")
+        self.assertEqual(self.successResultOf(second), "systemd")
+        self.assertEqual(len(self.questions), 1)
+
+    def test_not_started_it_asks_when_asked(self) -> None:
+        waiting = self.driver.current()
+        self.questions[0].errback(adapters.LookupFailed("GET /info: connection refused"))
+        self.assertIsNone(self.successResultOf(waiting))
+        waiting = self.driver.current()
+        self.questions[1].callback("systemd")
+        self.assertEqual(self.successResultOf(waiting), "systemd")
+
+    def test_stopping_ends_the_question_and_the_retries(self) -> None:
+        self.driver.start()
+        waiting = self.driver.current()
+        self.driver.stop()
+        self.assertEqual(self.cancelled, 1)
+        self.assertIsNone(self.successResultOf(waiting))
+        self.assertEqual(self.lines("cannot read"), [])
+        self.driver.start()
+        self.questions[1].errback(adapters.LookupFailed("GET /info: connection refused"))
+        self.driver.stop()
         self.assertEqual(self.clock.getDelayedCalls(), [])

@@ -3,6 +3,7 @@
 import json
 import os
 import shutil
+import socket
 import stat
 import time
 from typing import Any, Callable, cast
@@ -13,6 +14,7 @@ from twisted.internet.task import deferLater
 from twisted.logger import ILogObserver, LogEvent, LogLevel, formatEvent, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
+from koordrp import check
 from koordrp.hooks import registry
 from koordrp.hooks.config import MAX_CONFIG_BYTES, TOO_LARGE
 from koordrp.hooks.registry import (
@@ -293,16 +295,42 @@ class FileTests(SynchronousTestCase):
         os.utime(path, (past, past))
         return path
 
-    def test_only_regular_json_files_are_listed(self) -> None:
+    def test_only_json_files_are_listed_and_only_regular_ones_are_read(self) -> None:
         self.write("a.json", b"{}")
         self.write("a.json.tmp", b"{}")
         self.write("README", b"")
         self.write("b.yaml", b"")
         os.mkdir(os.path.join(self.dir, "d.json"))
         os.mkfifo(os.path.join(self.dir, "f.json"))
+        os.symlink("/dev/zero", os.path.join(self.dir, "z.json"))
+        listening = socket.socket(socket.AF_UNIX)
+        self.addCleanup(listening.close)
+        listening.bind(os.path.join(self.dir, "s.json"))
         listing = list_registrations(self.dir)
         assert listing is not None
-        self.assertEqual(sorted(listing), ["a.json"])
+        self.assertEqual(sorted(listing), ["a.json", "d.json", "f.json", "s.json", "z.json"])
+        self.assertEqual(
+            [listing[name] for name in ("d.json", "f.json", "s.json", "z.json")],
+            [
+                Rejection("is a directory, not a regular file"),
+                Rejection("is a FIFO, not a regular file"),
+                Rejection("is a socket, not a regular file"),
+                Rejection("is a symbolic link to /dev/zero, a character device, not a regular file"),
+            ],
+        )
+
+    def test_koordrp_check_lists_what_is_not_a_file(self) -> None:
+        os.mkfifo(os.path.join(self.dir, "x.json"))
+        os.symlink("/dev/zero", os.path.join(self.dir, "zero.json"))
+        findings, registered = check.hook_findings(self.dir, 3.0, 1.0)
+        self.assertEqual(registered, 0)
+        self.assertEqual(
+            [(finding.ok, finding.text) for finding in findings],
+            [
+                (False, f"{self.dir}/x.json is rejected: is a FIFO, not a regular file"),
+                (False, f"{self.dir}/zero.json is rejected: is a symbolic link to /dev/zero, a character device, not a regular file"),
+            ],
+        )
 
     def test_symlinks(self) -> None:
         target = self.write("target", b"{}")
@@ -315,7 +343,7 @@ class FileTests(SynchronousTestCase):
         self.assertEqual(listing["link.json"], registry.stat_key(os.stat(target)))
         self.assertEqual(listing["loop.json"], Rejection("cannot stat: Too many levels of symbolic links"))
         self.assertEqual(listing["dangling.json"], Rejection("is a symbolic link to a missing file"))
-        self.assertNotIn("dir.json", listing)
+        self.assertEqual(listing["dir.json"], Rejection(f"is a symbolic link to {self.dir}, a directory, not a regular file"))
 
     def test_file_vanishing_between_listing_and_stat_is_left_out(self) -> None:
         self.write("a.json", b"{}")
@@ -338,8 +366,10 @@ class FileTests(SynchronousTestCase):
     def test_read_of_a_vanished_file_or_a_fifo(self) -> None:
         self.assertIsNone(read_registration(os.path.join(self.dir, "gone.json")))
         fifo = os.path.join(self.dir, "f.json")
-        os.mkfifo(fifo)
-        self.assertIsNone(read_registration(fifo))
+        os.mkfifo(fifo)  # swapped in after the listing: opened without waiting for a writer, and refused
+        self.assertEqual(
+            read_registration(fifo), Rejection("is a FIFO, not a regular file", seen=registry.stat_key(os.stat(fifo)))
+        )
 
     def test_unreadable(self) -> None:
         def refuse(*args: Any) -> int:
@@ -664,7 +694,7 @@ class WatchingTests(TestCase):
         self.write("a.yaml", registration("/run/a.sock"))
         self.write("a.json.tmp", registration("/run/a.sock"))
         self.write("README", b"hello")
-        os.mkdir(self.path("sub.json"))
+        os.mkdir(self.path("sub.d"))
         await self.settle(hooks)
         self.assertEqual(list(self.endpoints(hooks)), ["zz-marker-1.json"])
         self.assertEqual(self.lines(LogLevel.warn), [])
@@ -683,6 +713,32 @@ class WatchingTests(TestCase):
         os.symlink(second, self.path("koordlet.json.new"))
         os.rename(self.path("koordlet.json.new"), self.path("koordlet.json"))
         await self.until(lambda: self.endpoints(hooks) == {"koordlet.json": "/run/v2.sock"}, "symlink retargeted")
+
+    async def test_what_is_not_a_file_gets_one_warning_naming_it(self) -> None:
+        hooks = self.start()
+        os.mkfifo(self.path("x.json"))
+        os.mkdir(self.path("d.json"))
+        os.symlink("/dev/zero", self.path("zero.json"))
+        self.write("a.json", registration("/run/a.sock"))
+        await self.until(lambda: "a.json" in self.endpoints(hooks), "a.json registered beside them")
+        await self.settle(hooks)
+        await self.settle(hooks)  # another rescan, which finds them as they were, says nothing more
+        self.assertEqual(
+            [line for line in self.lines(LogLevel.warn) if "zz-marker" not in line],
+            [
+                f"hook server registration {self.path('d.json')} rejected: is a directory, not a regular file",
+                f"hook server registration {self.path('x.json')} rejected: is a FIFO, not a regular file",
+                f"hook server registration {self.path('zero.json')} rejected: "
+                "is a symbolic link to /dev/zero, a character device, not a regular file",
+            ],
+        )
+        # Another kind in its place is said again, once.
+        os.unlink(self.path("x.json"))
+        os.mkdir(self.path("x.json"))
+        await self.until(lambda: len(self.warnings_about("x.json")) == 2, "x.json, now a directory, rejected")
+        await self.settle(hooks)
+        self.assertEqual(self.warnings_about("x.json")[1].rpartition(": ")[2], "is a directory, not a regular file")
+        self.assertEqual([name for name in self.endpoints(hooks) if not name.startswith("zz-marker")], ["a.json"])
 
     async def test_symlink_loop(self) -> None:
         hooks = self.start()

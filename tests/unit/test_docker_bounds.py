@@ -1,0 +1,230 @@
+"""Docker mode's buffers and its questions to dockerd, on real sockets: every buffer bounded, every failure answered.
+
+koordrp is the real Docker mode service on the real reactor, in front of a scripted dockerd
+(``tests.fake.dockerd``); clients are plain blocking sockets in threads, writing their whole request
+before reading, as naive HTTP clients do.
+"""
+
+import json
+import select
+import socket
+from typing import Any, cast
+
+from twisted.internet import reactor
+from twisted.internet.defer import Deferred, inlineCallbacks
+from twisted.internet.threads import deferToThread
+from twisted.logger import formatEvent
+
+from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
+from koordrp.call import Parts, SkipLabel
+from koordrp.docker import dockerd as dockerd_module
+from koordrp.docker import proxy as proxy_module
+from koordrp.docker.http import MAX_BODY_BYTES, MAX_HEAD_BYTES
+from koordrp.hooks.types import FailurePolicy, HookServerConfig, HookServers, HookType
+from koordrp.store import Store
+from tests.fake.dockerd import WEDGED, ScriptedDockerd, answer
+from tests.fake.flows import ScriptedStages
+from tests.unit.test_docker_waits import DockerModeTestCase, until
+
+QUESTION_SECONDS = 0.5
+FORTY_EIGHT_MB = 48_000_000
+CREATE = b"POST /v1.41/containers/create?name=k8s_POD_web_default_uid-1_0 HTTP/1.1\r\nHost: docker\r\n"
+SANDBOX = {
+    "Image": "pause",
+    "Labels": {"io.kubernetes.docker.type": "podsandbox"},
+    "HostConfig": {"CgroupParent": "kubepods-besteffort-pod1.slice"},
+}
+SERVERS = HookServers(
+    (HookServerConfig("tuner.json", "/run/t.sock", FailurePolicy.IGNORE, frozenset({HookType.PRE_RUN_POD_SANDBOX}), 2.0),)
+)
+
+
+def naive_client(path: str, parts: list[bytes]) -> bytes:
+    """Connect, write every part, then read until the end: what came back."""
+    client = socket.socket(socket.AF_UNIX)
+    client.connect(path)
+    try:
+        for part in parts:
+            client.sendall(part)
+        received = b""
+        while data := client.recv(65536):
+            received += data
+        return received
+    finally:
+        client.close()
+
+
+def status_and_message(response: bytes) -> tuple[int, str]:
+    head, _, body = response.partition(b"\r\n\r\n")
+    return int(head.split(b" ")[1]), str(json.loads(body).get("message", ""))
+
+
+def hung_up_within(client: socket.socket, seconds: float) -> bool:
+    poller = select.poll()
+    poller.register(client, select.POLLHUP)
+    return bool(poller.poll(seconds * 1000))
+
+
+class DockerModeOnRealSockets(DockerModeTestCase):
+    def setUp(self) -> None:
+        self.dockerd = ScriptedDockerd({
+            "GET /containers/json": answer(200, []),
+            "GET /info": answer(200, {"CgroupDriver": "systemd"}),
+            "POST /containers/create": answer(201, {"Id": "created-1", "Warnings": []}, "Created"),
+        })
+        self.stages = ScriptedStages()
+        self.servers = HookServers()
+        parts = Parts(Store(), self.stages, lambda: self.servers, SkipLabel("skip", "true"), reactor)
+        self.serve(self.dockerd, parts, question_seconds=QUESTION_SECONDS)
+
+    def lines(self, containing: str) -> list[str]:
+        texts = [formatEvent(event) for event in self.events]
+        return [text for text in texts if containing in text]
+
+    def ask(self, *parts: bytes) -> "Deferred[bytes]":
+        return deferToThread(naive_client, self.listen, list(parts))
+
+    def created(self) -> dict[str, Any]:
+        """The body the last create reached dockerd with."""
+        [*_, raw] = self.dockerd.asked("POST /v1.41/containers/create")
+        return cast(dict[str, Any], json.loads(raw.partition(b"\r\n\r\n")[2]))
+
+    # Every buffer bounded
+
+    @inlineCallbacks
+    def test_a_48_mb_chunk_is_answered_413_from_its_size_line(self):  # type: ignore[no-untyped-def]
+        self.start()
+        response = yield self.ask(CREATE + b"Transfer-Encoding: chunked\r\n\r\n" + b"%x\r\n" % FORTY_EIGHT_MB)
+        self.assertEqual(status_and_message(response), (413, "koordrp: body larger than 1 MiB"))
+        self.assertEqual(self.dockerd.asked("POST"), [])
+
+    @inlineCallbacks
+    def test_a_client_that_writes_its_whole_body_first_still_reads_the_answer(self):  # type: ignore[no-untyped-def]
+        self.start()
+        eight_mb = [b"x" * (1 << 20)] * 8  # far more than a socket buffer holds
+        for framing, body in (
+            (b"Transfer-Encoding: chunked\r\n\r\n" + b"%x\r\n" % (8 << 20), [*eight_mb, b"\r\n0\r\n\r\n"]),
+            (b"Content-Length: %d\r\n\r\n" % (8 << 20), eight_mb),
+        ):
+            response = yield self.ask(CREATE + framing, *body)
+            self.assertEqual(status_and_message(response), (413, "koordrp: body larger than 1 MiB"))
+
+    @inlineCallbacks
+    def test_a_client_that_keeps_sending_after_the_answer_is_cut_off(self):  # type: ignore[no-untyped-def]
+        self.patch(proxy_module, "LINGER_SECONDS", 0.1)
+        self.start()
+        client = socket.socket(socket.AF_UNIX)
+        self.addCleanup(client.close)
+        client.connect(self.listen)
+        client.sendall(CREATE + b"Content-Length: %d\r\n\r\n" % FORTY_EIGHT_MB)
+        answered = yield deferToThread(client.recv, 65536)
+        self.assertEqual(status_and_message(answered)[0], 413)
+        # Nothing more is said, and the client never closes: koordrp lets go of it all the same.
+        self.assertTrue((yield deferToThread(hung_up_within, client, 30)))
+
+    @inlineCallbacks
+    def test_a_head_that_never_ends_is_answered_431(self):  # type: ignore[no-untyped-def]
+        self.start()
+        response = yield self.ask(b"GET /info HTTP/1.1\r\nX-Long: " + b"x" * (MAX_HEAD_BYTES + 10))
+        self.assertEqual(status_and_message(response), (431, "koordrp: request head larger than 64 KiB"))
+
+    @inlineCallbacks
+    def test_a_chunk_line_that_never_ends_is_answered_400(self):  # type: ignore[no-untyped-def]
+        self.start()
+        response = yield self.ask(CREATE + b"Transfer-Encoding: chunked\r\n\r\n5;" + b"e" * 8000)
+        self.assertEqual(status_and_message(response), (400, "koordrp: chunk size line longer than 4096 bytes"))
+
+    @inlineCallbacks
+    def test_a_chunked_body_within_the_limit_reaches_dockerd_whole(self):  # type: ignore[no-untyped-def]
+        self.start()
+        body = json.dumps({**SANDBOX, "Env": ["PAD=" + "p" * (MAX_BODY_BYTES - 1000)]}).encode()
+        chunks = [b"%x;part=%d\r\n%s\r\n" % (len(body[at : at + 70000]), at, body[at : at + 70000]) for at in range(0, len(body), 70000)]
+        response = yield self.ask(CREATE + b"Transfer-Encoding: chunked\r\n\r\n", *chunks, b"0\r\nTrailer: x\r\n\r\n")
+        self.assertEqual(status_and_message(response)[0], 201)
+        self.assertEqual(self.created(), json.loads(body))
+
+    @inlineCallbacks
+    def test_an_answer_larger_than_koordrp_reads_is_502_naming_dockerd(self):  # type: ignore[no-untyped-def]
+        self.dockerd.answers["POST /containers/create"] = answer(201, {"Id": "x" * dockerd_module.MAX_ANSWER_BYTES})
+        self.start()
+        body = json.dumps({"Image": "busybox"}).encode()
+        response = yield self.ask(CREATE + b"Content-Length: %d\r\n\r\n" % len(body), body)
+        status, message = status_and_message(response)
+        self.assertEqual(status, 502)
+        self.assertIn("docker.sock: dockerd's answer is larger than 4 MiB", message)
+        self.assertEqual(self.lines("failed inside koordrp"), [])
+
+    @inlineCallbacks
+    def test_a_create_while_dockerd_is_away_is_answered_503_naming_it(self):  # type: ignore[no-untyped-def]
+        self.start()
+        yield Deferred.fromCoroutine(until(lambda: self.lines("cgroup driver is systemd")))
+        backend = self.service.settings.backend_path
+        yield self.port.stopListening()
+        body = json.dumps({"Image": "busybox"}).encode()
+        response = yield self.ask(CREATE + b"Content-Length: %d\r\n\r\n" % len(body), body)
+        status, message = status_and_message(response)
+        self.assertEqual(status, 503)
+        self.assertIn(f"koordrp: backend unix://{backend} is unavailable", message)
+        self.assertEqual(self.lines("failed inside koordrp"), [])
+
+    # dockerd's cgroup driver
+
+    def subscribe_a_mover(self) -> None:
+        self.servers = SERVERS
+        self.stages.answers[HookType.PRE_RUN_POD_SANDBOX] = hook.PodSandboxHookResponse(
+            cgroup_parent="/kubepods.slice/kubepods-burstable.slice/moved.slice", labels={"seen": "1"}
+        )
+
+    def create_sandbox(self) -> "Deferred[bytes]":
+        body = json.dumps(SANDBOX).encode()
+        return self.ask(CREATE + b"Content-Length: %d\r\n\r\n" % len(body), body)
+
+    @inlineCallbacks
+    def test_read_at_start_and_used_for_creates(self):  # type: ignore[no-untyped-def]
+        self.subscribe_a_mover()
+        self.start()
+        response = yield self.create_sandbox()
+        self.assertEqual(status_and_message(response)[0], 201)
+        self.assertEqual(self.created()["HostConfig"]["CgroupParent"], "moved.slice")
+        self.assertEqual(len(self.dockerd.asked("GET /info")), 1)
+        self.assertEqual(len(self.lines("dockerd's cgroup driver is systemd")), 1)
+
+    @inlineCallbacks
+    def test_a_failed_answer_leaves_cgroup_parents_alone_and_is_asked_again_until_it_names_it(self):  # type: ignore[no-untyped-def]
+        self.patch(dockerd_module, "DRIVER_RETRY_SECONDS", 0.05)
+        self.dockerd.answers["GET /info"] = answer(500, {"message": "info is broken"}, "Internal Server Error")
+        self.subscribe_a_mover()
+        self.start()
+        yield Deferred.fromCoroutine(until(lambda: len(self.dockerd.asked("GET /info")) >= 3))
+        response = yield self.create_sandbox()
+        self.assertEqual(status_and_message(response)[0], 201)
+        created = self.created()
+        # What the client sent, with every other change the hooks made.
+        self.assertEqual((created["HostConfig"]["CgroupParent"], created["Labels"]["seen"]), ("kubepods-besteffort-pod1.slice", "1"))
+        [line] = self.lines("containers/create pod")
+        self.assertIn(
+            "left alone (dockerd's cgroup driver is not known: GET /info failed) "
+            'cgroup_parent "/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod1.slice"'
+            '→"/kubepods.slice/kubepods-burstable.slice/moved.slice"',
+            line,
+        )
+        [warning] = self.lines("cannot read dockerd's cgroup driver")
+        self.assertIn("GET /info: dockerd answered 500: info is broken", warning)
+        self.dockerd.answers["GET /info"] = answer(200, {"CgroupDriver": "systemd"})
+        yield Deferred.fromCoroutine(until(lambda: self.lines("dockerd's cgroup driver is systemd again")))
+        response = yield self.create_sandbox()
+        self.assertEqual(self.created()["HostConfig"]["CgroupParent"], "moved.slice")
+        self.assertEqual(self.lines("failed inside koordrp"), [])
+
+    @inlineCallbacks
+    def test_an_info_that_does_not_answer_holds_a_create_no_longer_than_koordrps_bound(self):  # type: ignore[no-untyped-def]
+        self.dockerd.answers["GET /info"] = WEDGED
+        self.subscribe_a_mover()
+        self.start()
+        response = yield self.create_sandbox()
+        self.assertEqual(status_and_message(response)[0], 201)
+        self.assertEqual(self.created()["HostConfig"]["CgroupParent"], "kubepods-besteffort-pod1.slice")
+        [warning] = self.lines("cannot read dockerd's cgroup driver")
+        self.assertIn(f"GET /info: no answer within {QUESTION_SECONDS:g}s", warning)
+        # One question at a time: the create waited for the one asked at start.
+        self.assertEqual(len(self.dockerd.asked("GET /info")), 1)
