@@ -247,7 +247,6 @@ def test_fuzzed_requests_are_answered_as_containerd_does(
 ) -> None:
     proxied, direct = channels
     rng = random.Random(SEED)
-    started = time.monotonic()
     mismatches: list[str] = []
     unreadable = compared = 0
     before = pods_of(containerd)
@@ -280,7 +279,6 @@ def test_fuzzed_requests_are_answered_as_containerd_does(
     # The generator must give koordrp both what it can read and what it cannot, or the test proves little.
     assert unreadable >= 100 and compared - unreadable >= 100, (unreadable, compared)
     assert_koordrp_is_well(koordrp, proxied)
-    assert time.monotonic() - started < 60
 
 
 def cut_run_pod_sandbox() -> bytes:

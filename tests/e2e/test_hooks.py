@@ -8,7 +8,6 @@ pod's sandbox) runs in the CRI ways; tests/e2e/test_nri.py has NRI mode's own.
 """
 
 import json
-import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -170,7 +169,6 @@ def test_a_server_slower_than_its_timeout(
     sandbox_id = runtime.RunPodSandbox(api_pb2.RunPodSandboxRequest(config=pod), timeout=TIMEOUT).pod_sandbox_id
     try:
         container = container_config("slow", image=BUSYBOX_REF, command=["sleep", "3600"])
-        started = time.monotonic()
         if policy == "Fail":
             with pytest.raises(grpc.RpcError) as error:
                 start_container(runtime, sandbox_id, pod, container)
@@ -183,7 +181,8 @@ def test_a_server_slower_than_its_timeout(
                 api_pb2.CreateContainerRequest(pod_sandbox_id=sandbox_id, config=container, sandbox_config=pod),
                 timeout=TIMEOUT,
             )
-        assert 0.45 < time.monotonic() - started < 2.5
+            [line] = koordrp.log_lines("] CreateContainer pod default/slow")
+            assert line.endswith("ms (no answer within 0.5s; went on without it)"), line
     finally:
         remove_pod(runtime, sandbox_id)
 
@@ -193,13 +192,13 @@ def test_a_missing_socket_fails_at_once(
 ) -> None:
     register(hooks_dir, "absent", str(workdir / "nobody.sock"), ["PreRunPodSandbox"], policy="Fail")
     wait_registered(koordrp, 1)
-    started = time.monotonic()
     with pytest.raises(grpc.RpcError) as error:
         runtime.RunPodSandbox(
             api_pb2.RunPodSandboxRequest(config=pod_sandbox_config("nobody", log_directory=workdir / "n")), timeout=TIMEOUT
         )
-    assert time.monotonic() - started < 0.5
+    # Said at once, not a timeout waited out.
     assert "does not exist" in (error.value.details() or "")
+    assert "no answer within" not in (error.value.details() or "")
 
 
 def test_hot_reload_gives_each_pod_the_config_in_force_when_it_arrived(

@@ -7,7 +7,6 @@ starting first.
 """
 
 import json
-import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -133,10 +132,8 @@ def test_a_server_slower_than_containerds_deadline_is_cut_short_and_koordrp_stay
     slow.behaviours[CREATE] = lambda request: hook.ContainerResourceHookResponse(container_envs={"SLOW": "1"})
     register(hooks_dir, "slow", slow.path, ["PreCreateContainer"], policy="Ignore", **{"timeout-seconds": 20})
     wait_registered(plugin, 1)
-    started = time.monotonic()
     with running_container(runtime, "slow", workdir) as pod:
         assert "SLOW=1" not in runtime_spec(runtime, pod.container_id)["process"]["env"]
-    assert time.monotonic() - started < 10
     create = call_line(plugin, "CreateContainer pod default/slow")
     assert "PreCreateContainer@slow.json: timeout 1" in create and "went on without it" in create, create
     slow.unwedge()  # it answers again: the next container gets its hooks, koordrp is still containerd's plugin

@@ -1,7 +1,6 @@
 """What kubelet and koordlet do over time, against a real containerd: slow and wedged servers, repeated
 updates (and koordrp restarting between them), pods resized in place."""
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -111,19 +110,18 @@ def test_a_wedged_server_costs_one_call_then_none_until_it_answers_again(
     pod = pod_sandbox_config("patient", log_directory=workdir / "patient")
     sandbox_id = runtime.RunPodSandbox(api_pb2.RunPodSandboxRequest(config=pod), timeout=KUBELET_TIMEOUT).pod_sandbox_id
     try:
-        def create(attempt: int) -> float:
+        def create(attempt: int) -> None:
             config = container_config("patient", image=BUSYBOX_REF, command=["sleep", "3600"], attempt=attempt)
-            started = time.monotonic()
             runtime.CreateContainer(
                 api_pb2.CreateContainerRequest(pod_sandbox_id=sandbox_id, config=config, sandbox_config=pod),
                 timeout=KUBELET_TIMEOUT,
             )
-            return time.monotonic() - started
 
-        assert 1.0 <= create(0) < 3.0  # the call that finds it wedged waits its timeout
-        later = [create(attempt) for attempt in range(1, 6)]
-        assert max(later) < 0.5, later  # the next ones skip it at once
+        for attempt in range(6):
+            create(attempt)
         lines = koordrp.log_lines("] CreateContainer pod default/patient", count=6)
+        # The call that finds it wedged waits its timeout; the next ones skip it at once.
+        assert "PreCreateContainer@wedged.json: timeout " in lines[0] and "(no answer within 1s;" in lines[0], lines
         assert all("PreCreateContainer@wedged.json: not-answering (not answering for " in line for line in lines[1:]), lines
         assert "went on without it" in lines[-1]
         server.unwedge()  # back: asked again in the background, it answers within seconds

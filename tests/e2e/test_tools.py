@@ -3,7 +3,6 @@
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -91,9 +90,8 @@ def test_a_hook_server_that_cannot_start_ends_the_demo_at_once_with_its_error_fi
         "from koordrp.sdk import HookServer\n\n\nclass Misspelt(HookServer):\n"
         "    def pre_create_container(self, request):\n        return None\n"
     )
-    started = time.monotonic()
     output = run_module("scripts.demo", "--hook-server", str(server), status=1)
-    assert time.monotonic() - started < 25  # not koordrp's 30 s wait for a registration that never comes
+    assert "did not see its registration" not in output  # not koordrp's 30 s wait for a registration that never comes
     summary = output.index("summary: the hook server")
     assert summary < output.index("the hook server's own output")
     assert "did not start: it exited with status 1: TypeError: Misspelt.pre_create_container looks like a handler" in output

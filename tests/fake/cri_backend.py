@@ -42,13 +42,12 @@ class FakeCRIBackend(FakeGrpcServer):
     stream_cancelled: threading.Event = field(default_factory=threading.Event)
     slow_call_ended: threading.Event = field(default_factory=threading.Event)
     stop_arrived: threading.Event = field(default_factory=threading.Event)
-    stop_ended: threading.Event = field(default_factory=threading.Event)
-    stop_ended_at: float | None = None
+    stop_given_up: threading.Event = field(default_factory=threading.Event)
+    """Set when a StopContainer's caller gave up (cancelled, or its deadline passed) before the stop's end."""
     watches: int = 0
     """Health watches opened (koordrp holds one open; they are not in ``calls``)."""
     watches_ending: threading.Event = field(default_factory=threading.Event)
     """Set: every open health watch ends with UNAVAILABLE, as when the runtime goes away."""
-    """When (time.monotonic) the runtime's StopContainer ended: answered, or given up by its caller."""
 
     def start(self) -> "FakeCRIBackend":
         self._serve(lambda server: None, handlers=[_Handler(self)])
@@ -85,16 +84,11 @@ class FakeCRIBackend(FakeGrpcServer):
 
     def stop_container(self, request: bytes, context: grpc.ServicerContext) -> bytes:
         """A stop that takes ``slow_call_seconds`` (a container slow to die), unless its caller gives up first."""
-
-        def ended() -> None:
-            self.stop_ended_at = time.monotonic()
-            self.stop_ended.set()
-
-        context.add_callback(ended)
         self.stop_arrived.set()
         gone = threading.Event()
         context.add_callback(gone.set)
-        gone.wait(self.slow_call_seconds)
+        if gone.wait(self.slow_call_seconds):
+            self.stop_given_up.set()
         return api_pb2.StopContainerResponse().SerializeToString()
 
     def create_container(self, request: bytes, context: grpc.ServicerContext) -> bytes:

