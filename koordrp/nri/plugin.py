@@ -18,7 +18,7 @@ from typing import Any, Callable, Coroutine
 from google.protobuf.message import DecodeError
 from twisted.internet.defer import Deferred, TimeoutError as DeferredTimeout, ensureDeferred, fail, maybeDeferred, succeed
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
-from twisted.logger import Logger
+from twisted.logger import Logger, LogLevel
 from twisted.python.failure import Failure
 
 from koordrp import adapters
@@ -28,7 +28,8 @@ from koordrp import flows
 from koordrp.api.nri.v1alpha1 import api_pb2 as nri
 from koordrp.hooks.messages import placed_in_pod
 from koordrp.nri import translate
-from koordrp.nri.connection import UNKNOWN, UNIMPLEMENTED, NRIConnection, NRIError
+from koordrp.nri.connection import UNKNOWN, UNIMPLEMENTED, NRIConnection, NRIConnectionLost, NRIError
+from koordrp.nri.wire import MAX_TTRPC_MESSAGE
 from koordrp.resync import agree
 from koordrp.store import StoredContainer, StoredPod
 from koordrp.text import shortened
@@ -214,6 +215,14 @@ class _Synchronization:
 
 
 @dataclass(frozen=True)
+class GivenUp:
+    """Why a connection will not make koordrp a plugin, and how loud that is."""
+
+    reason: str
+    level: LogLevel
+
+
+@dataclass(frozen=True)
 class PluginIdentity:
     name: str
     index: str
@@ -240,6 +249,11 @@ class NRIPlugin:
         self._connection: NRIConnection | None = None
         self._runtime = "containerd"
         self._synchronizing: _Synchronization | None = None
+        self._synchronized = False
+        self.given_up: GivenUp | None = None
+        """Why this connection will not make koordrp a plugin, if it will not."""
+        self._quiet_waiters: list[Deferred[None]] = []
+        self._quiet_timer: IDelayedCall | None = None
 
     # the connection
 
@@ -250,16 +264,68 @@ class NRIPlugin:
         registering = connection.call("RegisterPlugin", request.SerializeToString(), REGISTER_SECONDS)
 
         def failed(failure: Failure) -> None:
+            if isinstance(failure.value, NRIConnectionLost):
+                return  # the connection's loss is the reason
             if isinstance(failure.value, DeferredTimeout):
                 why = f"containerd's NRI did not answer within {REGISTER_SECONDS:g}s"
             elif isinstance(failure.value, NRIError):
                 why = f"containerd's NRI refused it: {shortened(failure.getErrorMessage())}"
             else:
                 why = shortened(failure.getErrorMessage())
-            self.log.error("cannot register koordrp as NRI plugin {plugin}: {why}", plugin=self._identity.full_name, why=why)
-            connection.close()
+            self._give_up(f"cannot register as plugin {self._identity.full_name}: {why}", LogLevel.error)
 
         return registering.addCallbacks(lambda _: None, failed)
+
+    def _give_up(self, reason: str, level: LogLevel) -> None:
+        """This connection will not make koordrp containerd's plugin: it is closed, and ``reason`` is why."""
+        if self.given_up is None:
+            self.given_up = GivenUp(reason, level)
+        if self._connection is not None:
+            self._connection.close()
+
+    def oversized(self, length: int) -> None:
+        if not self._synchronized:
+            # NRI 0.8 splits a synchronization that does not fit one message; NRI 0.6 sends it whole, and
+            # then neither calls nor drops a plugin that could not take it.
+            self._give_up(
+                f"{self._runtime}'s NRI sent its synchronization (every pod and container on the node) as one "
+                f"message beyond the {MAX_TTRPC_MESSAGE >> 20} MiB ttrpc carries, which NRI 0.6 cannot split: no NRI plugin "
+                "can register while the node holds this much; containerd 1.7.26 or later (NRI 0.8) splits it, or run "
+                "koordrp as the proxy (--backend-runtime-mode=Containerd)",
+                LogLevel.error,
+            )
+        else:
+            self.log.error(
+                "containerd's NRI sent a request of {length} bytes, beyond the {limit} MiB ttrpc carries: it was answered "
+                "RESOURCE_EXHAUSTED (containerd fails that call)",
+                length=length,
+                limit=MAX_TTRPC_MESSAGE >> 20,
+            )
+
+    def quiet(self, timeout: float) -> Deferred[None]:
+        """Fires once none of containerd's calls is in flight (those that come meanwhile included), or after
+        ``timeout`` seconds, whichever is first."""
+        waiter: Deferred[None] = Deferred()
+        if not self._calls:
+            waiter.callback(None)
+            return waiter
+        self.log.info(
+            "stopping: {count} of containerd's NRI calls in flight get up to {timeout:.3g}s; koordrp stays its plugin meanwhile",
+            count=len(self._calls),
+            timeout=timeout,
+        )
+        self._quiet_waiters.append(waiter)
+        if self._quiet_timer is None:
+            self._quiet_timer = self._parts.clock.callLater(max(timeout, 0.0), self._quieted)
+        return waiter
+
+    def _quieted(self) -> None:
+        if self._quiet_timer is not None and self._quiet_timer.active():
+            self._quiet_timer.cancel()
+        self._quiet_timer = None
+        waiters, self._quiet_waiters = self._quiet_waiters, []
+        for waiter in waiters:
+            waiter.callback(None)
 
     def lost(self, reason: Failure) -> None:
         self._confirmations.cancel_all()
@@ -299,12 +365,6 @@ class NRIPlugin:
     def _configure(self, payload: bytes, timeout: float | None) -> Deferred[bytes]:
         request = nri.ConfigureRequest.FromString(payload)
         self._runtime = f"{request.runtime_name} {request.runtime_version}"
-        self.log.info(
-            "registered with {runtime} {version}'s NRI as plugin {plugin}",
-            runtime=request.runtime_name,
-            version=request.runtime_version,
-            plugin=self._identity.full_name,
-        )
         return succeed(nri.ConfigureResponse(events=EVENT_MASK).SerializeToString())
 
     def _synchronize(self, payload: bytes, timeout: float | None) -> Deferred[bytes]:
@@ -330,6 +390,7 @@ class NRIPlugin:
             deadline = synchronizing.deadline
             if deadline is not None and self._parts.clock.seconds() > deadline - ANSWER_MARGIN:
                 raise NRIError(UNKNOWN, f"koordrp synchronized after containerd's {timeout:g}s")
+            self._synchronized = True
             self._on_synchronized(self._runtime)
             return nri.SynchronizeResponse().SerializeToString()
 
@@ -338,9 +399,7 @@ class NRIPlugin:
             # new connection makes koordrp a plugin again.
             self._synchronizing = None
             reason = shortened(failure.getErrorMessage())
-            self.log.error("cannot synchronize with containerd's NRI ({reason}); connecting again", reason=reason)
-            if self._connection is not None:
-                self._connection.close()
+            self._give_up(f"cannot synchronize with {self._runtime}'s NRI: {reason}", LogLevel.error)
             raise NRIError(UNKNOWN, f"koordrp cannot synchronize: {reason}")
 
         reading = maybeDeferred(nri.SynchronizeRequest.FromString, payload).addCallback(lambda part: ensureDeferred(collected(part)))
@@ -450,7 +509,9 @@ class NRIPlugin:
                     answer.errback(NRIError(outcome.status_code, outcome.message))
                 else:
                     answer.errback(NRIError(UNKNOWN, "koordrp: the call was given up"))
-            call.ended()
+            call.ended()  # its post stages are announced: a stop that waited for the calls drains them next
+            if not self._calls and self._quiet_waiters:
+                self._quieted()
 
         call.run(flow(call)).addCallback(over)
         return answer
