@@ -26,7 +26,7 @@ from koordrp.call import Call, Parts
 from koordrp import resync
 from koordrp import flows
 from koordrp.api.nri.v1alpha1 import api_pb2 as nri
-from koordrp.hooks.messages import placed_in_pod
+from koordrp.hooks.messages import HookRequest, placed_in_pod, subject_text
 from koordrp.nri import translate
 from koordrp.nri.connection import UNKNOWN, UNIMPLEMENTED, NRIConnection, NRIConnectionLost, NRIError
 from koordrp.nri.wire import MAX_TTRPC_MESSAGE
@@ -77,14 +77,20 @@ _EMPTY = nri.Empty().SerializeToString()
 
 @dataclass(frozen=True)
 class NRIReply:
-    """containerd's part of a call (adapters.Reply): whether it said it did it."""
+    """containerd's part of a call (adapters.Reply): whether it said it did it, and if not, what it told instead."""
 
     ok: bool
     created_id: str = ""
+    why_not: str = ""
 
     @property
     def label(self) -> str:
         return "OK" if self.ok else "NOT-CONFIRMED"
+
+
+NOT_DONE = "containerd did not do the call"
+"""Why the changes of a call containerd did not do are not applied (the call's line names them)."""
+UNDONE_CREATE = "containerd undid the create after koordrp answered: it told of the container's stop before it was made"
 
 
 class Confirmations:
@@ -92,15 +98,16 @@ class Confirmations:
 
     def __init__(self, clock: IReactorTime) -> None:
         self._clock = clock
-        self._waiting: dict[tuple[str, str], tuple[Deferred[bool], IDelayedCall]] = {}
+        self._waiting: dict[tuple[str, str], tuple[Deferred[str | None], IDelayedCall]] = {}
 
-    def expect(self, kind: str, container_id: str) -> Deferred[bool]:
-        """Fires True once ``kind`` (create, start, update) of the container is confirmed; False if containerd
-        stopped or removed it first, told of a newer one, or said nothing in CONFIRM_SECONDS."""
+    def expect(self, kind: str, container_id: str) -> Deferred[str | None]:
+        """Fires None once ``kind`` (create, start, update) of the container is confirmed; else with what containerd
+        told instead (a stop or removal of the container first, a newer one of the same kind) or that it said
+        nothing in CONFIRM_SECONDS."""
         key = (kind, container_id)
-        self._settle(key, False)
-        waiting: Deferred[bool] = Deferred(lambda _: self._forget(key))
-        timer = self._clock.callLater(CONFIRM_SECONDS, self._settle, key, False)
+        self._settle(key, f"a newer {kind} of the container came first")
+        waiting: Deferred[str | None] = Deferred(lambda _: self._forget(key))
+        timer = self._clock.callLater(CONFIRM_SECONDS, self._settle, key, f"containerd did not say it did it within {CONFIRM_SECONDS:g}s")
         self._waiting[key] = (waiting, timer)
         return waiting
 
@@ -108,26 +115,32 @@ class Confirmations:
         """containerd told of ``event`` about ``container`` (as it is now)."""
         kind = _CONFIRMED_BY.get(event)
         if kind is not None:
-            self._settle((kind, container.id), True)
-        elif event in (nri.STOP_CONTAINER, nri.REMOVE_CONTAINER):
-            self._settle(("create", container.id), False)
-            self._settle(("update", container.id), False)
+            self._settle((kind, container.id), None)
+        elif event == nri.STOP_CONTAINER:
+            # containerd undoes a create that failed after the plugins answered (another plugin's
+            # conflicting answer, the runtime's error) with a stop and a removal.
+            self._settle(("create", container.id), UNDONE_CREATE)
+            self._settle(("update", container.id), "containerd stopped the container before updating it")
             # containerd tells of a failed start as a stop of the container still created; one that has
             # run (even if it exited at once) did start.
-            self._settle(("start", container.id), container.state in _HAS_RUN)
+            started = container.state in _HAS_RUN
+            self._settle(("start", container.id), None if started else "containerd failed the start: it told of the container's stop while still created")
+        elif event == nri.REMOVE_CONTAINER:
+            for kind in ("create", "start", "update"):
+                self._settle((kind, container.id), f"containerd removed the container before the {kind}")
 
     def _forget(self, key: tuple[str, str]) -> None:
         found = self._waiting.pop(key, None)
         if found is not None and found[1].active():
             found[1].cancel()
 
-    def _settle(self, key: tuple[str, str], done: bool) -> None:
+    def _settle(self, key: tuple[str, str], why_not: str | None) -> None:
         found = self._waiting.pop(key, None)
         if found is not None:
             waiting, timer = found
             if timer.active():
                 timer.cancel()
-            waiting.callback(done)
+            waiting.callback(why_not)
 
     def cancel_all(self) -> None:
         for waiting, _ in list(self._waiting.values()):
@@ -143,7 +156,7 @@ class NRIBackend:
         empty: bytes,
         pod: nri.PodSandbox | None,
         container: nri.Container | None,
-        confirm: Callable[[], Deferred[bool]] | None,
+        confirm: Callable[[], Deferred[str | None]] | None,
     ) -> None:
         """``pod`` and ``container``: what the request tells of them, if the flow may read them from it."""
         self._answer = answer
@@ -159,7 +172,8 @@ class NRIBackend:
             self._answer.callback(self._empty if rewritten is None else rewritten)
         if self._confirm is None:
             return NRIReply(True, created)
-        return NRIReply(await self._confirm(), created)
+        why_not = await self._confirm()
+        return NRIReply(why_not is None, created, why_not or "")
 
     async def read_pod(self, sandbox_id: str, timeout: float | None) -> StoredPod | None:
         if self._pod is None or sandbox_id != self._pod.id:
@@ -252,6 +266,7 @@ class NRIPlugin:
         self._synchronized = False
         self.given_up: GivenUp | None = None
         """Why this connection will not make koordrp a plugin, if it will not."""
+        self._told_of_undone_creates = False
         self._quiet_waiters: list[Deferred[None]] = []
         self._quiet_timer: IDelayedCall | None = None
 
@@ -417,6 +432,7 @@ class NRIPlugin:
             timeout,
             lambda answer: NRIBackend(answer, empty, request.pod, request.container, self._expect("create", request.container.id)),
             lambda call: flows.create_container(call, translate.CreateContainer(request.pod, request.container)),
+            translate.named(request.pod, request.container),
         )
 
     def _update_container(self, payload: bytes, timeout: float | None) -> Deferred[bytes]:
@@ -428,6 +444,7 @@ class NRIPlugin:
             timeout,
             lambda answer: NRIBackend(answer, empty, request.pod, request.container, self._expect("update", request.container.id)),
             lambda call: flows.update_container_resources(call, translate.UpdateContainer(request.container, resources)),
+            translate.named(request.pod, request.container),
         )
 
     def _stop_container(self, payload: bytes, timeout: float | None) -> Deferred[bytes]:
@@ -441,6 +458,7 @@ class NRIPlugin:
             timeout,
             lambda answer: NRIBackend(answer, empty, request.pod, None, None),
             lambda call: flows.stop_container(call, request.container.id),
+            translate.named(request.pod, request.container),
         )
 
     def _state_change(self, payload: bytes, timeout: float | None) -> Deferred[bytes]:
@@ -466,7 +484,8 @@ class NRIPlugin:
         else:
             return succeed(_EMPTY)  # a Post event: its Confirmation is all it is for
         own_container = container if event.HasField("container") else None
-        return self._run(method, timeout, lambda answer: NRIBackend(answer, _EMPTY, readable, own_container, confirm), flow)
+        named = translate.named(pod, own_container)
+        return self._run(method, timeout, lambda answer: NRIBackend(answer, _EMPTY, readable, own_container, confirm), flow, named)
 
     _HANDLERS: dict[str, Callable[[NRIPlugin, bytes, float | None], Deferred[bytes]]] = {
         "Configure": _configure,
@@ -480,7 +499,25 @@ class NRIPlugin:
 
     # running a flow
 
-    def _expect(self, kind: str, container_id: str) -> Callable[[], Deferred[bool]]:
+    def _not_done(self, call: Call[NRIReply], why: str) -> None:
+        """containerd did not do what it told koordrp of: the call's line says why, and that its hooks' changes
+        were not applied."""
+        call.record.why = why
+        for hook in flows.METHOD_HOOKS[call.lifecycle]:
+            call.record.leave_alone(hook, "", NOT_DONE)
+        changed = any(True for _ in call.record.left_alone())
+        if why == UNDONE_CREATE and changed and not self._told_of_undone_creates:
+            self._told_of_undone_creates = True
+            subject = call.record.subject
+            self.log.warn(
+                "containerd undid a create that koordrp's hooks changed ({subject}): it failed after koordrp answered. "
+                "If another NRI plugin sets a field koordrp's hooks set, NRI fails every such create (kubelet's event "
+                "and containerd's log say 'plugins \"…\" and \"…\" both tried to set …'); koordlet's own NRI plugin "
+                "(-enable-nri-runtime-hook) beside koordrp does (said once per connection to containerd).",
+                subject="?" if subject is None else subject_text(subject),
+            )
+
+    def _expect(self, kind: str, container_id: str) -> Callable[[], Deferred[str | None]]:
         return lambda: self._confirmations.expect(kind, container_id)
 
     def _run(
@@ -489,8 +526,13 @@ class NRIPlugin:
         timeout: float | None,
         backend: Callable[[Deferred[bytes]], NRIBackend],
         flow: Callable[[Call[NRIReply]], Coroutine[Any, Any, NRIReply]],
+        named: HookRequest | None = None,
     ) -> Deferred[bytes]:
-        """Run ``flow`` for containerd's request; the Deferred is containerd's answer (the flow may go on after it)."""
+        """Run ``flow`` for containerd's request; the Deferred is containerd's answer (the flow may go on after it).
+
+        ``named`` is the pod (and container) as the request names them: the call's line names them so
+        when the flow finds nothing better in the store (a container whose create containerd undid).
+        """
         answer: Deferred[bytes] = Deferred(lambda _: call.cancel())
         call = Call(
             self._parts,
@@ -500,10 +542,13 @@ class NRIPlugin:
             # Nothing is forwarded after the hooks: they may take what containerd gives.
             hooks_share=1.0,
         )
+        call.record.subject = named
         self._calls.add(call)
 
         def over(outcome: adapters.Outcome[NRIReply]) -> None:
             self._calls.discard(call)
+            if isinstance(outcome, NRIReply) and not outcome.ok:
+                self._not_done(call, outcome.why_not)
             if not answer.called:
                 if isinstance(outcome, adapters.Refusal):
                     answer.errback(NRIError(outcome.status_code, outcome.message))

@@ -9,7 +9,7 @@ from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.error import ConnectionDone, ConnectionRefusedError
 from twisted.internet.task import Clock
 from twisted.internet.testing import MemoryReactorClock, StringTransport
-from twisted.logger import ILogObserver, LogEvent, LogLevel, globalLogPublisher
+from twisted.logger import ILogObserver, LogEvent, LogLevel, formatEvent, globalLogPublisher
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 
@@ -21,7 +21,17 @@ from koordrp.hooks.types import FailurePolicy, HookServerConfig, HookServers, Ho
 from koordrp.nri import registration, translate
 from koordrp.api.ttrpc import ttrpc_pb2
 from koordrp.nri.connection import PLUGIN_SERVICE, RESOURCE_EXHAUSTED, UNIMPLEMENTED, UNKNOWN, NRIConnection, NRIError
-from koordrp.nri.plugin import ANSWER_MARGIN, CONFIRM_SECONDS, EVENT_MASK, REGISTER_SECONDS, GivenUp, NRIPlugin, PluginIdentity
+from koordrp.nri.plugin import (
+    ANSWER_MARGIN,
+    CONFIRM_SECONDS,
+    EVENT_MASK,
+    NOT_DONE,
+    REGISTER_SECONDS,
+    UNDONE_CREATE,
+    GivenUp,
+    NRIPlugin,
+    PluginIdentity,
+)
 from koordrp.metrics import Metrics
 from koordrp.nri.service import CONNECT_RETRY_CAP_SECONDS, RETRY_CAP_SECONDS, RETRY_SECONDS, NRIService, NRISettings
 from koordrp.nri.wire import (
@@ -383,6 +393,10 @@ class PluginTests(LogCapture):
         self.assertEqual((dict(stored.asked.container_envs), dict(stored.given.container_envs)), ({"A": "1"}, {"A": "1", "ADDED": "1"}))
         self.assertEqual(self.call_lines()[-1], ("CreateContainer", "OK"))
 
+    def line(self, method: str) -> LogEvent:
+        [found] = [line for line in self.events if line.get("log_namespace") == "koordrp.calls" and line["method"] == method]
+        return found
+
     def test_a_create_containerd_undoes_is_not_stored_and_owes_no_post_stop(self) -> None:
         self.subscribe(POST_STOP)
         self.run_pod()
@@ -393,11 +407,34 @@ class PluginTests(LogCapture):
         self.assertEqual(self.stages.announced, [])
         self.assertIn(("CreateContainer", "NOT-CONFIRMED"), self.call_lines())
 
+    def test_an_undone_create_says_why_applies_nothing_and_names_what_the_events_name(self) -> None:
+        """Two NRI plugins setting one field make containerd fail the create after both answered; it then tells
+        the plugins of the container's stop and removal."""
+        self.subscribe(PRE_CREATE)
+        self.stages.answers[PRE_CREATE] = hook.ContainerResourceHookResponse(container_resources=hook.LinuxContainerResources(cpu_shares=512))
+        self.run_pod()
+        for _ in range(2):
+            self.create()
+            self.containerd.call("StopContainer", nri.StopContainerRequest(pod=nri_pod(), container=nri_container(nri.CONTAINER_CREATED)))
+            self.containerd.call("StateChange", event(nri.REMOVE_CONTAINER, nri_container()))
+        create = [line for line in self.events if line.get("method") == "CreateContainer"][0]
+        self.assertEqual((create["outcome"], create["why"]), ("NOT-CONFIRMED", UNDONE_CREATE))
+        self.assertIn(f"left alone ({NOT_DONE}) resources.cpu_shares 2→512", create["hooks"])
+        self.assertNotIn("changed", create["hooks"])
+        text = formatEvent(create)
+        self.assertIn(f"container app: NOT-CONFIRMED ({UNDONE_CREATE}) in ", text)
+        stop = formatEvent([line for line in self.events if line.get("method") == "StopContainer"][0])
+        self.assertIn("StopContainer pod default/web (uid-1) container app: OK", stop)
+        [warning] = self.logged("containerd undid a create that koordrp's hooks changed")
+        self.assertEqual(warning["subject"], "pod default/web container app")
+        self.assertIn("both tried to set", formatEvent(warning))
+
     def test_a_create_never_confirmed_ends_after_a_bound(self) -> None:
         self.run_pod()
         self.create()
         self.clock.advance(CONFIRM_SECONDS)
         self.assertEqual(self.call_lines()[-1], ("CreateContainer", "NOT-CONFIRMED"))
+        self.assertEqual(self.line("CreateContainer")["why"], f"containerd did not say it did it within {CONFIRM_SECONDS:g}s")
 
     def test_a_fail_policy_server_that_cannot_be_heard_fails_containerds_call(self) -> None:
         self.subscribe(PRE_CREATE, policy=FailurePolicy.FAIL)
@@ -455,6 +492,7 @@ class PluginTests(LogCapture):
         self.started_then_stopped(nri.CONTAINER_CREATED)
         self.assertEqual([stage.hook for stage in self.stages.announced], [POST_STOP])  # as a created container's stop
         self.assertIn(("StartContainer", "NOT-CONFIRMED"), self.call_lines())
+        self.assertIn("containerd failed the start", self.line("StartContainer")["why"])
 
     def test_a_container_stopped_before_its_post_start_event_had_started(self) -> None:
         self.started_then_stopped(nri.CONTAINER_STOPPED)
