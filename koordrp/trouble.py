@@ -109,7 +109,8 @@ class Retrying:
             delay = min(delay, most)
         if self._metrics is not None:
             self._metrics.failed_attempts.labels(self._activity).inc()
-        self._emit(self.trouble.report(problem, level, retry=delay, cap=self.backoff.cap, **fields))
+        cap = self.backoff.cap if most is None else min(most, self.backoff.cap)
+        self._emit(self.trouble.report(problem, level, retry=delay, cap=cap, **fields))
         self.cancel()
         self._retry = self._clock.callLater(delay, retry)
         return delay

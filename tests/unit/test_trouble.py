@@ -66,5 +66,6 @@ class RetryingTests(SynchronousTestCase):
         for _ in range(4):
             self.retrying.failed("cannot connect", self.attempt, most=2.0)
         self.assertEqual([call.getTime() for call in self.clock.getDelayedCalls()], [2.0])
+        self.assertEqual(self.events[0]["cap"], 2.0)  # the line says how often it tries
         self.retrying.cancel()
         self.assertEqual(self.clock.getDelayedCalls(), [])
