@@ -5,10 +5,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Iterable, Sequence
 
 from twisted.internet.defer import CancelledError, Deferred, ensureDeferred
-from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from koordrp.drain import Drain
 from koordrp.hooks.answering import Answering
 from koordrp.hooks.client import HookCallError, HookClients, HookTimedOut
 from koordrp.hooks.messages import HookRequest, HookResponse, merge_response, subject_text
@@ -44,8 +45,7 @@ class Dispatcher:
         self._reactor = reactor
         self._metrics = metrics
         self._announced: set[Deferred[None]] = set()
-        self._drain_waiters: list[Deferred[None]] = []
-        self._cut: IDelayedCall | None = None
+        self._drain = Drain(reactor)
         self._answering = Answering(reactor, self._ask)
 
     def _ask(self, endpoint: str, hook: HookType, request: HookRequest, timeout: float) -> "Deferred[HookResponse]":
@@ -93,37 +93,23 @@ class Dispatcher:
 
     def _post_over(self, _: object, announced: "Deferred[None]") -> None:
         self._announced.discard(announced)
-        if not self._announced and self._drain_waiters:
-            self._drained()
+        if not self._announced:
+            self._drain.idle()
 
     def drain(self, timeout: float) -> "Deferred[None]":
         """Fire once no post hook stage runs (those announced meanwhile included), or after ``timeout`` seconds,
         when the hook calls still running are cut, one line each."""
-        waiter: Deferred[None] = Deferred()
-        self._drain_waiters.append(waiter)
-        if not self._announced:
-            self._drained()
-        elif self._cut is None:
+        if self._announced and not self._drain.waiting:
             self.log.info(
                 "stopping: post hooks are still running for {count} call(s); they get {timeout:.3g}s, then are cut",
                 count=len(self._announced),
                 timeout=timeout,
             )
-            self._cut = self._reactor.callLater(max(timeout, 0.0), self._cut_all)
-        return waiter
+        return self._drain.wait(bool(self._announced), timeout, self._cut_all)
 
     def _cut_all(self) -> None:
-        self._cut = None
         for announced in list(self._announced):
             announced.cancel()
-
-    def _drained(self) -> None:
-        if self._cut is not None and self._cut.active():
-            self._cut.cancel()
-        self._cut = None
-        waiters, self._drain_waiters = self._drain_waiters, []
-        for waiter in waiters:
-            waiter.callback(None)
 
     def close(self) -> None:
         """koordrp stops: no more background questions to silent servers, and every hook channel closed."""

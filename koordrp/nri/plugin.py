@@ -23,6 +23,7 @@ from twisted.python.failure import Failure
 
 from koordrp import adapters
 from koordrp.call import Call, Parts
+from koordrp.drain import Drain
 from koordrp import resync
 from koordrp import flows
 from koordrp.api.nri.v1alpha1 import api_pb2 as nri
@@ -267,8 +268,7 @@ class NRIPlugin:
         self.given_up: GivenUp | None = None
         """Why this connection will not make koordrp a plugin, if it will not."""
         self._told_of_undone_creates = False
-        self._quiet_waiters: list[Deferred[None]] = []
-        self._quiet_timer: IDelayedCall | None = None
+        self._quiet = Drain(parts.clock)
 
     # the connection
 
@@ -320,27 +320,13 @@ class NRIPlugin:
     def quiet(self, timeout: float) -> Deferred[None]:
         """Fires once none of containerd's calls is in flight (those that come meanwhile included), or after
         ``timeout`` seconds, whichever is first."""
-        waiter: Deferred[None] = Deferred()
-        if not self._calls:
-            waiter.callback(None)
-            return waiter
-        self.log.info(
-            "stopping: {count} of containerd's NRI calls in flight get up to {timeout:.3g}s; koordrp stays its plugin meanwhile",
-            count=len(self._calls),
-            timeout=timeout,
-        )
-        self._quiet_waiters.append(waiter)
-        if self._quiet_timer is None:
-            self._quiet_timer = self._parts.clock.callLater(max(timeout, 0.0), self._quieted)
-        return waiter
-
-    def _quieted(self) -> None:
-        if self._quiet_timer is not None and self._quiet_timer.active():
-            self._quiet_timer.cancel()
-        self._quiet_timer = None
-        waiters, self._quiet_waiters = self._quiet_waiters, []
-        for waiter in waiters:
-            waiter.callback(None)
+        if self._calls and not self._quiet.waiting:
+            self.log.info(
+                "stopping: {count} of containerd's NRI calls in flight get up to {timeout:.3g}s; koordrp stays its plugin meanwhile",
+                count=len(self._calls),
+                timeout=timeout,
+            )
+        return self._quiet.wait(bool(self._calls), timeout)
 
     def lost(self, reason: Failure) -> None:
         self._confirmations.cancel_all()
@@ -555,8 +541,8 @@ class NRIPlugin:
                 else:
                     answer.errback(NRIError(UNKNOWN, "koordrp: the call was given up"))
             call.ended()  # its post stages are announced: a stop that waited for the calls drains them next
-            if not self._calls and self._quiet_waiters:
-                self._quieted()
+            if not self._calls:
+                self._quiet.idle()
 
         call.run(flow(call)).addCallback(over)
         return answer
