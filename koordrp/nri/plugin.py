@@ -491,7 +491,7 @@ class NRIPlugin:
         call.record.why = why
         for hook in flows.METHOD_HOOKS[call.lifecycle]:
             call.record.leave_alone(hook, "", NOT_DONE)
-        changed = any(True for _ in call.record.left_alone())
+        changed = next(call.record.left_alone(), None) is not None
         if why == UNDONE_CREATE and changed and not self._told_of_undone_creates:
             self._told_of_undone_creates = True
             subject = call.record.subject
