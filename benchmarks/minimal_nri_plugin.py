@@ -44,6 +44,9 @@ class MinimalPlugin:
             return succeed(nri.SynchronizeResponse().SerializeToString())
         return succeed(_ANSWERS.get(method, _EMPTY))
 
+    def oversized(self, length: int) -> None:
+        print(f"containerd sent a request of {length} bytes, beyond ttrpc's limit", file=sys.stderr, flush=True)
+
     def lost(self, reason: Failure) -> None:
         core = IReactorCore(reactor)
         if core.running:  # not when SIGTERM stopped it, and closing the connection brought us here

@@ -64,8 +64,8 @@ class Stages(Protocol):
     def count_not_made(self, calls: Iterable[HookCall]) -> None:
         """Count the hook calls a call spared."""
 
-    def drain(self) -> Deferred[Any]:
-        """Fires once every post stage announced so far has ended."""
+    def drain(self, timeout: float) -> Deferred[None]:
+        """Fires once no post stage runs, or after ``timeout`` seconds, when those still running are cut."""
 
 
 @dataclass(frozen=True)

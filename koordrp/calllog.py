@@ -22,7 +22,7 @@ from koordrp.text import shortened
 log = Logger(namespace="koordrp.calls")
 
 FORMAT = (
-    "{method} pod {namespace}/{pod} ({uid}){container_part}: {outcome} in {duration_ms:.1f} ms; hooks: {hooks}"
+    "{method} pod {namespace}/{pod} ({uid}){container_part}: {outcome}{why_part} in {duration_ms:.1f} ms; hooks: {hooks}"
 )
 
 # How the log names a hook message's fields: as an operator thinks of them.
@@ -92,6 +92,9 @@ class CallRecord:
     method: str
     subject: HookRequest | None = None
     calls: list[HookCall] = field(default_factory=list)
+    why: str = ""
+    """Why the call ended as it did, where the runtime tells and its outcome's word does not (NRI: why
+    containerd did not do it)."""
 
     def add(self, calls: Iterable[HookCall]) -> None:
         self.calls.extend(calls)
@@ -122,6 +125,8 @@ class CallRecord:
             "hooks": "; ".join(call_text(call) for call in self.calls) or "none",
             "hook_calls": [call_fields(call) for call in self.calls],
             "outcome": outcome,
+            "why": self.why,
+            "why_part": f" ({self.why})" if self.why else "",
             "duration_ms": seconds * 1000,
         }
 

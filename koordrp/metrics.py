@@ -44,6 +44,13 @@ class Metrics:
         )
         self.hook_servers = Gauge("koordrp_hook_servers", "registered hook servers", registry=self.registry)
         self.store_entries = Gauge("koordrp_store_entries", "pods and containers koordrp remembers", ["kind"], registry=self.registry)
+        self.failed_attempts = Counter(
+            "koordrp_failed_attempts",
+            "failed attempts at what koordrp retries until it works, by activity (nri-registration, store-resync); "
+            "the log says when such a trouble starts and ends",
+            ["activity"],
+            registry=self.registry,
+        )
         self.backend_up = Gauge(
             "koordrp_backend_reachable", "1 while the backend is reachable", ["endpoint"], registry=self.registry
         )

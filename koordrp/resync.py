@@ -2,14 +2,15 @@
 
 Every front end reads what its runtime has with ``read_everything`` (NRI mode: from what containerd
 tells at Synchronize); ``agree`` decides what the store makes of it. ``StoreSync`` reads
-it, and retries every second while the runtime cannot say, with one log
-line when that starts (or its reason changes) and one when it is over.
+it, and retries while the runtime cannot say, a second after the first failure and less often after
+each next one (``koordrp.trouble``: one line when that starts, one for each new reason, one when it
+is over).
 """
 
-from typing import Awaitable, Callable, TypeVar
+from typing import TYPE_CHECKING, Awaitable, Callable, TypeVar
 
 from twisted.internet.defer import CancelledError, Deferred, maybeDeferred
-from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
@@ -17,8 +18,17 @@ from koordrp.adapters import LookupFailed, RuntimeInventory, Unreadable
 from koordrp.hooks.messages import PodHookRequest
 from koordrp.store import Store, StoredContainer, StoredPod
 from koordrp.text import shortened
+from koordrp.trouble import Backoff, Retrying, Trouble
+
+if TYPE_CHECKING:
+    # Only --metrics-endpoint loads prometheus_client: it costs a node daemon ~6 MB of RSS.
+    from koordrp.metrics import Metrics
 
 RETRY_SECONDS = 1.0
+"""The wait after a first failure; it doubles after each next one, up to RETRY_CAP_SECONDS."""
+RETRY_CAP_SECONDS = 30.0
+"""A CRI front end reads the runtime again as soon as it is reachable again, whatever the wait; a call
+about what the store lacks reads it back itself."""
 
 Result = TypeVar("Result")
 
@@ -85,17 +95,31 @@ class StoreSync:
     log = Logger()
 
     def __init__(
-        self, store: Store, read: Callable[[], "Deferred[Snapshot]"], clock: IReactorTime, runtime: str
+        self,
+        store: Store,
+        read: Callable[[], "Deferred[Snapshot]"],
+        clock: IReactorTime,
+        runtime: str,
+        metrics: "Metrics | None" = None,
     ) -> None:
         """``read`` asks the runtime for everything; ``runtime`` names it in log lines."""
         self._store = store
         self._read = read
-        self._clock = clock
         self._runtime = runtime
-        self._retry: IDelayedCall | None = None
+        self._retrying = Retrying(
+            clock,
+            self.log,
+            Trouble(
+                "read {runtime}'s pods and containers again, after {failures} failed attempts",
+                started="cannot read {runtime}'s pods and containers: {problem}; trying again in {retry:g}s, "
+                "then less often (at most every {cap:g}s)",
+            ),
+            Backoff(RETRY_SECONDS, RETRY_CAP_SECONDS),
+            "store-resync",
+            metrics,
+        )
         self._reading: Deferred[None] | None = None
         self._running = False
-        self._failing: str | None = None
 
     def start(self) -> None:
         self._running = True
@@ -103,18 +127,13 @@ class StoreSync:
 
     def stop(self) -> None:
         self._running = False
-        self._cancel_retry()
+        self._retrying.cancel()
         if self._reading is not None:
             self._reading.cancel()
 
-    def _cancel_retry(self) -> None:
-        if self._retry is not None and self._retry.active():
-            self._retry.cancel()
-        self._retry = None
-
     def sync(self) -> None:
         """Read the runtime now (a retry already scheduled is replaced)."""
-        self._cancel_retry()
+        self._retrying.cancel()
         if not self._running:
             return
         known_before = self._store.ids()
@@ -127,7 +146,7 @@ class StoreSync:
 
     def _agree(self, found: Snapshot, known_before: tuple[set[str], set[str]]) -> None:
         agree(self._store, found, known_before, self._runtime)
-        self._failing = None
+        self._retrying.succeeded(runtime=self._runtime)
 
     def _failed(self, failure: Failure) -> None:
         if isinstance(failure.value, CancelledError) and not self._running:
@@ -139,13 +158,5 @@ class StoreSync:
             self.log.failure(
                 "reading {runtime}'s pods and containers failed unexpectedly", failure, runtime=self._runtime
             )
-        if reason != self._failing:
-            self.log.warn(
-                "cannot read {runtime}'s pods and containers: {reason}; trying again every {retry:g}s",
-                runtime=self._runtime,
-                reason=reason,
-                retry=RETRY_SECONDS,
-            )
-        self._failing = reason
         if self._running:
-            self._retry = self._clock.callLater(RETRY_SECONDS, self.sync)
+            self._retrying.failed(reason, self.sync, runtime=self._runtime)

@@ -6,6 +6,7 @@ import grp
 from typing import TYPE_CHECKING
 
 from twisted.application import service, strports
+from twisted.internet.defer import Deferred, maybeDeferred
 from twisted.internet.interfaces import IReactorCore, IReactorThreads, IReactorTime, IReactorUNIX
 from twisted.internet.protocol import Factory
 from twisted.logger import Logger
@@ -106,7 +107,14 @@ class Options(usage.Options):
             "hooks may use half of what is left of the CRI call's own deadline",
             float,
         ],
-        ["grace-period", None, 10.0, "seconds in-flight CRI calls get to finish on shutdown", float],
+        [
+            "grace-period",
+            None,
+            10.0,
+            "seconds a stop (SIGTERM) may take: calls in flight and post hooks still running get this long, then are cut "
+            "(NRI mode: koordrp stays containerd's plugin meanwhile); keep it below the unit's TimeoutStopSec",
+            float,
+        ],
         ["max-workers", None, 64, "CRI worker threads (streams hold one each)", int],
     ]
 
@@ -196,13 +204,14 @@ def front_end(config: Options, reactor: IReactorCore, parts: Parts, metrics: Met
     """The service of the chosen mode (koordrp's socket, or containerd's NRI), on the parts every mode shares."""
     if config["backend-runtime-mode"] == "NRI":
         identity = PluginIdentity(config["nri-plugin-name"], config["nri-plugin-index"])
-        nri = NRISettings(config["nri-socket"], identity, config["state-dir"])
+        nri = NRISettings(config["nri-socket"], identity, config["state-dir"], config["grace-period"])
         return NRIService(nri, IReactorUNIX(reactor), parts)
     if config["backend-runtime-mode"] == "Docker":
         docker = DockerProxySettings(
             listen_path=config["koord-runtimeproxy-endpoint"],
             backend_path=config["remote-runtime-service-endpoint"],
             socket_gid=config["socket-group"],
+            grace_period=config["grace-period"],
         )
         return DockerProxyService(docker, IReactorUNIX(reactor), parts)
     settings = CRIProxySettings(
@@ -221,9 +230,10 @@ class Koordrp(service.MultiService):
 
     log = Logger()
 
-    def __init__(self, checkpoint: DirectoryCheckpoint) -> None:
+    def __init__(self, checkpoint: DirectoryCheckpoint, dispatcher: Dispatcher) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self._checkpoint = checkpoint
+        self._dispatcher = dispatcher
 
     def startService(self) -> None:
         try:
@@ -233,6 +243,15 @@ class Koordrp(service.MultiService):
         except (CannotListen, CheckpointError) as error:
             self.log.critical("cannot start: {error}", error=str(error))
             raise SystemExit(f"koordrp cannot start: {error}") from None
+
+    def stopService(self) -> Deferred[None]:
+        stopped: Deferred[None] = maybeDeferred(super().stopService)
+        # Once every front end has drained: the hook servers' channels go with the daemon.
+        return stopped.addBoth(self._close_hooks)
+
+    def _close_hooks(self, result: object) -> object:
+        self._dispatcher.close()
+        return result
 
 
 def makeService(config: Options, reactor: IReactorCore | None = None) -> service.MultiService:
@@ -267,7 +286,7 @@ def makeService(config: Options, reactor: IReactorCore | None = None) -> service
         metrics=metrics,
     )
     proxy = front_end(config, reactor, parts, metrics)
-    top = Koordrp(checkpoint)
+    top = Koordrp(checkpoint, dispatcher)
     # Started in this order, stopped in the reverse: systemd hears READY once the front end serves,
     # and STOPPING before it drains.
     children: list[service.IService] = [registry, proxy, SystemdNotifier(clock), OrderlyStopOnSIGTERM(reactor)]

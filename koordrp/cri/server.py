@@ -109,6 +109,7 @@ class CRIProxyService(service.Service):
             lambda: ensureDeferred(resync.read_everything(lookup, _REBUILD_TIMEOUT)),
             IReactorTime(self._reactor),
             "the runtime",
+            self._parts.metrics,
         )
         self._sync.start()
 
@@ -119,12 +120,16 @@ class CRIProxyService(service.Service):
         server, handler = self._server, self._handler
         assert server is not None and handler is not None
         self._server = None
-        self.log.info("stopping: no new CRI calls; in-flight ones get {grace}s", grace=self.settings.grace_period)
+        clock = IReactorTime(self._reactor)
+        deadline = clock.seconds() + self.settings.grace_period
+        self.log.info(
+            "stopping: no new CRI calls; in-flight ones and post hooks get {grace:g}s", grace=self.settings.grace_period
+        )
         handler.streams.end_all()
         stopped = server.stop(self.settings.grace_period)
-        drained: Deferred[bool] = deferToThreadPool(self._reactor, self._reactor.getThreadPool(), stopped.wait)
-        # Post hooks of calls that finished are still owed to their servers.
-        drained.addCallback(lambda _: self._parts.dispatcher.drain())
+        waited: Deferred[bool] = deferToThreadPool(self._reactor, self._reactor.getThreadPool(), stopped.wait)
+        # Post hooks of calls that finished are still owed to their servers, within the same bound.
+        drained = waited.addCallback(lambda _: self._parts.dispatcher.drain(deadline - clock.seconds()))
         return drained.addCallback(lambda _: self._release())
 
     def _release(self) -> None:

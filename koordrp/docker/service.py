@@ -23,6 +23,8 @@ class DockerProxySettings:
     listen_path: str
     backend_path: str
     socket_gid: int | None = None
+    grace_period: float = 10.0
+    """The stop's bound: how long post hooks still running get."""
 
 
 @implementer(IFrontEnd)
@@ -41,7 +43,7 @@ class DockerProxyService(service.Service):
         self._interceptor = DockerInterceptor(self._dockerd, parts)
         # Each question to dockerd has koordrp's own bound (koordrp.docker.dockerd).
         self._sync = StoreSync(
-            parts.store, lambda: ensureDeferred(resync.read_everything(self._dockerd, None)), clock, "dockerd"
+            parts.store, lambda: ensureDeferred(resync.read_everything(self._dockerd, None)), clock, "dockerd", parts.metrics
         )
         self._port: IListeningPort | None = None
 
@@ -71,8 +73,8 @@ class DockerProxyService(service.Service):
         if port is None:
             return None
         stopped: Deferred[None] = port.stopListening()  # type: ignore[assignment]
-        # Post hooks of calls that were answered are still owed to their servers.
-        stopped.addCallback(lambda _: self._parts.dispatcher.drain())
+        # Post hooks of calls that were answered are still owed to their servers, within the stop's bound.
+        stopped.addCallback(lambda _: self._parts.dispatcher.drain(self.settings.grace_period))
 
         def release(_: object) -> None:
             remove_socket(self.settings.listen_path)

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterable, Sequence
 
-from twisted.internet.defer import CancelledError, Deferred, ensureDeferred, gatherResults
+from twisted.internet.defer import CancelledError, Deferred, ensureDeferred
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 
+from koordrp.drain import Drain
 from koordrp.hooks.answering import Answering
 from koordrp.hooks.client import HookCallError, HookClients, HookTimedOut
-from koordrp.hooks.messages import HookRequest, HookResponse, merge_response
+from koordrp.hooks.messages import HookRequest, HookResponse, merge_response, subject_text
 from koordrp.hooks.types import (
     ERROR,
     NOT_ANSWERING,
@@ -31,6 +33,10 @@ if TYPE_CHECKING:
     from koordrp.metrics import Metrics
 
 
+def _not_made(count: int) -> str:
+    return "" if count == 0 else f"; {count} more post hook {'call' if count == 1 else 'calls'} of the same call not made"
+
+
 class Dispatcher:
     log = Logger()
 
@@ -39,6 +45,7 @@ class Dispatcher:
         self._reactor = reactor
         self._metrics = metrics
         self._announced: set[Deferred[None]] = set()
+        self._drain = Drain(reactor)
         self._answering = Answering(reactor, self._ask)
 
     def _ask(self, endpoint: str, hook: HookType, request: HookRequest, timeout: float) -> "Deferred[HookResponse]":
@@ -57,21 +64,57 @@ class Dispatcher:
         does not wait. One call's stages run one after another, so a server hears of a pod's
         containers stopping before it hears of the pod; the stages of different calls start in the
         order the calls answered and may overlap. Stopping waits for the ones still running (drain),
-        so none is lost.
+        up to its bound.
         """
         announced = ensureDeferred(self._in_order(stages))
         self._announced.add(announced)
-        announced.addBoth(lambda _: self._announced.discard(announced))
+        announced.addErrback(self._post_failed).addBoth(self._post_over, announced)
 
     async def _in_order(self, stages: Sequence[PostStage]) -> None:
-        for stage in stages:
-            await self.run(stage.hook, stage.servers, stage.request)
+        # A post hook's answer changes nothing, so each server is called on its own: a stop that cuts
+        # the calls can name the one it cut.
+        calls = [(stage, server) for stage in stages for server in stage.servers]
+        for made, (stage, server) in enumerate(calls):
+            try:
+                await self.run(stage.hook, (server,), stage.request)
+            except CancelledError:
+                self.log.warn(
+                    "stopping: post hook {hook} on {server} for {subject} cut at the stop's bound{rest}",
+                    hook=stage.hook.value,
+                    server=server.name,
+                    subject=subject_text(stage.request),
+                    rest=_not_made(len(calls) - made - 1),
+                )
+                raise
 
-    def drain(self) -> "Deferred[list[None]]":
-        """Stop asking silent servers; fires when every post hook stage announced so far has ended (each is
-        bounded by its timeouts)."""
+    def _post_failed(self, failure: Failure) -> None:
+        if not isinstance(failure.value, CancelledError):
+            self.log.failure("post hook stages failed inside koordrp", failure)
+
+    def _post_over(self, _: object, announced: "Deferred[None]") -> None:
+        self._announced.discard(announced)
+        if not self._announced:
+            self._drain.idle()
+
+    def drain(self, timeout: float) -> "Deferred[None]":
+        """Fire once no post hook stage runs (those announced meanwhile included), or after ``timeout`` seconds,
+        when the hook calls still running are cut, one line each."""
+        if self._announced and not self._drain.waiting:
+            self.log.info(
+                "stopping: post hooks are still running for {count} call(s); they get {timeout:.3g}s, then are cut",
+                count=len(self._announced),
+                timeout=timeout,
+            )
+        return self._drain.wait(bool(self._announced), timeout, self._cut_all)
+
+    def _cut_all(self) -> None:
+        for announced in list(self._announced):
+            announced.cancel()
+
+    def close(self) -> None:
+        """koordrp stops: no more background questions to silent servers, and every hook channel closed."""
         self._answering.stop()
-        return gatherResults(list(self._announced), consumeErrors=True)
+        self._clients.close_all()
 
     def count_not_made(self, calls: Iterable[HookCall]) -> None:
         """Count the hook calls a CRI call spared (SKIPPED, UNREADABLE); the others (NOT_ANSWERING included)

@@ -31,6 +31,15 @@ CPUSET_FIELDS = ("cpuset_cpus", "cpuset_mems")
 AnyRequest = TypeVar("AnyRequest", bound=Message)
 
 
+def subject_text(request: HookRequest) -> str:
+    """The pod (and container) a hook request is about, as log lines name them."""
+    meta = request.pod_meta
+    text = f"pod {meta.namespace}/{meta.name}"
+    if isinstance(request, ContainerHookRequest):
+        text += f" container {request.container_meta.name}"
+    return text
+
+
 def copied(request: AnyRequest) -> AnyRequest:
     """A copy of a hook request that no change to the original reaches."""
     copy = type(request)()

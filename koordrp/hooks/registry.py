@@ -12,7 +12,7 @@ import hashlib
 import os
 import stat
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Mapping
 
 from twisted.application import service
@@ -29,6 +29,7 @@ from koordrp.hooks.config import (
     permission_problem,
 )
 from koordrp.hooks.types import HookServerConfig, HookServers, HookType
+from koordrp.trouble import Notice, Trouble
 
 SUFFIX = ".json"
 
@@ -96,15 +97,6 @@ class Entry:
     good: HookServerConfig | None
     complaint: tuple[str, bytes | None] | None
     """The rejection already logged for the file's current version."""
-
-
-@dataclass(frozen=True)
-class Notice:
-    """A log line decided on by plain code and written by the service."""
-
-    level: LogLevel
-    format: str
-    fields: Mapping[str, object] = field(default_factory=dict)
 
 
 REJECTED = "hook server registration {file} rejected: {reason}"
@@ -341,22 +333,6 @@ class RegistrationBook:
 
     def _path(self, name: str) -> str:
         return os.path.join(self.directory, name)
-
-
-class Trouble:
-    """One ongoing problem: logged when it starts or changes, and once when it is over."""
-
-    def __init__(self, resolved: str) -> None:
-        self._resolved = resolved
-        self.current: str | None = None
-
-    def report(self, problem: str | None, **fields: object) -> Notice | None:
-        previous, self.current = self.current, problem
-        if problem == previous:
-            return None
-        if problem is None:
-            return Notice(LogLevel.info, self._resolved, fields)
-        return Notice(LogLevel.warn, "{problem}", {"problem": problem, **fields})
 
 
 def _identity(path: str) -> Identity | None:

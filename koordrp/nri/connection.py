@@ -2,7 +2,9 @@
 
 containerd calls the plugin (``IPluginCalls``) on one multiplexed connection; the plugin calls
 containerd (``NRIConnection.call``, to register) on the other. Bytes that break the framing end the
-connection: containerd does the same, and the plugin connects again.
+connection (the reason it is lost with): containerd does the same, and the plugin connects again. A
+message larger than ttrpc's limit is read and dropped, never held, and its stream answered
+RESOURCE_EXHAUSTED, as ttrpc's own server and client do.
 """
 
 from __future__ import annotations
@@ -17,11 +19,14 @@ from twisted.python.failure import Failure
 
 from koordrp.api.ttrpc import ttrpc_pb2
 from koordrp.nri.wire import (
+    MAX_TTRPC_MESSAGE,
     PLUGIN_SERVICE_CONNECTION,
     REQUEST,
     RESPONSE,
     RUNTIME_SERVICE_CONNECTION,
     MuxReader,
+    Oversized,
+    TtrpcMessage,
     TtrpcReader,
     WireError,
     mux_frames,
@@ -34,6 +39,7 @@ RUNTIME_SERVICE = "nri.pkg.api.v1alpha1.Runtime"
 
 # gRPC status codes, as ttrpc carries them.
 UNKNOWN = 2
+RESOURCE_EXHAUSTED = 8
 UNIMPLEMENTED = 12
 
 
@@ -45,6 +51,10 @@ class NRIError(Exception):
         self.code = code
 
 
+class NRIConnectionLost(NRIError):
+    """The connection went while a call waited for its answer: the reason is the connection's."""
+
+
 class IPluginCalls(Protocol):
     """What containerd calls on the plugin: ``method`` of the Plugin service, its request's bytes, and what
     is left of containerd's deadline for it (None: it set none). The Deferred fires with the response's
@@ -54,6 +64,10 @@ class IPluginCalls(Protocol):
         """The connection is up: the plugin may call containerd on it."""
 
     def called(self, method: str, payload: bytes, timeout: float | None) -> Deferred[bytes]: ...
+
+    def oversized(self, length: int) -> None:
+        """containerd sent a request of ``length`` bytes, more than a ttrpc message may have: it was dropped and
+        answered RESOURCE_EXHAUSTED, as ttrpc's own server answers it."""
 
     def lost(self, reason: Failure) -> None:
         """The connection is gone; nothing more will be called, and answers will go nowhere."""
@@ -72,6 +86,7 @@ class NRIConnection(TwistedProtocol):
         self._pending: dict[int, Deferred[bytes]] = {}
         self._serving: set[Deferred[bytes]] = set()
         self._lost = False
+        self._broken: WireError | None = None
 
     def connectionMade(self) -> None:
         self._plugin.made(self)
@@ -80,18 +95,33 @@ class NRIConnection(TwistedProtocol):
 
     def dataReceived(self, data: bytes) -> None:
         try:
-            for connection, payload in self._trunk.feed(data):
-                if connection == PLUGIN_SERVICE_CONNECTION:
-                    for message in self._served.feed(payload):
-                        if message.kind == REQUEST:
-                            self._serve(message.stream_id, message.payload)
-                elif connection == RUNTIME_SERVICE_CONNECTION:
-                    for message in self._answers.feed(payload):
-                        if message.kind == RESPONSE:
-                            self._answered(message.stream_id, message.payload)
+            for chunk in self._trunk.feed(data):
+                if chunk.connection == PLUGIN_SERVICE_CONNECTION:
+                    for message in self._served.feed(chunk.data):
+                        self._request(message)
+                elif chunk.connection == RUNTIME_SERVICE_CONNECTION:
+                    for message in self._answers.feed(chunk.data):
+                        self._response(message)
         except WireError as error:
-            self.log.error("containerd's NRI connection sent what NRI does not frame so: {error}; reconnecting", error=str(error))
+            # Nothing after bytes that break the framing can be read: containerd ends such a connection too.
+            self._broken = error
             self._abort()
+
+    def _request(self, message: TtrpcMessage | Oversized) -> None:
+        if isinstance(message, Oversized):
+            if message.kind == REQUEST:
+                self._respond(message.stream_id, _status(RESOURCE_EXHAUSTED, _too_large(message.length)))
+                self._plugin.oversized(message.length)
+        elif message.kind == REQUEST:
+            self._serve(message.stream_id, message.payload)
+
+    def _response(self, message: TtrpcMessage | Oversized) -> None:
+        if isinstance(message, Oversized):
+            answer = self._pending.pop(message.stream_id, None)
+            if answer is not None and message.kind == RESPONSE:
+                answer.errback(NRIError(RESOURCE_EXHAUSTED, _too_large(message.length)))
+        elif message.kind == RESPONSE:
+            self._answered(message.stream_id, message.payload)
 
     def _serve(self, stream_id: int, payload: bytes) -> None:
         try:
@@ -162,12 +192,18 @@ class NRIConnection(TwistedProtocol):
 
     def connectionLost(self, reason: Failure = connectionDone) -> None:
         self._lost = True
+        if self._broken is not None:
+            reason = Failure(self._broken)  # type: ignore[no-untyped-call]
         pending, self._pending = self._pending, {}
         for answer in pending.values():
-            answer.errback(NRIError(UNKNOWN, f"the NRI connection was lost: {reason.getErrorMessage()}"))
+            answer.errback(NRIConnectionLost(UNKNOWN, f"the NRI connection was lost: {reason.getErrorMessage()}"))
         for serving in list(self._serving):
             serving.cancel()
         self._plugin.lost(reason)
+
+
+def _too_large(length: int) -> str:
+    return f"message length {length} exceeds the maximum message size of {MAX_TTRPC_MESSAGE}"
 
 
 def _status(code: int, message: str) -> ttrpc_pb2.Response:

@@ -18,17 +18,19 @@ from typing import Any, Callable, Coroutine
 from google.protobuf.message import DecodeError
 from twisted.internet.defer import Deferred, TimeoutError as DeferredTimeout, ensureDeferred, fail, maybeDeferred, succeed
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
-from twisted.logger import Logger
+from twisted.logger import Logger, LogLevel
 from twisted.python.failure import Failure
 
 from koordrp import adapters
 from koordrp.call import Call, Parts
+from koordrp.drain import Drain
 from koordrp import resync
 from koordrp import flows
 from koordrp.api.nri.v1alpha1 import api_pb2 as nri
-from koordrp.hooks.messages import placed_in_pod
+from koordrp.hooks.messages import HookRequest, placed_in_pod, subject_text
 from koordrp.nri import translate
-from koordrp.nri.connection import UNKNOWN, UNIMPLEMENTED, NRIConnection, NRIError
+from koordrp.nri.connection import UNKNOWN, UNIMPLEMENTED, NRIConnection, NRIConnectionLost, NRIError
+from koordrp.nri.wire import MAX_TTRPC_MESSAGE
 from koordrp.resync import agree
 from koordrp.store import StoredContainer, StoredPod
 from koordrp.text import shortened
@@ -76,14 +78,20 @@ _EMPTY = nri.Empty().SerializeToString()
 
 @dataclass(frozen=True)
 class NRIReply:
-    """containerd's part of a call (adapters.Reply): whether it said it did it."""
+    """containerd's part of a call (adapters.Reply): whether it said it did it, and if not, what it told instead."""
 
     ok: bool
     created_id: str = ""
+    why_not: str = ""
 
     @property
     def label(self) -> str:
         return "OK" if self.ok else "NOT-CONFIRMED"
+
+
+NOT_DONE = "containerd did not do the call"
+"""Why the changes of a call containerd did not do are not applied (the call's line names them)."""
+UNDONE_CREATE = "containerd undid the create after koordrp answered: it told of the container's stop before it was made"
 
 
 class Confirmations:
@@ -91,15 +99,16 @@ class Confirmations:
 
     def __init__(self, clock: IReactorTime) -> None:
         self._clock = clock
-        self._waiting: dict[tuple[str, str], tuple[Deferred[bool], IDelayedCall]] = {}
+        self._waiting: dict[tuple[str, str], tuple[Deferred[str | None], IDelayedCall]] = {}
 
-    def expect(self, kind: str, container_id: str) -> Deferred[bool]:
-        """Fires True once ``kind`` (create, start, update) of the container is confirmed; False if containerd
-        stopped or removed it first, told of a newer one, or said nothing in CONFIRM_SECONDS."""
+    def expect(self, kind: str, container_id: str) -> Deferred[str | None]:
+        """Fires None once ``kind`` (create, start, update) of the container is confirmed; else with what containerd
+        told instead (a stop or removal of the container first, a newer one of the same kind) or that it said
+        nothing in CONFIRM_SECONDS."""
         key = (kind, container_id)
-        self._settle(key, False)
-        waiting: Deferred[bool] = Deferred(lambda _: self._forget(key))
-        timer = self._clock.callLater(CONFIRM_SECONDS, self._settle, key, False)
+        self._settle(key, f"a newer {kind} of the container came first")
+        waiting: Deferred[str | None] = Deferred(lambda _: self._forget(key))
+        timer = self._clock.callLater(CONFIRM_SECONDS, self._settle, key, f"containerd did not say it did it within {CONFIRM_SECONDS:g}s")
         self._waiting[key] = (waiting, timer)
         return waiting
 
@@ -107,26 +116,32 @@ class Confirmations:
         """containerd told of ``event`` about ``container`` (as it is now)."""
         kind = _CONFIRMED_BY.get(event)
         if kind is not None:
-            self._settle((kind, container.id), True)
-        elif event in (nri.STOP_CONTAINER, nri.REMOVE_CONTAINER):
-            self._settle(("create", container.id), False)
-            self._settle(("update", container.id), False)
+            self._settle((kind, container.id), None)
+        elif event == nri.STOP_CONTAINER:
+            # containerd undoes a create that failed after the plugins answered (another plugin's
+            # conflicting answer, the runtime's error) with a stop and a removal.
+            self._settle(("create", container.id), UNDONE_CREATE)
+            self._settle(("update", container.id), "containerd stopped the container before updating it")
             # containerd tells of a failed start as a stop of the container still created; one that has
             # run (even if it exited at once) did start.
-            self._settle(("start", container.id), container.state in _HAS_RUN)
+            started = container.state in _HAS_RUN
+            self._settle(("start", container.id), None if started else "containerd failed the start: it told of the container's stop while still created")
+        elif event == nri.REMOVE_CONTAINER:
+            for kind in ("create", "start", "update"):
+                self._settle((kind, container.id), f"containerd removed the container before the {kind}")
 
     def _forget(self, key: tuple[str, str]) -> None:
         found = self._waiting.pop(key, None)
         if found is not None and found[1].active():
             found[1].cancel()
 
-    def _settle(self, key: tuple[str, str], done: bool) -> None:
+    def _settle(self, key: tuple[str, str], why_not: str | None) -> None:
         found = self._waiting.pop(key, None)
         if found is not None:
             waiting, timer = found
             if timer.active():
                 timer.cancel()
-            waiting.callback(done)
+            waiting.callback(why_not)
 
     def cancel_all(self) -> None:
         for waiting, _ in list(self._waiting.values()):
@@ -142,7 +157,7 @@ class NRIBackend:
         empty: bytes,
         pod: nri.PodSandbox | None,
         container: nri.Container | None,
-        confirm: Callable[[], Deferred[bool]] | None,
+        confirm: Callable[[], Deferred[str | None]] | None,
     ) -> None:
         """``pod`` and ``container``: what the request tells of them, if the flow may read them from it."""
         self._answer = answer
@@ -158,7 +173,8 @@ class NRIBackend:
             self._answer.callback(self._empty if rewritten is None else rewritten)
         if self._confirm is None:
             return NRIReply(True, created)
-        return NRIReply(await self._confirm(), created)
+        why_not = await self._confirm()
+        return NRIReply(why_not is None, created, why_not or "")
 
     async def read_pod(self, sandbox_id: str, timeout: float | None) -> StoredPod | None:
         if self._pod is None or sandbox_id != self._pod.id:
@@ -214,6 +230,14 @@ class _Synchronization:
 
 
 @dataclass(frozen=True)
+class GivenUp:
+    """Why a connection will not make koordrp a plugin, and how loud that is."""
+
+    reason: str
+    level: LogLevel
+
+
+@dataclass(frozen=True)
 class PluginIdentity:
     name: str
     index: str
@@ -240,6 +264,11 @@ class NRIPlugin:
         self._connection: NRIConnection | None = None
         self._runtime = "containerd"
         self._synchronizing: _Synchronization | None = None
+        self._synchronized = False
+        self.given_up: GivenUp | None = None
+        """Why this connection will not make koordrp a plugin, if it will not."""
+        self._told_of_undone_creates = False
+        self._quiet = Drain(parts.clock)
 
     # the connection
 
@@ -250,16 +279,54 @@ class NRIPlugin:
         registering = connection.call("RegisterPlugin", request.SerializeToString(), REGISTER_SECONDS)
 
         def failed(failure: Failure) -> None:
+            if isinstance(failure.value, NRIConnectionLost):
+                return  # the connection's loss is the reason
             if isinstance(failure.value, DeferredTimeout):
                 why = f"containerd's NRI did not answer within {REGISTER_SECONDS:g}s"
             elif isinstance(failure.value, NRIError):
                 why = f"containerd's NRI refused it: {shortened(failure.getErrorMessage())}"
             else:
                 why = shortened(failure.getErrorMessage())
-            self.log.error("cannot register koordrp as NRI plugin {plugin}: {why}", plugin=self._identity.full_name, why=why)
-            connection.close()
+            self._give_up(f"cannot register as plugin {self._identity.full_name}: {why}", LogLevel.error)
 
         return registering.addCallbacks(lambda _: None, failed)
+
+    def _give_up(self, reason: str, level: LogLevel) -> None:
+        """This connection will not make koordrp containerd's plugin: it is closed, and ``reason`` is why."""
+        if self.given_up is None:
+            self.given_up = GivenUp(reason, level)
+        if self._connection is not None:
+            self._connection.close()
+
+    def oversized(self, length: int) -> None:
+        if not self._synchronized:
+            # NRI 0.8 splits a synchronization that does not fit one message; NRI 0.6 sends it whole, and
+            # then neither calls nor drops a plugin that could not take it.
+            self._give_up(
+                f"{self._runtime}'s NRI sent its synchronization (every pod and container on the node) as one "
+                f"message beyond the {MAX_TTRPC_MESSAGE >> 20} MiB ttrpc carries, which NRI 0.6 cannot split: no NRI plugin "
+                "can register while the node holds this much; containerd 1.7.26 or later (NRI 0.8) splits it, or run "
+                "koordrp as the proxy (--backend-runtime-mode=Containerd)",
+                LogLevel.error,
+            )
+        else:
+            self.log.error(
+                "containerd's NRI sent a request of {length} bytes, beyond the {limit} MiB ttrpc carries: it was answered "
+                "RESOURCE_EXHAUSTED (containerd fails that call)",
+                length=length,
+                limit=MAX_TTRPC_MESSAGE >> 20,
+            )
+
+    def quiet(self, timeout: float) -> Deferred[None]:
+        """Fires once none of containerd's calls is in flight (those that come meanwhile included), or after
+        ``timeout`` seconds, whichever is first."""
+        if self._calls and not self._quiet.waiting:
+            self.log.info(
+                "stopping: {count} of containerd's NRI calls in flight get up to {timeout:.3g}s; koordrp stays its plugin meanwhile",
+                count=len(self._calls),
+                timeout=timeout,
+            )
+        return self._quiet.wait(bool(self._calls), timeout)
 
     def lost(self, reason: Failure) -> None:
         self._confirmations.cancel_all()
@@ -299,12 +366,6 @@ class NRIPlugin:
     def _configure(self, payload: bytes, timeout: float | None) -> Deferred[bytes]:
         request = nri.ConfigureRequest.FromString(payload)
         self._runtime = f"{request.runtime_name} {request.runtime_version}"
-        self.log.info(
-            "registered with {runtime} {version}'s NRI as plugin {plugin}",
-            runtime=request.runtime_name,
-            version=request.runtime_version,
-            plugin=self._identity.full_name,
-        )
         return succeed(nri.ConfigureResponse(events=EVENT_MASK).SerializeToString())
 
     def _synchronize(self, payload: bytes, timeout: float | None) -> Deferred[bytes]:
@@ -330,6 +391,7 @@ class NRIPlugin:
             deadline = synchronizing.deadline
             if deadline is not None and self._parts.clock.seconds() > deadline - ANSWER_MARGIN:
                 raise NRIError(UNKNOWN, f"koordrp synchronized after containerd's {timeout:g}s")
+            self._synchronized = True
             self._on_synchronized(self._runtime)
             return nri.SynchronizeResponse().SerializeToString()
 
@@ -338,9 +400,7 @@ class NRIPlugin:
             # new connection makes koordrp a plugin again.
             self._synchronizing = None
             reason = shortened(failure.getErrorMessage())
-            self.log.error("cannot synchronize with containerd's NRI ({reason}); connecting again", reason=reason)
-            if self._connection is not None:
-                self._connection.close()
+            self._give_up(f"cannot synchronize with {self._runtime}'s NRI: {reason}", LogLevel.error)
             raise NRIError(UNKNOWN, f"koordrp cannot synchronize: {reason}")
 
         reading = maybeDeferred(nri.SynchronizeRequest.FromString, payload).addCallback(lambda part: ensureDeferred(collected(part)))
@@ -358,6 +418,7 @@ class NRIPlugin:
             timeout,
             lambda answer: NRIBackend(answer, empty, request.pod, request.container, self._expect("create", request.container.id)),
             lambda call: flows.create_container(call, translate.CreateContainer(request.pod, request.container)),
+            translate.named(request.pod, request.container),
         )
 
     def _update_container(self, payload: bytes, timeout: float | None) -> Deferred[bytes]:
@@ -369,6 +430,7 @@ class NRIPlugin:
             timeout,
             lambda answer: NRIBackend(answer, empty, request.pod, request.container, self._expect("update", request.container.id)),
             lambda call: flows.update_container_resources(call, translate.UpdateContainer(request.container, resources)),
+            translate.named(request.pod, request.container),
         )
 
     def _stop_container(self, payload: bytes, timeout: float | None) -> Deferred[bytes]:
@@ -382,6 +444,7 @@ class NRIPlugin:
             timeout,
             lambda answer: NRIBackend(answer, empty, request.pod, None, None),
             lambda call: flows.stop_container(call, request.container.id),
+            translate.named(request.pod, request.container),
         )
 
     def _state_change(self, payload: bytes, timeout: float | None) -> Deferred[bytes]:
@@ -407,7 +470,8 @@ class NRIPlugin:
         else:
             return succeed(_EMPTY)  # a Post event: its Confirmation is all it is for
         own_container = container if event.HasField("container") else None
-        return self._run(method, timeout, lambda answer: NRIBackend(answer, _EMPTY, readable, own_container, confirm), flow)
+        named = translate.named(pod, own_container)
+        return self._run(method, timeout, lambda answer: NRIBackend(answer, _EMPTY, readable, own_container, confirm), flow, named)
 
     _HANDLERS: dict[str, Callable[[NRIPlugin, bytes, float | None], Deferred[bytes]]] = {
         "Configure": _configure,
@@ -421,7 +485,25 @@ class NRIPlugin:
 
     # running a flow
 
-    def _expect(self, kind: str, container_id: str) -> Callable[[], Deferred[bool]]:
+    def _not_done(self, call: Call[NRIReply], why: str) -> None:
+        """containerd did not do what it told koordrp of: the call's line says why, and that its hooks' changes
+        were not applied."""
+        call.record.why = why
+        for hook in flows.METHOD_HOOKS[call.lifecycle]:
+            call.record.leave_alone(hook, "", NOT_DONE)
+        changed = next(call.record.left_alone(), None) is not None
+        if why == UNDONE_CREATE and changed and not self._told_of_undone_creates:
+            self._told_of_undone_creates = True
+            subject = call.record.subject
+            self.log.warn(
+                "containerd undid a create that koordrp's hooks changed ({subject}): it failed after koordrp answered. "
+                "If another NRI plugin sets a field koordrp's hooks set, NRI fails every such create (kubelet's event "
+                "and containerd's log say 'plugins \"…\" and \"…\" both tried to set …'); koordlet's own NRI plugin "
+                "(-enable-nri-runtime-hook) beside koordrp does (said once per connection to containerd).",
+                subject="?" if subject is None else subject_text(subject),
+            )
+
+    def _expect(self, kind: str, container_id: str) -> Callable[[], Deferred[str | None]]:
         return lambda: self._confirmations.expect(kind, container_id)
 
     def _run(
@@ -430,8 +512,13 @@ class NRIPlugin:
         timeout: float | None,
         backend: Callable[[Deferred[bytes]], NRIBackend],
         flow: Callable[[Call[NRIReply]], Coroutine[Any, Any, NRIReply]],
+        named: HookRequest | None = None,
     ) -> Deferred[bytes]:
-        """Run ``flow`` for containerd's request; the Deferred is containerd's answer (the flow may go on after it)."""
+        """Run ``flow`` for containerd's request; the Deferred is containerd's answer (the flow may go on after it).
+
+        ``named`` is the pod (and container) as the request names them: the call's line names them so
+        when the flow finds nothing better in the store (a container whose create containerd undid).
+        """
         answer: Deferred[bytes] = Deferred(lambda _: call.cancel())
         call = Call(
             self._parts,
@@ -441,16 +528,21 @@ class NRIPlugin:
             # Nothing is forwarded after the hooks: they may take what containerd gives.
             hooks_share=1.0,
         )
+        call.record.subject = named
         self._calls.add(call)
 
         def over(outcome: adapters.Outcome[NRIReply]) -> None:
             self._calls.discard(call)
+            if isinstance(outcome, NRIReply) and not outcome.ok:
+                self._not_done(call, outcome.why_not)
             if not answer.called:
                 if isinstance(outcome, adapters.Refusal):
                     answer.errback(NRIError(outcome.status_code, outcome.message))
                 else:
                     answer.errback(NRIError(UNKNOWN, "koordrp: the call was given up"))
-            call.ended()
+            call.ended()  # its post stages are announced: a stop that waited for the calls drains them next
+            if not self._calls:
+                self._quiet.idle()
 
         call.run(flow(call)).addCallback(over)
         return answer

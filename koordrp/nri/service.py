@@ -1,9 +1,13 @@
 """NRI mode as a Twisted service: koordrp connected to containerd's NRI socket as a plugin, reconnecting.
 
 containerd may start after koordrp, restart, or drop the plugin (it does when an answer comes after
-its deadline): koordrp connects again every second until it is back, with one log line when it
-cannot (or its reason changes) and one when it can again. While it is not connected, containerd runs
-pods without koordrp's hooks, as it runs them without any plugin that is not there.
+its deadline), or refuse it: koordrp connects again until it is back, a second after the first
+failure and less often after each next one (``koordrp.trouble``: one line when that starts, one for
+each new reason, one when it is over). While it is not connected, containerd runs pods without
+koordrp's hooks, as it runs them without any plugin that is not there.
+
+Stopping keeps the plugin registered while calls in flight and post hooks end (within the stop's
+bound): pods created meanwhile still get their hooks.
 """
 
 from __future__ import annotations
@@ -13,11 +17,11 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from twisted.application import service
-from twisted.internet.defer import Deferred, fail, succeed
+from twisted.internet.defer import Deferred, ensureDeferred, fail, succeed
 from twisted.internet.endpoints import UNIXClientEndpoint
-from twisted.internet.interfaces import IDelayedCall, IReactorTime, IReactorUNIX
+from twisted.internet.interfaces import IReactorTime, IReactorUNIX
 from twisted.internet.protocol import Factory
-from twisted.logger import Logger
+from twisted.logger import Logger, LogLevel
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
@@ -27,8 +31,20 @@ from koordrp.nri import registration
 from koordrp.nri.connection import NRIConnection
 from koordrp.nri.plugin import NRIPlugin, PluginIdentity
 from koordrp.text import shortened
+from koordrp.trouble import Backoff, Retrying, Trouble
 
 RETRY_SECONDS = 1.0
+"""The wait after a first failure; it doubles after each next one, up to RETRY_CAP_SECONDS."""
+RETRY_CAP_SECONDS = 30.0
+"""containerd that refuses koordrp logs each attempt, and does the same work each time."""
+CONNECT_RETRY_CAP_SECONDS = 5.0
+"""A socket nobody serves costs nothing to try: koordrp finds containerd within seconds once it is back."""
+
+UNAVAILABLE = (
+    "koordrp is not a plugin of containerd's NRI at {socket}: {problem}; pods run without koordrp's hooks until it "
+    "is; trying again in {retry:g}s, then less often (at most every {cap:g}s)"
+)
+AVAILABLE_AGAIN = "koordrp is a plugin of containerd's NRI again, after {failures} failed attempts: its hooks run"
 
 
 @dataclass(frozen=True)
@@ -37,6 +53,8 @@ class NRISettings:
     identity: PluginIdentity
     state_dir: str | None = None
     """Where koordrp says it is registered (``koordrp.nri.registration``); None: nowhere."""
+    grace_period: float = 10.0
+    """The stop's bound: how long calls in flight and post hooks get, the plugin still registered."""
 
 
 class NRIUnavailable(Exception):
@@ -49,6 +67,10 @@ class _Session(NRIPlugin):
     def __init__(self, owner: NRIService) -> None:
         super().__init__(owner.parts, owner.settings.identity, on_synchronized=owner.synchronized)
         self._owner = owner
+
+    def made(self, connection: NRIConnection) -> Deferred[None]:
+        self._owner.session = self
+        return super().made(connection)
 
     def lost(self, reason: Failure) -> None:
         super().lost(reason)
@@ -67,15 +89,23 @@ class NRIService(service.Service):
         self._clock = IReactorTime(reactor)
         self._connecting: Deferred[NRIConnection] | None = None
         self._connection: NRIConnection | None = None
-        self._retry: IDelayedCall | None = None
+        self.session: NRIPlugin | None = None
+        """The plugin of the connection that is up."""
+        self._retrying = Retrying(
+            self._clock,
+            self.log,
+            Trouble(AVAILABLE_AGAIN, started=UNAVAILABLE),
+            Backoff(RETRY_SECONDS, RETRY_CAP_SECONDS),
+            "nri-registration",
+            parts.metrics,
+        )
         self._synchronized = False
-        self._failing: str | None = None
         self._stopping = False
 
     def probe(self) -> Deferred[object]:
         if self._connection is not None and self._synchronized:
             return succeed(None)
-        return fail(NRIUnavailable(self._failing or "koordrp is not registered with containerd's NRI yet"))
+        return fail(NRIUnavailable(self._retrying.failing or "koordrp is not registered with containerd's NRI yet"))
 
     def startService(self) -> None:
         super().startService()  # type: ignore[no-untyped-call]
@@ -83,28 +113,32 @@ class NRIService(service.Service):
         self._connect()
 
     def _connect(self) -> None:
-        self._retry = None
         endpoint = UNIXClientEndpoint(self._reactor, self.settings.socket_path, timeout=5)  # type: ignore[no-untyped-call]
         factory = Factory.forProtocol(lambda: NRIConnection(_Session(self), self._clock))
+        factory.noisy = False  # not a line per attempt
         self._connecting = connecting = endpoint.connect(factory)  # type: ignore[no-untyped-call]
         connecting.addCallbacks(self._connected, self._not_connected)
 
     def _connected(self, connection: NRIConnection) -> None:
         self._connecting = None
         self._connection = connection
-        self.log.info("connected to containerd's NRI at {socket}", socket=self.settings.socket_path)
 
     def _not_connected(self, failure: Failure) -> None:
         self._connecting = None
         if self._stopping:
             return
-        self._unavailable(f"cannot connect: {shortened(failure.getErrorMessage()).rstrip('.')}")
+        reason = f"cannot connect: {shortened(failure.getErrorMessage()).rstrip('.')}"
+        self._unavailable(reason, LogLevel.warn, most=CONNECT_RETRY_CAP_SECONDS)
 
     def synchronized(self, runtime: str) -> None:
         self._synchronized = True
-        if self._failing is not None:
-            self.log.info("koordrp is a plugin of containerd's NRI again: its hooks run")
-        self._failing = None
+        self.log.info(
+            "registered with {runtime}'s NRI at {socket} as plugin {plugin}",
+            runtime=runtime,
+            socket=self.settings.socket_path,
+            plugin=self.settings.identity.full_name,
+        )
+        self._retrying.succeeded()
         if self.settings.state_dir is not None:
             since = datetime.fromtimestamp(self._clock.seconds(), timezone.utc).isoformat(timespec="seconds")
             found = registration.Registration(
@@ -125,33 +159,33 @@ class NRIService(service.Service):
 
     def lost(self, session: NRIPlugin, reason: Failure) -> None:
         self._connection = None
+        self.session = None
         self._synchronized = False
         self._unregistered()
-        if not self._stopping:
-            self._unavailable(f"the connection was lost: {shortened(reason.getErrorMessage()).rstrip('.')}")
+        if self._stopping:
+            return
+        if session.given_up is not None:
+            self._unavailable(session.given_up.reason, session.given_up.level)
+        else:
+            self._unavailable(f"the connection was lost: {shortened(reason.getErrorMessage()).rstrip('.')}", LogLevel.warn)
 
-    def _unavailable(self, reason: str) -> None:
-        if reason != self._failing:
-            self.log.warn(
-                "containerd's NRI at {socket}: {reason}; pods run without koordrp's hooks until it is back; "
-                "trying again every {retry:g}s",
-                socket=self.settings.socket_path,
-                reason=reason,
-                retry=RETRY_SECONDS,
-            )
-        self._failing = reason
-        self._retry = self._clock.callLater(RETRY_SECONDS, self._connect)
+    def _unavailable(self, reason: str, level: LogLevel, most: float | None = None) -> None:
+        self._retrying.failed(reason, self._connect, level, most, socket=self.settings.socket_path)
 
-    def stopService(self) -> Deferred[object]:
+    def stopService(self) -> Deferred[None]:
         super().stopService()  # type: ignore[no-untyped-call]
         self._stopping = True
-        if self._retry is not None and self._retry.active():
-            self._retry.cancel()
+        self._retrying.cancel()
         if self._connecting is not None:
             self._connecting.cancel()
+        return ensureDeferred(self._drain())
+
+    async def _drain(self) -> None:
+        """Calls in flight and post hooks end, within the stop's bound, the plugin still registered; then it is not."""
+        deadline = self._clock.seconds() + self.settings.grace_period
+        if self.session is not None:
+            await self.session.quiet(self.settings.grace_period)
+        await self.parts.dispatcher.drain(deadline - self._clock.seconds())
         if self._connection is not None:
             self._connection.close()
         self._unregistered()
-        # Post hooks of calls that were answered are still owed to their servers.
-        drained: Deferred[object] = self.parts.dispatcher.drain()
-        return drained

@@ -12,7 +12,15 @@ from typing import Mapping, Sequence
 from koordrp.api.nri.v1alpha1 import api_pb2 as nri
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
 from koordrp.adapters import LeftAlone, Written
-from koordrp.hooks.messages import ContainerHookRequest, PodHookRequest, Resources, merged_envs, oci_env_map, oci_env_variable
+from koordrp.hooks.messages import (
+    ContainerHookRequest,
+    HookRequest,
+    PodHookRequest,
+    Resources,
+    merged_envs,
+    oci_env_map,
+    oci_env_variable,
+)
 from koordrp.store import ContainerState, runtime_state
 
 # kubelet's annotation with a container's restart count (CRI's ContainerMetadata.attempt): NRI has no field for it.
@@ -62,6 +70,14 @@ def pod_hook_request(pod: nri.PodSandbox) -> PodHookRequest:
     if pod.linux.HasField("pod_resources"):
         request.resources.CopyFrom(hook_resources(pod.linux.pod_resources))
     return request
+
+
+def named(pod: nri.PodSandbox, container: nri.Container | None) -> HookRequest:
+    """The pod (and container) as one of containerd's requests names them: who a call is about, for its line."""
+    pod_meta = hook.PodSandboxMetadata(name=pod.name, uid=pod.uid, namespace=pod.namespace)
+    if container is None:
+        return PodHookRequest(pod_meta=pod_meta)
+    return ContainerHookRequest(pod_meta=pod_meta, container_meta=hook.ContainerMetadata(name=container.name, id=container.id))
 
 
 def synchronization(parts: Sequence[nri.SynchronizeRequest]) -> nri.SynchronizeRequest:

@@ -23,7 +23,8 @@ RESPONSE = 2
 _MUX_HEADER = struct.Struct(">II")
 _TTRPC_HEADER = struct.Struct(">IIBB")
 
-# The multiplexer's own limit on a frame's payload; ttrpc's on a message.
+# The multiplexer's own limit on a frame's payload (NRI 0.6's; NRI 0.8's is ttrpc's message and header);
+# ttrpc's on a message.
 MAX_MUX_PAYLOAD = 1 << 24
 MAX_TTRPC_MESSAGE = 4 << 20
 
@@ -36,25 +37,48 @@ class WireError(Exception):
     """Bytes that break NRI's framing: the trunk cannot be read past them."""
 
 
+@dataclass(frozen=True)
+class MuxChunk:
+    """Bytes of one multiplexer frame's payload, as they arrived."""
+
+    connection: int
+    data: bytes
+    ends_frame: bool
+
+
 class MuxReader:
-    """The trunk's frames, as bytes arrive: ``feed`` returns each whole frame's (connection id, payload)."""
+    """The trunk's frames, as bytes arrive: ``feed`` returns each frame's payload in the chunks it came in.
+
+    A frame may be as large as the multiplexer allows (NRI 0.6's: 16 MiB), and is not held whole:
+    what it carries is the ttrpc reader's to bound.
+    """
 
     def __init__(self) -> None:
-        self._buffer = bytearray()
+        self._header = bytearray()
+        self._connection = 0
+        self._left = 0
+        """Bytes of the current frame's payload still to come."""
 
-    def feed(self, data: bytes) -> list[tuple[int, bytes]]:
-        self._buffer += data
-        frames: list[tuple[int, bytes]] = []
-        while len(self._buffer) >= _MUX_HEADER.size:
-            connection, length = _MUX_HEADER.unpack_from(self._buffer)
-            if length > MAX_MUX_PAYLOAD:
-                raise WireError(f"a multiplexer frame of {length} bytes (the limit is {MAX_MUX_PAYLOAD})")
-            end = _MUX_HEADER.size + length
-            if len(self._buffer) < end:
-                break
-            frames.append((connection, bytes(self._buffer[_MUX_HEADER.size : end])))
-            del self._buffer[:end]
-        return frames
+    def feed(self, data: bytes) -> list[MuxChunk]:
+        chunks: list[MuxChunk] = []
+        view = memoryview(data)
+        while view:
+            if self._left == 0:
+                wanted = _MUX_HEADER.size - len(self._header)
+                self._header += view[:wanted]
+                view = view[wanted:]
+                if len(self._header) < _MUX_HEADER.size:
+                    break
+                self._connection, self._left = _MUX_HEADER.unpack(self._header)
+                self._header.clear()
+                if self._left > MAX_MUX_PAYLOAD:
+                    raise WireError(f"a multiplexer frame of {self._left} bytes (the limit is {MAX_MUX_PAYLOAD})")
+                continue
+            taken = view[: self._left]
+            view = view[self._left :]
+            self._left -= len(taken)
+            chunks.append(MuxChunk(self._connection, bytes(taken), self._left == 0))
+        return chunks
 
 
 def mux_frames(connection: int, data: bytes) -> bytes:
@@ -74,23 +98,54 @@ class TtrpcMessage:
     payload: bytes
 
 
+@dataclass(frozen=True)
+class Oversized:
+    """A message larger than ttrpc carries, whose bytes were read and dropped (ttrpc's own server does the
+    same, then answers its stream with RESOURCE_EXHAUSTED)."""
+
+    stream_id: int
+    kind: int
+    length: int
+
+
 class TtrpcReader:
-    """One ttrpc stream's messages, as its bytes arrive."""
+    """One ttrpc stream's messages, as its bytes arrive; never more than one message's limit held."""
 
     def __init__(self) -> None:
         self._buffer = bytearray()
+        self._dropping: Oversized | None = None
+        self._left = 0
+        """Bytes of the oversized message being dropped still to come."""
 
-    def feed(self, data: bytes) -> Iterator[TtrpcMessage]:
-        self._buffer += data
-        while len(self._buffer) >= _TTRPC_HEADER.size:
+    def feed(self, data: bytes) -> Iterator[TtrpcMessage | Oversized]:
+        view = memoryview(data)
+        while True:
+            if self._dropping is not None:
+                dropped = min(self._left, len(view))
+                self._left -= dropped
+                view = view[dropped:]
+                if self._left:
+                    return
+                oversized, self._dropping = self._dropping, None
+                yield oversized
+            if len(self._buffer) < _TTRPC_HEADER.size:
+                wanted = _TTRPC_HEADER.size - len(self._buffer)
+                self._buffer += view[:wanted]
+                view = view[wanted:]
+                if len(self._buffer) < _TTRPC_HEADER.size:
+                    return
             length, stream_id, kind, flags = _TTRPC_HEADER.unpack_from(self._buffer)
             if length > MAX_TTRPC_MESSAGE:
-                raise WireError(f"a ttrpc message of {length} bytes (the limit is {MAX_TTRPC_MESSAGE})")
-            end = _TTRPC_HEADER.size + length
-            if len(self._buffer) < end:
+                self._dropping, self._left = Oversized(stream_id, kind, length), length
+                self._buffer.clear()
+                continue
+            wanted = _TTRPC_HEADER.size + length - len(self._buffer)
+            self._buffer += view[:wanted]
+            view = view[wanted:]
+            if len(self._buffer) < _TTRPC_HEADER.size + length:
                 return
-            payload = bytes(self._buffer[_TTRPC_HEADER.size : end])
-            del self._buffer[:end]
+            payload = bytes(self._buffer[_TTRPC_HEADER.size :])
+            self._buffer.clear()
             yield TtrpcMessage(stream_id, kind, flags, payload)
 
 

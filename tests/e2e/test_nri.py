@@ -6,7 +6,10 @@ deadline on each plugin call; post hooks once; containerd and koordrp restarting
 starting first.
 """
 
+import contextlib
 import json
+import signal
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -26,6 +29,7 @@ from tests.support.images import BUSYBOX_REF, ImageSet
 from tests.support.koordrp_process import KoordrpProcess
 from tests.support.node import FakeNode, run_check
 from tests.support.pods import TIMEOUT, remove_pod, running_container, runtime_spec, start_container
+from tests.support.scrape import free_port, get, sample
 from tests.support.stack import start_containerd
 
 CREATE = "PreCreateContainerHook"
@@ -232,16 +236,16 @@ def test_koordrp_started_before_containerd_registers_once_it_is_up(
     server.behaviours[CREATE] = lambda request: hook.ContainerResourceHookResponse(container_envs={"EARLY": "1"})
     register(hooks_dir, "early", server.path, ["PreCreateContainer"])
     try:
-        with pytest.raises(RuntimeError, match="did not log"):
-            koordrp.start(timeout=2.5)  # no containerd: it keeps trying
-        [warning] = koordrp.log_lines("pods run without koordrp's hooks until it is back")
+        koordrp.start(ready="pods run without koordrp's hooks until it is;")  # no containerd: it keeps trying
+        [warning] = koordrp.log_lines("pods run without koordrp's hooks until it is;")
         assert "cannot connect" in warning
         started = start_containerd(images, containerd.paths.base, release=nri_release, nri=True)
         try:
             koordrp.log_lines("store rebuilt from containerd's NRI", timeout=10)
             assert "EARLY=1" in env_of_new_container(started.runtime(), workdir, "early")
-            # One line for all the tries while containerd was not there.
-            assert len(koordrp.log_lines("pods run without koordrp's hooks until it is back")) == 1
+            # One line for all the tries while containerd was not there, and one when they are over.
+            assert len(koordrp.log_lines("pods run without koordrp's hooks until it is;")) == 1
+            assert koordrp.log_lines("koordrp is a plugin of containerd's NRI again, after")
         finally:
             started.stop()
     finally:
@@ -288,3 +292,125 @@ def test_koordrp_check_knows_nri_mode_and_that_two_modes_are_one_too_many(
     plugin.stop()
     code, output = run_check(node, "--backend-runtime-mode=NRI", *nri)
     assert code == 1 and "✗ koordrp is not registered with containerd's NRI" in output
+
+
+@contextlib.contextmanager
+def crowded(runtime: Any, workdir: Path) -> Iterator[None]:
+    """A node whose pods do not fit one 4 MiB ttrpc message: 24 pods with a 200 KB annotation each (pods carry
+    large annotations in real clusters), made before koordrp starts; removed on exit."""
+    made: list[str] = []
+    try:
+        for index in range(24):
+            name = f"crowd-{index}"
+            config = pod_sandbox_config(name, annotations={"koordrp.test/large": "x" * 200_000}, log_directory=workdir / name)
+            made.append(runtime.RunPodSandbox(api_pb2.RunPodSandboxRequest(config=config), timeout=TIMEOUT).pod_sandbox_id)
+        yield
+    finally:
+        for sandbox_id in made:
+            remove_pod(runtime, sandbox_id)
+
+
+def observed_plugin(containerd: Containerd, workdir: Path, *extra: str) -> tuple[KoordrpProcess, str]:
+    """koordrp in NRI mode with /metrics and /healthz (not started yet), and their base URL."""
+    port = free_port()
+    args = [f"--metrics-endpoint=tcp:{port}:interface=127.0.0.1", *extra]
+    return KoordrpProcess(workdir, containerd.endpoint, args, nri_socket=containerd.paths.nri_socket), f"http://127.0.0.1:{port}"
+
+
+@pytest.mark.parametrize("nri_release", ["2.1"], indirect=True)
+def test_a_node_beyond_one_message_is_synchronized_in_parts_and_gets_its_hooks(
+    nri_containerd: Containerd, runtime: Any, servers: dict[str, FakeHookServer], workdir: Path, hooks_dir: Path
+) -> None:
+    server = hook_server(servers, workdir, "tuner")
+    server.behaviours[CREATE] = lambda request: hook.ContainerResourceHookResponse(container_envs={"CROWDED": "1"})
+    register(hooks_dir, "tuner", server.path, ["PreCreateContainer"])
+    with crowded(runtime, workdir):
+        koordrp, base = observed_plugin(nri_containerd, workdir)
+        koordrp.start()  # registered: containerd synchronized it, in parts
+        try:
+            [rebuilt] = koordrp.log_lines("store rebuilt from containerd's NRI")
+            assert int(rebuilt.split(": ", 1)[1].split(" pods")[0]) >= 24, rebuilt
+            assert get(f"{base}/healthz")[0] == 200
+            assert "CROWDED=1" in env_of_new_container(runtime, workdir, "newcomer")
+            assert koordrp.warnings() == []
+        finally:
+            koordrp.stop()
+
+
+@pytest.mark.parametrize("nri_release", ["1.7"], indirect=True)
+def test_on_nri_0_6_a_node_beyond_one_message_is_one_error_line_and_tries_that_back_off(
+    nri_containerd: Containerd, runtime: Any, workdir: Path
+) -> None:
+    """containerd 1.7.24 (NRI 0.6.1) sends its synchronization whole, ~4.8 MB here: nobody can register."""
+    with crowded(runtime, workdir):
+        koordrp, base = observed_plugin(nri_containerd, workdir)
+        koordrp.start(ready="] koordrp is not a plugin of containerd's NRI")
+        try:
+            while sample(get(f"{base}/metrics")[1], "koordrp_failed_attempts_total", activity="nri-registration") < 4:
+                assert koordrp.process is not None and koordrp.process.poll() is None, koordrp.log()
+                time.sleep(0.2)  # its back-off: 1, 2, 4 s between the four attempts
+            [error] = koordrp.warnings()
+            for words in ("#error]", "4 MiB", "NRI 0.6 cannot split", "containerd 1.7.26 or later", "--backend-runtime-mode=Containerd"):
+                assert words in error, error
+            status, reason = get(f"{base}/healthz")
+            assert status == 503 and "NRI 0.6 cannot split" in reason
+        finally:
+            koordrp.stop()
+    # As a ttrpc server answers a message beyond its limit, so containerd's log says why too.
+    assert "failed to synchronize plugin: rpc error: code = ResourceExhausted" in nri_containerd.log_tail(2000)
+
+
+def test_two_nri_plugins_setting_one_field_fail_the_create_and_koordrp_says_what_it_can(
+    nri_containerd: Containerd, plugin: KoordrpProcess, runtime: Any, servers: dict[str, FakeHookServer], workdir: Path, hooks_dir: Path
+) -> None:
+    """NRI gives each field of a container to the first plugin that sets it: a second one fails the create."""
+    mine = hook_server(servers, workdir, "mine")
+    mine.behaviours[CREATE] = lambda request: hook.ContainerResourceHookResponse(container_resources=hook.LinuxContainerResources(cpu_shares=300))
+    register(hooks_dir, "mine", mine.path, ["PreCreateContainer"])
+    (workdir / "other").mkdir()
+    theirs = FakeHookServer(str(workdir / "other" / "theirs.sock")).start()
+    servers["theirs"] = theirs
+    theirs.behaviours[CREATE] = lambda request: hook.ContainerResourceHookResponse(container_resources=hook.LinuxContainerResources(cpu_shares=400))
+    register(workdir / "other" / "hookserver.d", "theirs", theirs.path, ["PreCreateContainer"])
+    other = KoordrpProcess(
+        workdir / "other", nri_containerd.endpoint, ["--nri-plugin-index=20", "--nri-plugin-name=other"], nri_socket=nri_containerd.paths.nri_socket
+    )
+    other.start()
+    try:
+        wait_registered(plugin, 1)
+        wait_registered(other, 1)
+        with pytest.raises(grpc.RpcError) as error:
+            with running_container(runtime, "conflicted", workdir):
+                pass
+        assert 'plugins "20-other" and "10-koordrp" both tried to set CPU shares' in (error.value.details() or "")
+        # The later plugin is shown the earlier one's answer; neither answer is applied.
+        assert [request.container_resources.cpu_shares for request in theirs.calls(CREATE)] == [300]
+        create = call_line(plugin, "CreateContainer pod default/conflicted")
+        assert "NOT-CONFIRMED (containerd undid the create after koordrp answered" in create, create
+        assert "left alone (containerd did not do the call) resources.cpu_shares 0→300" in create, create
+        [warning] = plugin.log_lines("containerd undid a create that koordrp's hooks changed")
+        assert "pod default/conflicted container conflicted" in warning and "both tried to set" in warning
+        assert "container conflicted: OK" in call_line(plugin, "StopContainer pod default/conflicted")
+    finally:
+        other.stop()
+
+
+def test_sigterm_with_a_wedged_post_hook_server_ends_at_the_bound_and_hooks_run_until_then(
+    plugin: KoordrpProcess, runtime: Any, servers: dict[str, FakeHookServer], workdir: Path, hooks_dir: Path
+) -> None:
+    wedged = hook_server(servers, workdir, "wedged")
+    wedged.delays["PostStopContainerHook"] = 300
+    wedged.behaviours[CREATE] = lambda request: hook.ContainerResourceHookResponse(container_envs={"STOPPING": "1"})
+    register(hooks_dir, "wedged", wedged.path, ["PreCreateContainer", "PostStopContainer"])  # 60 s, --hook-timeout's
+    wait_registered(plugin, 1)
+    assert plugin.process is not None
+    with running_container(runtime, "first", workdir) as pod:
+        runtime.StopContainer(api_pb2.StopContainerRequest(container_id=pod.container_id, timeout=0), timeout=TIMEOUT)
+        assert wedged.rpcs_once(2, timeout=10)[-1] == "PostStopContainerHook"
+        plugin.process.send_signal(signal.SIGTERM)
+        plugin.log_lines("stopping: post hooks are still running", timeout=10)
+        # Until the drain ends koordrp stays containerd's plugin: a container made meanwhile gets its hooks.
+        assert "STOPPING=1" in env_of_new_container(runtime, workdir, "meanwhile")
+        assert plugin.process.wait(25) == 0
+    cut = plugin.log_lines("cut at the stop's bound")
+    assert any("post hook PostStopContainer on wedged.json for pod default/first container first cut" in line for line in cut), cut

@@ -2,7 +2,7 @@
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from twisted.internet.defer import Deferred, succeed
 
@@ -32,6 +32,8 @@ class ScriptedStages:
     ran: list[StageRecord] = field(default_factory=list)
     announced: list[PostStage] = field(default_factory=list)
     not_made: list[HookCall] = field(default_factory=list)
+    drains: list[float] = field(default_factory=list)
+    """The bound of each drain asked for."""
     pending: dict[HookType, "Deferred[None]"] = field(default_factory=dict)
     """A stage of these hooks waits until its Deferred fires (or is cancelled with the call)."""
 
@@ -41,7 +43,8 @@ class ScriptedStages:
     def count_not_made(self, calls: Iterable[HookCall]) -> None:
         self.not_made.extend(calls)
 
-    def drain(self) -> "Deferred[Any]":
+    def drain(self, timeout: float) -> "Deferred[None]":
+        self.drains.append(timeout)
         return succeed(None)
 
     async def run(self, hook: HookType, servers: Subscribers, request: HookRequest, budget: float | None) -> StageOutcome:

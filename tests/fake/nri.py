@@ -13,6 +13,7 @@ from koordrp.nri.wire import (
     RESPONSE,
     RUNTIME_SERVICE_CONNECTION,
     MuxReader,
+    TtrpcMessage,
     TtrpcReader,
     mux_frames,
     ttrpc_message,
@@ -42,6 +43,7 @@ class FakeContainerd:
         self._next_stream = 1
         self.frames_sent: list[int] = []
         """The size of each multiplexer frame the plugin sent."""
+        self._frame = 0
         protocol.makeConnection(self.transport)
 
     def call(
@@ -73,13 +75,17 @@ class FakeContainerd:
         data = self.transport.value()[self._read :]
         self._read += len(data)
         found: list[Sent] = []
-        for connection, payload in self._trunk.feed(data):
-            self.frames_sent.append(len(payload))
-            for message in self._streams[connection].feed(payload):
+        for chunk in self._trunk.feed(data):
+            self._frame += len(chunk.data)
+            if chunk.ends_frame:
+                self.frames_sent.append(self._frame)
+                self._frame = 0
+            for message in self._streams[chunk.connection].feed(chunk.data):
+                assert isinstance(message, TtrpcMessage), message  # koordrp never sends what ttrpc cannot carry
                 if message.kind == RESPONSE:
-                    found.append(Sent(connection, message.stream_id, response=ttrpc_pb2.Response.FromString(message.payload)))
+                    found.append(Sent(chunk.connection, message.stream_id, response=ttrpc_pb2.Response.FromString(message.payload)))
                 else:
-                    found.append(Sent(connection, message.stream_id, request=ttrpc_pb2.Request.FromString(message.payload)))
+                    found.append(Sent(chunk.connection, message.stream_id, request=ttrpc_pb2.Request.FromString(message.payload)))
         return found
 
     def answers(self) -> dict[int, ttrpc_pb2.Response]:

@@ -1,6 +1,7 @@
 """``twistd -n koordrp`` as a real child process, the way an operator runs it."""
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -72,16 +73,18 @@ class KoordrpProcess:
     def ready_line(self) -> str:
         return _SERVING if self.nri_socket is None else _SYNCHRONIZED
 
-    def start(self, timeout: float = 20.0) -> None:
+    def start(self, timeout: float = 20.0, ready: str | None = None) -> None:
+        """Until koordrp serves (NRI mode: is containerd's plugin), or has logged ``ready`` if given."""
         earlier = len(self.log())
+        awaited = self.ready_line if ready is None else ready
         self.process = subprocess.Popen(self.argv(), cwd=self.base, stdin=subprocess.DEVNULL, env=self.environ)
         deadline = time.monotonic() + timeout
         # The log line, not the socket file: a stale socket may already be there.
-        while self.ready_line not in self.log()[earlier:]:
+        while awaited not in self.log()[earlier:]:
             if self.process.poll() is not None:
                 raise RuntimeError(f"koordrp exited with {self.process.returncode}:\n{self.log()}")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"koordrp did not log {self.ready_line!r} within {timeout}s:\n{self.log()}")
+                raise RuntimeError(f"koordrp did not log {awaited!r} within {timeout}s:\n{self.log()}")
             time.sleep(0.05)
 
     def channel(self) -> grpc.Channel:
@@ -100,6 +103,10 @@ class KoordrpProcess:
     def log(self) -> str:
         """Everything koordrp has logged so far."""
         return self.logfile.read_text(errors="replace") if self.logfile.exists() else ""
+
+    def warnings(self) -> list[str]:
+        """Every warn, error and critical line koordrp has logged so far."""
+        return [line for line in self.log().splitlines() if re.search(r"#(warn|error|critical)\] ", line)]
 
     def log_lines(self, containing: str, count: int = 1, timeout: float = 5.0) -> list[str]:
         """The log lines with ``containing`` in them, once there are ``count`` (or ``timeout`` is up).

@@ -6,7 +6,7 @@ from typing import cast
 
 import grpc
 from twisted.internet import reactor
-from twisted.internet.defer import inlineCallbacks
+from twisted.internet.defer import Deferred, fail, inlineCallbacks
 from twisted.internet.task import deferLater
 from twisted.logger import ILogObserver, LogEvent, LogLevel, globalLogPublisher
 from twisted.trial.unittest import TestCase
@@ -35,7 +35,7 @@ class DispatcherTests(TestCase):
         self.clients = HookClients(reactor)
         self.addCleanup(self.clients.close_all)
         self.dispatcher = Dispatcher(self.clients, reactor)
-        self.addCleanup(self.dispatcher.drain)  # ends the questions to servers that stopped answering
+        self.addCleanup(self.dispatcher.close)  # ends the questions to servers that stopped answering
         self.events: list[LogEvent] = []
         observer = cast(ILogObserver, self.events.append)
         globalLogPublisher.addObserver(observer)
@@ -66,9 +66,50 @@ class DispatcherTests(TestCase):
         started = time.monotonic()
         self.dispatcher.announce([PostStage(HookType.POST_STOP_CONTAINER, (self.config("slow", slow),), hook.ContainerResourceHookRequest())])
         self.assertLess(time.monotonic() - started, 0.3)
-        yield self.dispatcher.drain()
+        yield self.dispatcher.drain(30)
         self.assertGreater(time.monotonic() - started, 0.45)
         self.assertEqual(slow.rpcs(), ["PostStopContainerHook"])
+
+    @inlineCallbacks
+    def test_a_drain_cuts_what_still_runs_at_its_bound_and_names_each_cut_call(self):  # type: ignore[no-untyped-def]
+        wedged, other = self.server("wedged"), self.server("other")
+        wedged.delays["PostStopContainerHook"] = 30
+        request = hook.ContainerResourceHookRequest(
+            pod_meta=hook.PodSandboxMetadata(name="web", namespace="default"), container_meta=hook.ContainerMetadata(name="app")
+        )
+        servers = (self.config("wedged", wedged, timeout=60), self.config("other", other))
+        self.dispatcher.announce([PostStage(HookType.POST_STOP_CONTAINER, servers, request)])
+        yield self.dispatcher.drain(0.2)
+        [cut] = [event for event in self.events if "cut at the stop's bound" in event["log_format"]]
+        self.assertEqual((cut["server"], cut["hook"], cut["subject"]), ("wedged.json", "PostStopContainer", "pod default/web container app"))
+        self.assertEqual(cut["rest"], "; 1 more post hook call of the same call not made")
+        self.assertEqual(other.rpcs(), [])
+        self.assertEqual(self.flushLoggedErrors(), [])
+
+    @inlineCallbacks
+    def test_a_drain_waits_for_post_stages_announced_while_it_waits(self):  # type: ignore[no-untyped-def]
+        server = self.server("post")
+        server.delays["PostStopContainerHook"] = 0.2
+        subscribers = (self.config("post", server),)
+        self.dispatcher.announce([PostStage(HookType.POST_STOP_CONTAINER, subscribers, hook.ContainerResourceHookRequest())])
+        drained = self.dispatcher.drain(30)
+        self.dispatcher.announce([PostStage(HookType.POST_STOP_POD_SANDBOX, subscribers, hook.PodSandboxHookRequest())])
+        yield drained
+        self.assertEqual(server.rpcs(), ["PostStopContainerHook", "PostStopPodSandboxHook"])
+
+    def test_a_post_stage_that_fails_inside_koordrp_is_logged(self) -> None:
+        def broken(*args: object) -> "Deferred[object]":
+            return fail(ZeroDivisionError("a bug"))
+
+        self.patch(self.dispatcher, "run", broken)
+        self.dispatcher.announce([PostStage(HookType.POST_STOP_CONTAINER, (self.config("a"),), hook.ContainerResourceHookRequest())])
+        self.assertEqual(len(self.flushLoggedErrors(ZeroDivisionError)), 1)
+        self.assertTrue(self.dispatcher.drain(30).called)
+
+    def test_closing_lets_every_channel_go(self) -> None:
+        client = self.clients.get(os.path.join(self.dir, "a.sock"))
+        self.dispatcher.close()
+        self.assertIsNot(self.clients.get(os.path.join(self.dir, "a.sock")), client)
 
     @inlineCallbacks
     def test_one_calls_post_stages_reach_a_server_one_after_another(self):  # type: ignore[no-untyped-def]
@@ -83,7 +124,7 @@ class DispatcherTests(TestCase):
         )
         yield deferLater(reactor, 0.15, lambda: None)
         self.assertEqual(server.rpcs(), ["PostStopContainerHook"])
-        yield self.dispatcher.drain()
+        yield self.dispatcher.drain(30)
         self.assertEqual(server.rpcs(), ["PostStopContainerHook", "PostStopPodSandboxHook"])
 
     @inlineCallbacks
@@ -216,7 +257,7 @@ class DispatcherTests(TestCase):
     def test_a_server_that_let_a_call_time_out_is_skipped_at_once_until_it_answers_again(self):  # type: ignore[no-untyped-def]
         metrics = Metrics()
         self.dispatcher = Dispatcher(self.clients, reactor, metrics)
-        self.addCleanup(self.dispatcher.drain)
+        self.addCleanup(self.dispatcher.close)
         for policy in (FailurePolicy.IGNORE, FailurePolicy.FAIL):
             wedged, config = self.policy_server(f"wedged-{policy.value}", policy, timeout=0.3)
             wedged.delays["PreCreateContainerHook"] = 30

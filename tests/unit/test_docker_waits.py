@@ -135,7 +135,7 @@ class WedgedDockerdTests(DockerModeTestCase):
         warnings = [event for event in self.events if event.get("log_format", "").startswith("cannot read {runtime}")]
         self.assertEqual(len(warnings), 1)
         self.assertEqual(warnings[0]["runtime"], "dockerd")
-        self.assertIn(f"no answer within {QUESTION_SECONDS:g}s", warnings[0]["reason"])
+        self.assertIn(f"no answer within {QUESTION_SECONDS:g}s", warnings[0]["problem"])
 
     @inlineCallbacks
     def test_a_client_that_goes_away_takes_its_exchange_with_dockerd_along(self):  # type: ignore[no-untyped-def]
@@ -186,20 +186,24 @@ class StoreSyncTests(SynchronousTestCase):
     def lines(self, start: str) -> list[LogEvent]:
         return [event for event in self.events if event.get("log_format", "").startswith(start)]
 
-    def test_failures_are_told_once_per_reason_and_retried_until_the_runtime_answers(self) -> None:
+    def test_failures_are_told_once_per_reason_and_retried_less_often_until_the_runtime_answers(self) -> None:
         self.sync.start()
         self.answers[0].errback(adapters.LookupFailed("GET /containers/json: no answer within 10s"))
         self.clock.advance(RETRY_SECONDS)
         self.answers[1].errback(adapters.LookupFailed("GET /containers/json: no answer within 10s"))
         self.clock.advance(RETRY_SECONDS)
+        self.assertEqual(len(self.answers), 2)  # the second wait is longer
+        self.clock.advance(RETRY_SECONDS)
         self.answers[2].errback(adapters.LookupFailed("GET /containers/json: connection refused"))
-        self.assertEqual([event["reason"] for event in self.lines("cannot read")], [
+        self.assertEqual([event["problem"] for event in self.lines("cannot read")], [
             "GET /containers/json: no answer within 10s",
             "GET /containers/json: connection refused",
         ])
-        self.clock.advance(RETRY_SECONDS)
+        self.clock.advance(4 * RETRY_SECONDS)
         self.answers[3].callback(([], []))
         self.assertEqual(len(self.lines("store rebuilt from")), 1)
+        [over] = self.lines("read {runtime}'s pods and containers again")
+        self.assertEqual((over["runtime"], over["failures"]), ("dockerd", 3))
         self.assertEqual(self.clock.getDelayedCalls(), [])
 
     def test_stopping_ends_the_retries(self) -> None:

@@ -20,17 +20,16 @@ from koordrp.hooks.config import MAX_CONFIG_BYTES, TOO_LARGE
 from koordrp.hooks.registry import (
     Content,
     HookRegistry,
-    Notice,
     Reading,
     RegistrationBook,
     Rejection,
     StatKey,
-    Trouble,
     describe,
     list_registrations,
     read_registration,
 )
 from koordrp.hooks.types import FailurePolicy, HookServerConfig, HookServers, HookType
+from koordrp.trouble import Notice
 from tests.support import koordlet
 from tests.support.tempdirs import short_tempdir
 
@@ -268,17 +267,6 @@ class BookTests(SynchronousTestCase):
         self.files.put("koordlet.json", koordlet.WITH_RESCTRL.replace(b"Ignore", b"Fail"), key(2))
         _, notices = self.update({"koordlet.json": key(2)})
         self.assertEqual([n.format for n in notices], [registry.IGNORED_STAGES, registry.SERVERS])
-
-
-class TroubleTests(SynchronousTestCase):
-    def test_logged_when_it_starts_changes_and_ends(self) -> None:
-        trouble = Trouble("fine again in {directory}")
-        self.assertIsNone(trouble.report(None, directory="/d"))
-        self.assertEqual(trouble.report("broken"), Notice(LogLevel.warn, "{problem}", {"problem": "broken"}))
-        self.assertIsNone(trouble.report("broken"))
-        self.assertEqual(trouble.report("worse").fields["problem"], "worse")  # type: ignore[union-attr]
-        ended = Notice(LogLevel.info, "fine again in {directory}", {"directory": "/d"})
-        self.assertEqual(trouble.report(None, directory="/d"), ended)
 
 
 class FileTests(SynchronousTestCase):

@@ -2,13 +2,14 @@
 the service's reconnecting. containerd's side is tests/fake/nri.py; the hook stages are scripted."""
 
 import os
+import struct
 from typing import Any, cast
 
 from twisted.internet.defer import Deferred, fail, succeed
-from twisted.internet.error import ConnectionRefusedError
+from twisted.internet.error import ConnectionDone, ConnectionRefusedError
 from twisted.internet.task import Clock
 from twisted.internet.testing import MemoryReactorClock
-from twisted.logger import ILogObserver, LogEvent, globalLogPublisher
+from twisted.logger import ILogObserver, LogEvent, LogLevel, formatEvent, globalLogPublisher
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 
@@ -18,10 +19,36 @@ from koordrp.api.nri.v1alpha1 import api_pb2 as nri
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
 from koordrp.hooks.types import FailurePolicy, HookServerConfig, HookServers, HookType
 from koordrp.nri import registration, translate
-from koordrp.nri.connection import UNIMPLEMENTED, UNKNOWN, NRIConnection, NRIError
-from koordrp.nri.plugin import ANSWER_MARGIN, CONFIRM_SECONDS, EVENT_MASK, REGISTER_SECONDS, NRIPlugin, PluginIdentity
-from koordrp.nri.service import RETRY_SECONDS, NRIService, NRISettings
-from koordrp.nri.wire import MAX_MUX_FRAME_SENT, PLUGIN_SERVICE_CONNECTION, RESPONSE, MuxReader, WireError, mux_frames, ttrpc_message
+from koordrp.api.ttrpc import ttrpc_pb2
+from koordrp.nri.connection import PLUGIN_SERVICE, RESOURCE_EXHAUSTED, UNIMPLEMENTED, UNKNOWN, NRIConnection, NRIError
+from koordrp.nri.plugin import (
+    ANSWER_MARGIN,
+    CONFIRM_SECONDS,
+    EVENT_MASK,
+    NOT_DONE,
+    REGISTER_SECONDS,
+    UNDONE_CREATE,
+    GivenUp,
+    NRIPlugin,
+    PluginIdentity,
+)
+from koordrp.metrics import Metrics
+from koordrp.nri.service import CONNECT_RETRY_CAP_SECONDS, RETRY_CAP_SECONDS, RETRY_SECONDS, NRIService, NRISettings
+from koordrp.nri.wire import (
+    MAX_MUX_FRAME_SENT,
+    MAX_TTRPC_MESSAGE,
+    PLUGIN_SERVICE_CONNECTION,
+    REQUEST,
+    RESPONSE,
+    RUNTIME_SERVICE_CONNECTION,
+    MuxReader,
+    Oversized,
+    TtrpcMessage,
+    TtrpcReader,
+    WireError,
+    mux_frames,
+    ttrpc_message,
+)
 from koordrp.store import ContainerState, Store
 from tests.fake.flows import ScriptedStages
 from tests.fake.nri import FakeContainerd
@@ -49,10 +76,39 @@ class WireTests(SynchronousTestCase):
         data = bytes(range(256)) * 40
         framed = mux_frames(PLUGIN_SERVICE_CONNECTION, data)
         reader = MuxReader()
-        frames = [frame for index in range(len(framed)) for frame in reader.feed(framed[index : index + 1])]
-        self.assertEqual([len(payload) for _, payload in frames], [MAX_MUX_FRAME_SENT, MAX_MUX_FRAME_SENT, len(data) - 2 * MAX_MUX_FRAME_SENT])
-        self.assertEqual(b"".join(payload for _, payload in frames), data)
-        self.assertEqual({connection for connection, _ in frames}, {PLUGIN_SERVICE_CONNECTION})
+        chunks = [chunk for index in range(len(framed)) for chunk in reader.feed(framed[index : index + 1])]
+        self.assertEqual(b"".join(chunk.data for chunk in chunks), data)
+        ends = [index for index, chunk in enumerate(chunks) if chunk.ends_frame]
+        self.assertEqual([end + 1 for end in ends], [MAX_MUX_FRAME_SENT, 2 * MAX_MUX_FRAME_SENT, len(data)])
+        self.assertEqual({chunk.connection for chunk in chunks}, {PLUGIN_SERVICE_CONNECTION})
+
+    def test_a_frame_is_handed_on_as_its_bytes_come_not_held_until_it_is_whole(self) -> None:
+        """NRI 0.6's multiplexer sends frames of up to 16 MiB: a 4.8 MB synchronization comes as one."""
+        reader = MuxReader()
+        [chunk] = reader.feed(struct.pack(">II", PLUGIN_SERVICE_CONNECTION, 5 << 20) + b"x" * 1000)
+        self.assertEqual((chunk.data, chunk.ends_frame), (b"x" * 1000, False))
+        [rest] = reader.feed(b"y" * ((5 << 20) - 1000) + struct.pack(">II", 2, 0))
+        self.assertEqual((len(rest.data), rest.ends_frame), ((5 << 20) - 1000, True))
+
+    def test_a_message_beyond_ttrpcs_limit_is_dropped_as_it_comes_and_the_next_one_is_read(self) -> None:
+        """ttrpc's server reads such a message's bytes and drops them (its channel's Discard), then answers
+        its stream RESOURCE_EXHAUSTED; it never holds them."""
+        reader = TtrpcReader()
+        length = MAX_TTRPC_MESSAGE + 600_000
+        header = struct.pack(">IIBB", length, 1, REQUEST, 0)
+        found = list(reader.feed(header + b"z" * 100_000))
+        self.assertEqual((found, len(reader._buffer)), ([], 0))  # nothing held
+        for _ in range(length // 100_000 - 1):
+            self.assertEqual(list(reader.feed(b"z" * 100_000)), [])
+        next_message = ttrpc_message(3, REQUEST, b"next")
+        found = list(reader.feed(b"z" * (length % 100_000) + next_message))
+        self.assertEqual(found, [Oversized(1, REQUEST, length), TtrpcMessage(3, REQUEST, 0, b"next")])
+
+    def test_messages_are_read_whatever_the_chunks(self) -> None:
+        stream = ttrpc_message(1, REQUEST, b"") + ttrpc_message(3, REQUEST, b"abc" * 1000)
+        reader = TtrpcReader()
+        found = [message for index in range(0, len(stream), 7) for message in reader.feed(stream[index : index + 7])]
+        self.assertEqual(found, [TtrpcMessage(1, REQUEST, 0, b""), TtrpcMessage(3, REQUEST, 0, b"abc" * 1000)])
 
     def test_a_response_is_framed_byte_for_byte_as_nri_and_ttrpc_lay_it_out(self) -> None:
         """multiplex: connection id, length (big-endian uint32 each); ttrpc: length, stream id, type, flags."""
@@ -70,6 +126,7 @@ class RecordingPlugin:
         self.calls: list[tuple[str, bytes, float | None]] = []
         self.answers: dict[str, Deferred[bytes]] = {}
         self.lost_because: list[Failure] = []
+        self.oversized_requests: list[int] = []
         self.connection: NRIConnection | None = None
 
     def made(self, connection: NRIConnection) -> None:
@@ -78,6 +135,9 @@ class RecordingPlugin:
     def called(self, method: str, payload: bytes, timeout: float | None) -> Deferred[bytes]:
         self.calls.append((method, payload, timeout))
         return self.answers.get(method, succeed(b"answer"))
+
+    def oversized(self, length: int) -> None:
+        self.oversized_requests.append(length)
 
     def lost(self, reason: Failure) -> None:
         self.lost_because.append(reason)
@@ -143,10 +203,30 @@ class ConnectionTests(LogCapture):
         self.assertEqual(len(self.plugin.lost_because), 1)
         self.assertEqual(self.containerd.sent(), [])  # nothing is written to a closed connection
 
-    def test_bytes_that_break_the_framing_end_the_connection(self) -> None:
+    def test_bytes_that_break_the_framing_end_the_connection_and_are_why_it_was_lost(self) -> None:
         self.containerd.feed(b"\x00\x00\x00\x01\xff\xff\xff\xff")
         self.assertTrue(self.containerd.transport.disconnecting)
-        self.assertEqual(len(self.logged("does not frame so")), 1)
+        self.connection.connectionLost(Failure(ConnectionRefusedError()))
+        [reason] = self.plugin.lost_because
+        self.assertIsInstance(reason.value, WireError)
+
+    def test_a_request_beyond_ttrpcs_limit_is_answered_resource_exhausted_as_ttrpc_answers_it(self) -> None:
+        request = ttrpc_pb2.Request(service=PLUGIN_SERVICE, method="Synchronize", payload=b"p" * MAX_TTRPC_MESSAGE)
+        self.containerd.feed(mux_frames(PLUGIN_SERVICE_CONNECTION, struct.pack(">IIBB", request.ByteSize(), 1, REQUEST, 0)))
+        self.containerd.feed(mux_frames(PLUGIN_SERVICE_CONNECTION, request.SerializeToString()))
+        answer = self.containerd.answers()[1]
+        self.assertEqual(answer.status.code, RESOURCE_EXHAUSTED)
+        self.assertIn(f"exceeds the maximum message size of {MAX_TTRPC_MESSAGE}", answer.status.message)
+        self.assertEqual((self.plugin.oversized_requests, self.plugin.calls), ([request.ByteSize()], []))
+        stream = self.containerd.call("Configure", nri.ConfigureRequest())  # the connection goes on
+        self.assertEqual(self.containerd.answers()[stream].payload, b"answer")
+
+    def test_an_answer_beyond_ttrpcs_limit_fails_the_call_it_answers(self) -> None:
+        waiting = self.connection.call("UpdateContainers", b"", timeout=5)
+        self.containerd.sent()
+        self.containerd.feed(mux_frames(RUNTIME_SERVICE_CONNECTION, struct.pack(">IIBB", MAX_TTRPC_MESSAGE + 1, 1, RESPONSE, 0)))
+        self.containerd.feed(mux_frames(RUNTIME_SERVICE_CONNECTION, b"r" * (MAX_TTRPC_MESSAGE + 1)))
+        self.assertEqual(self.failureResultOf(waiting, NRIError).value.code, RESOURCE_EXHAUSTED)
 
     def test_a_long_answer_goes_in_frames_containerd_can_read(self) -> None:
         self.plugin.answers["Synchronize"] = succeed(b"x" * 10000)
@@ -222,26 +302,46 @@ class PluginTests(LogCapture):
         events = nri.ConfigureResponse.FromString(self.containerd.answers()[stream].payload).events
         self.assertEqual(events, EVENT_MASK)
         self.assertEqual([bit for bit in range(1, nri.LAST) if events & 1 << (bit - 1)], list(range(1, nri.LAST)))
-        self.assertEqual(self.logged("registered with {runtime} {version}'s NRI")[0]["plugin"], "10-koordrp")
 
-    def test_a_refused_registration_is_one_error_line_and_a_closed_connection(self) -> None:
+    def given_up(self) -> GivenUp:
+        """Why the plugin closed its connection: the service says it, once for all attempts alike."""
+        self.assertTrue(self.containerd.transport.disconnecting)
+        assert self.plugin.given_up is not None
+        self.assertEqual([event for event in self.events if event["log_level"] >= LogLevel.warn], [])
+        return self.plugin.given_up
+
+    def test_a_refused_registration_closes_the_connection_saying_why(self) -> None:
         self.containerd.answer(1, code=3, error='invalid plugin index "1"')
-        self.assertTrue(self.containerd.transport.disconnecting)
-        [line] = self.logged("cannot register koordrp as NRI plugin")
-        self.assertEqual(line["why"], 'containerd\'s NRI refused it: invalid plugin index "1"')
+        self.assertEqual(
+            self.given_up(), GivenUp('cannot register as plugin 10-koordrp: containerd\'s NRI refused it: invalid plugin index "1"', LogLevel.error)
+        )
 
-    def test_a_registration_containerd_does_not_answer_is_one_error_line_and_a_closed_connection(self) -> None:
+    def test_a_registration_containerd_does_not_answer_closes_the_connection_saying_why(self) -> None:
         self.clock.advance(REGISTER_SECONDS)
-        self.assertTrue(self.containerd.transport.disconnecting)
-        [line] = self.logged("cannot register koordrp as NRI plugin")
-        self.assertEqual(line["why"], f"containerd's NRI did not answer within {REGISTER_SECONDS:g}s")
+        self.assertIn(f"containerd's NRI did not answer within {REGISTER_SECONDS:g}s", self.given_up().reason)
 
     def test_a_synchronize_that_fails_closes_the_connection_for_a_new_one(self) -> None:
         """containerd keeps a plugin it could not synchronize connected but never calls it."""
         stream = self.containerd.call("Synchronize", nri.Empty(), payload=b"\xff")
         self.assertEqual(self.containerd.answers()[stream].status.code, UNKNOWN)
-        self.assertTrue(self.containerd.transport.disconnecting)
-        self.assertEqual((self.synchronized, len(self.logged("cannot synchronize with containerd's NRI"))), (0, 1))
+        self.assertIn("cannot synchronize with containerd's NRI", self.given_up().reason)
+        self.assertEqual(self.synchronized, 0)
+
+    def test_a_synchronization_beyond_ttrpcs_limit_closes_the_connection_naming_nri_0_6s_limit(self) -> None:
+        """NRI 0.6 (containerd 1.7 before 1.7.26) sends it whole, then keeps the plugin but never calls it."""
+        self.containerd.call("Configure", nri.ConfigureRequest(runtime_name="containerd", runtime_version="1.7.24"))
+        self.plugin.oversized(4_817_207)
+        given_up = self.given_up()
+        self.assertEqual(given_up.level, LogLevel.error)
+        for words in ("containerd 1.7.24's NRI", "4 MiB", "NRI 0.6 cannot split", "1.7.26", "--backend-runtime-mode=Containerd"):
+            self.assertIn(words, given_up.reason)
+
+    def test_an_oversized_request_once_synchronized_is_one_error_and_the_plugin_stays(self) -> None:
+        self.containerd.call("Synchronize", nri.SynchronizeRequest())
+        self.plugin.oversized(5 << 20)
+        self.assertFalse(self.containerd.transport.disconnecting)
+        [line] = self.logged("beyond the {limit} MiB ttrpc carries")
+        self.assertEqual((line["length"], line["log_level"]), (5 << 20, LogLevel.error))
 
     def test_a_split_synchronization_is_collected_and_the_store_agrees_with_the_whole_once(self) -> None:
         """NRI 0.8 sends parts with ``more`` set; each is answered with ``more`` (NRI's stub does), and only the
@@ -293,6 +393,10 @@ class PluginTests(LogCapture):
         self.assertEqual((dict(stored.asked.container_envs), dict(stored.given.container_envs)), ({"A": "1"}, {"A": "1", "ADDED": "1"}))
         self.assertEqual(self.call_lines()[-1], ("CreateContainer", "OK"))
 
+    def line(self, method: str) -> LogEvent:
+        [found] = [line for line in self.events if line.get("log_namespace") == "koordrp.calls" and line["method"] == method]
+        return found
+
     def test_a_create_containerd_undoes_is_not_stored_and_owes_no_post_stop(self) -> None:
         self.subscribe(POST_STOP)
         self.run_pod()
@@ -303,11 +407,34 @@ class PluginTests(LogCapture):
         self.assertEqual(self.stages.announced, [])
         self.assertIn(("CreateContainer", "NOT-CONFIRMED"), self.call_lines())
 
+    def test_an_undone_create_says_why_applies_nothing_and_names_what_the_events_name(self) -> None:
+        """Two NRI plugins setting one field make containerd fail the create after both answered; it then tells
+        the plugins of the container's stop and removal."""
+        self.subscribe(PRE_CREATE)
+        self.stages.answers[PRE_CREATE] = hook.ContainerResourceHookResponse(container_resources=hook.LinuxContainerResources(cpu_shares=512))
+        self.run_pod()
+        for _ in range(2):
+            self.create()
+            self.containerd.call("StopContainer", nri.StopContainerRequest(pod=nri_pod(), container=nri_container(nri.CONTAINER_CREATED)))
+            self.containerd.call("StateChange", event(nri.REMOVE_CONTAINER, nri_container()))
+        create = [line for line in self.events if line.get("method") == "CreateContainer"][0]
+        self.assertEqual((create["outcome"], create["why"]), ("NOT-CONFIRMED", UNDONE_CREATE))
+        self.assertIn(f"left alone ({NOT_DONE}) resources.cpu_shares 2→512", create["hooks"])
+        self.assertNotIn("changed", create["hooks"])
+        text = formatEvent(create)
+        self.assertIn(f"container app: NOT-CONFIRMED ({UNDONE_CREATE}) in ", text)
+        stop = formatEvent([line for line in self.events if line.get("method") == "StopContainer"][0])
+        self.assertIn("StopContainer pod default/web (uid-1) container app: OK", stop)
+        [warning] = self.logged("containerd undid a create that koordrp's hooks changed")
+        self.assertEqual(warning["subject"], "pod default/web container app")
+        self.assertIn("both tried to set", formatEvent(warning))
+
     def test_a_create_never_confirmed_ends_after_a_bound(self) -> None:
         self.run_pod()
         self.create()
         self.clock.advance(CONFIRM_SECONDS)
         self.assertEqual(self.call_lines()[-1], ("CreateContainer", "NOT-CONFIRMED"))
+        self.assertEqual(self.line("CreateContainer")["why"], f"containerd did not say it did it within {CONFIRM_SECONDS:g}s")
 
     def test_a_fail_policy_server_that_cannot_be_heard_fails_containerds_call(self) -> None:
         self.subscribe(PRE_CREATE, policy=FailurePolicy.FAIL)
@@ -365,6 +492,7 @@ class PluginTests(LogCapture):
         self.started_then_stopped(nri.CONTAINER_CREATED)
         self.assertEqual([stage.hook for stage in self.stages.announced], [POST_STOP])  # as a created container's stop
         self.assertIn(("StartContainer", "NOT-CONFIRMED"), self.call_lines())
+        self.assertIn("containerd failed the start", self.line("StartContainer")["why"])
 
     def test_a_container_stopped_before_its_post_start_event_had_started(self) -> None:
         self.started_then_stopped(nri.CONTAINER_STOPPED)
@@ -505,11 +633,14 @@ class ServiceTests(LogCapture):
     def setUp(self) -> None:
         super().setUp()
         self.reactor = MemoryReactorClock()
-        parts = Parts(Store(), ScriptedStages(), HookServers, SKIP, self.reactor)
+        self.metrics = Metrics()
+        self.stages = ScriptedStages()
+        self.store = Store()
+        self.parts = Parts(self.store, self.stages, HookServers, SKIP, self.reactor, self.metrics)
         self.state_dir = self.mktemp()
         os.makedirs(self.state_dir)
-        settings = NRISettings("/run/nri/nri.sock", PluginIdentity("koordrp", "10"), self.state_dir)
-        self.service = NRIService(settings, self.reactor, parts)
+        settings = NRISettings("/run/nri/nri.sock", PluginIdentity("koordrp", "10"), self.state_dir, grace_period=10.0)
+        self.service = NRIService(settings, self.reactor, self.parts)
         self.service.startService()
         self.addCleanup(self.service.stopService)
 
@@ -519,16 +650,59 @@ class ServiceTests(LogCapture):
         self.assertEqual(address, "/run/nri/nri.sock")
         return factory
 
-    def test_a_socket_that_is_not_there_is_one_warning_and_a_try_every_second(self) -> None:
-        for tries in (1, 2, 3):
+    def connected(self) -> FakeContainerd:
+        return FakeContainerd(self.attempt().buildProtocol(None))
+
+    def synchronized(self) -> FakeContainerd:
+        containerd = self.connected()
+        containerd.call("Configure", nri.ConfigureRequest(runtime_name="containerd", runtime_version="2.1.9"))
+        containerd.call("Synchronize", nri.SynchronizeRequest(pods=[nri_pod()]))
+        return containerd
+
+    def failed_attempts(self) -> float | None:
+        return self.metrics.registry.get_sample_value("koordrp_failed_attempts_total", {"activity": "nri-registration"})
+
+    def warnings(self) -> list[LogEvent]:
+        return [event for event in self.events if event["log_level"] >= LogLevel.warn]
+
+    def test_a_socket_that_is_not_there_is_one_warning_and_tries_that_back_off_to_a_few_seconds(self) -> None:
+        waits = []
+        for tries in range(1, 7):
             self.assertEqual(len(self.reactor.unixClients), tries)
             self.attempt().clientConnectionFailed(None, Failure(ConnectionRefusedError("no such file")))
-            self.reactor.advance(RETRY_SECONDS)
-        self.assertEqual(len(self.logged("pods run without koordrp's hooks")), 1)
+            [retry] = self.reactor.getDelayedCalls()
+            waits.append(retry.getTime() - self.reactor.seconds())
+            self.reactor.advance(waits[-1])
+        self.assertEqual(waits, [RETRY_SECONDS, 2 * RETRY_SECONDS, 4 * RETRY_SECONDS, CONNECT_RETRY_CAP_SECONDS, CONNECT_RETRY_CAP_SECONDS, CONNECT_RETRY_CAP_SECONDS])
+        [warning] = self.warnings()
+        self.assertIn("cannot connect", warning["problem"])
+        self.assertEqual(self.failed_attempts(), 6)
         self.failureResultOf(self.service.probe())
 
+    def test_a_refusal_every_time_is_one_line_and_its_tries_back_off_to_the_cap(self) -> None:
+        waits = []
+        for _ in range(8):
+            containerd = self.connected()
+            containerd.answer(1, code=3, error='plugin "10-koordrp" already connected')
+            self.assertTrue(containerd.transport.disconnecting)
+            containerd.protocol.connectionLost(Failure(ConnectionDone()))
+            [retry] = self.reactor.getDelayedCalls()
+            waits.append(retry.getTime() - self.reactor.seconds())
+            self.reactor.advance(waits[-1])
+        self.assertEqual(waits, [1.0, 2.0, 4.0, 8.0, 16.0, RETRY_CAP_SECONDS, RETRY_CAP_SECONDS, RETRY_CAP_SECONDS])
+        [error] = self.warnings()
+        self.assertEqual(error["log_level"], LogLevel.error)
+        self.assertIn("already connected", error["problem"])
+        self.assertEqual(self.failed_attempts(), 8)
+        # Then containerd takes it: one line says the trouble is over, and the next trouble starts afresh.
+        self.synchronized()
+        self.successResultOf(self.service.probe())
+        [over] = self.logged("again, after {failures} failed attempts")
+        self.assertEqual(over["failures"], 8)
+        self.assertEqual(len(self.logged("registered with {runtime}'s NRI")), 1)
+
     def test_once_synchronized_it_is_healthy_and_a_lost_connection_is_tried_again(self) -> None:
-        containerd = FakeContainerd(self.attempt().buildProtocol(None))
+        containerd = self.connected()
         self.failureResultOf(self.service.probe())
         containerd.call("Configure", nri.ConfigureRequest(runtime_name="containerd", runtime_version="1.7.24"))
         containerd.call("Synchronize", nri.SynchronizeRequest())
@@ -536,16 +710,17 @@ class ServiceTests(LogCapture):
         said = registration.read(self.state_dir)
         assert said is not None
         self.assertEqual((said.plugin, said.runtime, said.pid), ("10-koordrp", "containerd 1.7.24", os.getpid()))
+        self.assertEqual(self.logged("registered with {runtime}'s NRI")[0]["plugin"], "10-koordrp")
         containerd.protocol.connectionLost(Failure(ConnectionRefusedError("containerd restarted")))
         self.failureResultOf(self.service.probe())
         self.assertIsNone(registration.read(self.state_dir))
         self.reactor.advance(RETRY_SECONDS)
         self.assertEqual(len(self.reactor.unixClients), 2)
-        [warning] = self.logged("pods run without koordrp's hooks")
-        self.assertIn("the connection was lost", warning["reason"])
+        [warning] = self.warnings()
+        self.assertIn("the connection was lost", warning["problem"])
 
     def test_stopping_says_koordrp_is_no_longer_registered_and_tries_no_more(self) -> None:
-        containerd = FakeContainerd(self.attempt().buildProtocol(None))
+        containerd = self.connected()
         containerd.call("Synchronize", nri.SynchronizeRequest())
         self.assertIsNotNone(registration.read(self.state_dir))
         self.successResultOf(self.service.stopService())
@@ -553,3 +728,32 @@ class ServiceTests(LogCapture):
         self.assertTrue(containerd.transport.disconnecting)
         containerd.protocol.connectionLost(Failure(ConnectionRefusedError("closed")))
         self.assertEqual((self.reactor.getDelayedCalls(), len(self.reactor.unixClients)), ([], 1))
+
+    def test_stopping_keeps_koordrp_registered_while_calls_in_flight_end_then_drains_post_hooks(self) -> None:
+        containerd = self.synchronized()
+        containerd.call("CreateContainer", nri.CreateContainerRequest(pod=nri_pod(), container=nri_container()))
+        stopped = self.service.stopService()
+        self.assertNoResult(stopped)
+        self.assertFalse(containerd.transport.disconnecting)
+        self.assertIsNotNone(registration.read(self.state_dir))
+        # A pod created meanwhile still reaches koordrp, and containerd's confirmation ends the one in flight.
+        answered = containerd.call("StateChange", event(nri.RUN_POD_SANDBOX))
+        self.assertEqual(containerd.answers()[answered].status.code, 0)
+        containerd.call("StateChange", event(nri.POST_CREATE_CONTAINER, nri_container(nri.CONTAINER_CREATED)))
+        self.successResultOf(stopped)
+        self.assertEqual(self.stages.drains, [10.0])
+        self.assertTrue(containerd.transport.disconnecting)
+        self.assertIsNone(registration.read(self.state_dir))
+
+    def test_stopping_ends_within_its_bound_whatever_is_in_flight(self) -> None:
+        containerd = self.synchronized()
+        containerd.call("CreateContainer", nri.CreateContainerRequest(pod=nri_pod(), container=nri_container()))
+        stopped = self.service.stopService()
+        self.reactor.advance(4.0)
+        self.assertNoResult(stopped)
+        self.reactor.advance(6.0)
+        self.successResultOf(stopped)
+        self.assertEqual(self.stages.drains, [0.0])  # nothing left of the bound for post hooks
+        self.assertTrue(containerd.transport.disconnecting)
+        [waiting] = self.logged("of containerd's NRI calls in flight")
+        self.assertEqual((waiting["count"], waiting["timeout"]), (1, 10.0))

@@ -5,7 +5,10 @@ from twisted.python import usage
 from twisted.trial.unittest import SynchronousTestCase
 
 from koordrp import tap
+from koordrp.checkpoint import DirectoryCheckpoint
 from koordrp.cri.server import CRIProxyService
+from koordrp.hooks.client import HookClients
+from koordrp.hooks.dispatcher import Dispatcher
 from koordrp.hooks.registry import HookRegistry
 from koordrp.nri.plugin import PluginIdentity
 from koordrp.nri.service import NRIService, NRISettings
@@ -91,6 +94,20 @@ class MakeServiceTests(SynchronousTestCase):
         assert isinstance(plugin, NRIService)
         self.assertEqual(plugin.settings, NRISettings(tap.DEFAULT_NRI_SOCKET, PluginIdentity("koordrp", "05"), "/run/k"))
         self.assertFalse(plugin.running)
+
+    def test_one_bound_covers_the_stop_of_every_mode(self) -> None:
+        for mode in ("Containerd", "Docker", "NRI"):
+            top = tap.makeService(parse(f"--backend-runtime-mode={mode}", "--grace-period=7"), reactor=InlineThreadsReactor())
+            front_end = list(IServiceCollection(top))[1]
+            self.assertEqual(front_end.settings.grace_period, 7.0, mode)
+
+    def test_stopping_the_daemon_closes_the_hook_channels(self) -> None:
+        reactor = InlineThreadsReactor()
+        clients = HookClients(reactor)
+        client = clients.get("/run/koordlet.sock")
+        top = tap.Koordrp(DirectoryCheckpoint(self.mktemp()), Dispatcher(clients, reactor))
+        self.successResultOf(top.stopService())
+        self.assertIsNot(clients.get("/run/koordlet.sock"), client)
 
     def test_builds_a_cri_proxy_without_starting_grpc(self) -> None:
         top = tap.makeService(parse("--koord-runtimeproxy-endpoint=/run/p.sock"), reactor=InlineThreadsReactor())

@@ -34,6 +34,14 @@ class TapFilesTests(SynchronousTestCase):
         options = self.options_of(TAP / "koordrp.service")
         self.assertEqual(options["metrics-endpoint"], "tcp:9316:interface=127.0.0.1")
 
+    def test_the_stops_bound_ends_well_before_systemd_kills_koordrp(self) -> None:
+        """Calls in flight and post hooks are cut at --grace-period, each with a line: systemd's kill would cut
+        them with none. The rest of a stop (closing sockets and channels) takes well under a second."""
+        unit = (TAP / "koordrp.service").read_text()
+        timeout_stop = float(unit.split("\nTimeoutStopSec=", 1)[1].split("\n", 1)[0])
+        for drop_in in (TAP / "koordrp.service", NRI_DROP_IN):
+            self.assertLessEqual(self.options_of(drop_in)["grace-period"] + 10, timeout_stop)
+
     def test_the_nri_drop_in_runs_koordrp_as_containerds_plugin(self) -> None:
         options = self.options_of(NRI_DROP_IN)
         self.assertEqual((options["backend-runtime-mode"], options["nri-socket"]), ("NRI", tap.DEFAULT_NRI_SOCKET))
