@@ -12,11 +12,12 @@ server sends back included) brings it back; no answer within it silences it agai
 once, and a trial is a real call whose answer is used like any other.
 
 A trial that ends without an answer and without waiting (the server is not there, or the call was
-given up) says nothing about the server's speed: the next call is a trial again.
+given up) says nothing about the server's speed: the next call is a trial again. A server that
+restarted (a new socket at its endpoint) gets the next call as its trial at once, pause or not.
 """
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Hashable, Iterable
 
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
@@ -40,6 +41,8 @@ class Silence:
     pause: float
     trial_after: float
     """When the next call that would reach it becomes its trial."""
+    socket: Hashable
+    """The server's socket when it was last tried: a new one is a restarted server."""
     trying: bool = False
     """A trial is under way: other calls skip it until the trial ends."""
 
@@ -67,8 +70,10 @@ class Answering:
 
     log = Logger()
 
-    def __init__(self, clock: IReactorTime) -> None:
+    def __init__(self, clock: IReactorTime, socket: Callable[[str], Hashable] = lambda endpoint: None) -> None:
+        """``socket`` tells which socket is at an endpoint now (``koordrp.unix.socket_identity``)."""
         self._clock = clock
+        self._socket = socket
         self._silences: dict[str, Silence] = {}
 
     def admit(self, server: HookServerConfig) -> Silence | Admitted:
@@ -79,9 +84,12 @@ class Answering:
         silence = self._silences.get(server.endpoint)
         if silence is None:
             return CALL
-        if silence.trying or self._clock.seconds() < silence.trial_after:
+        if silence.trying:
             return silence
-        silence.trying = True
+        socket = self._socket(server.endpoint)
+        if self._clock.seconds() < silence.trial_after and socket == silence.socket:
+            return silence
+        silence.trying, silence.socket = True, socket
         return TRIAL
 
     def answered(self, server: HookServerConfig, hook: HookType, budget: float) -> None:
@@ -104,7 +112,8 @@ class Answering:
         now = self._clock.seconds()
         silence = self._silences.get(server.endpoint)
         if silence is None:
-            self._silences[server.endpoint] = Silence(server, now, reason, FIRST_PAUSE_SECONDS, now + FIRST_PAUSE_SECONDS)
+            socket = self._socket(server.endpoint)
+            self._silences[server.endpoint] = Silence(server, now, reason, FIRST_PAUSE_SECONDS, now + FIRST_PAUSE_SECONDS, socket)
             self.log.warn(
                 "hook server {server} ({endpoint}) did not answer {hook} in time: {reason}; later calls skip it, "
                 "and the first call after {pause:g}s tries it again (the pause doubles, up to {longest:g}s, while it "

@@ -11,7 +11,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from koordrp.hooks.answering import Answering, Silence
-from koordrp.hooks.client import HookCallError, HookClients, HookTimedOut
+from koordrp.hooks.client import HookCallError, HookClients, HookTimedOut, no_answer_within
 from koordrp.hooks.messages import HookRequest, HookResponse, copied, merge_response
 from koordrp.hooks.types import (
     ERROR,
@@ -30,6 +30,7 @@ from koordrp.hooks.types import (
     StageOutcome,
     Subscribers,
 )
+from koordrp.unix import socket_identity
 
 if TYPE_CHECKING:
     # Only --metrics-endpoint loads prometheus_client: it costs a node daemon ~6 MB of RSS.
@@ -44,7 +45,7 @@ class Dispatcher:
         self._reactor = reactor
         self._metrics = metrics
         self._announced: set[Deferred[None]] = set()
-        self._answering = Answering(reactor)
+        self._answering = Answering(reactor, socket_identity)
 
     def retain(self, endpoints: Iterable[str]) -> None:
         """The servers registered now: the channels and silences of others are let go."""
@@ -226,7 +227,7 @@ def _within(call: "Deferred[HookResponse]", seconds: float, clock: IReactorTime)
     """``call``'s result, or HookTimedOut after ``seconds``; the call itself goes on after that (its result is
     then for whoever waits on it next). Cancelling it cancels the call."""
     bounded: Deferred[HookResponse] = Deferred(lambda _: call.cancel())
-    reason = f"no answer within {seconds:g}s"
+    reason = no_answer_within(seconds)
 
     def passed() -> None:
         if not bounded.called:

@@ -6,7 +6,7 @@ from typing import cast
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
 
-from koordrp.hooks.client import HookClient, HookClients, HookTimedOut
+from koordrp.hooks.client import HookClient, HookClients, HookTimedOut, no_answer_within
 from koordrp.hooks.messages import HookRequest, HookResponse, copied
 from koordrp.hooks.types import HookType
 
@@ -37,7 +37,7 @@ class ScriptedHookClient(HookClient):
         answered: Deferred[HookResponse] = Deferred(cancelled.append)
 
         def timed_out(result: object, timeout: float) -> object:
-            raise HookTimedOut(f"no answer within {timeout:g}s")
+            raise HookTimedOut(no_answer_within(timeout))
 
         answered.addTimeout(timeout, self._clock, timed_out)
         self.calls.append(PendingCall(hook, copied(request), timeout, answered, cancelled))

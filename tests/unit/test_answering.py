@@ -84,6 +84,18 @@ class AnsweringTests(Logged):
         assert isinstance(silence, Silence)
         self.assertEqual(silence.pause, FIRST_PAUSE_SECONDS)
 
+    def test_a_server_that_restarted_gets_the_next_call_as_its_trial_pause_or_not(self) -> None:
+        sockets = {SLOW.endpoint: (1, 100)}
+        answering = Answering(self.clock, sockets.get)
+        answering.timed_out(SLOW, CREATE, "no answer within 1.9s")
+        self.assertIsInstance(answering.admit(SLOW), Silence)
+        del sockets[SLOW.endpoint]  # it went away: one trial finds it gone (at once), then calls skip it again
+        self.assertIs(answering.admit(SLOW), TRIAL)
+        answering.unheard(SLOW)
+        self.assertIsInstance(answering.admit(SLOW), Silence)
+        sockets[SLOW.endpoint] = (1, 101)  # and it is back, on a new socket
+        self.assertIs(answering.admit(SLOW), TRIAL)
+
     def test_unregistered_servers_are_forgotten(self) -> None:
         self.answering.timed_out(SLOW, CREATE, "no answer within 1.9s")
         self.answering.retain([STRICT.endpoint])
