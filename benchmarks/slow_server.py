@@ -90,7 +90,7 @@ class Node:
         self.runtime.StartContainer(api_pb2.StartContainerRequest(container_id=container_id), timeout=TIMEOUT)
 
     def spec_shares(self, container_id: str) -> int:
-        shares: int = runtime_spec(self.runtime, container_id)["linux"]["resources"]["cpu"].get("shares", 0)
+        shares: int = runtime_spec(self.runtime, container_id)["linux"]["resources"].get("cpu", {}).get("shares", 0)
         return shares
 
     def cgroup_shares(self, container_id: str) -> int:
