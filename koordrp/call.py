@@ -348,6 +348,8 @@ class Call(Generic[AnyReply]):
             answered = copied(late.request)
             changes = tuple(merge_container_response(answered, answer.response))
             try:
+                if not self.store.has_container(container_id):
+                    raise LateNotApplied("the container was removed meanwhile")
                 for left in await updates.apply(container_id, late.request, answered):
                     changes = left_alone(changes, left.path_prefix, left.why)
             except LateNotApplied as error:

@@ -540,6 +540,15 @@ class LateAnswerTests(LogCapture):
         assert stored is not None
         self.assertEqual(stored.given.container_resources.cpu_shares, 2)
 
+    def test_a_container_removed_before_the_answer_came_is_left_alone(self) -> None:
+        pending = self.create_past_the_deadline()
+        self.created()
+        self.containerd.call("StopContainer", nri.StopContainerRequest(pod=nri_pod(), container=nri_container(nri.CONTAINER_STOPPED)))
+        self.containerd.call("StateChange", event(nri.REMOVE_CONTAINER, nri_container(nri.CONTAINER_STOPPED)))
+        self.late_answer(pending)
+        self.assertEqual([sent for sent in self.containerd.sent() if sent.request is not None], [])
+        self.assertIn("left alone (late, and not applied: the container was removed meanwhile) annotations +late", self.create_line())
+
     def test_a_server_that_never_answers_ends_at_its_own_timeout(self) -> None:
         self.create_past_the_deadline()
         self.created()
