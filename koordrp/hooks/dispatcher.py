@@ -22,10 +22,10 @@ from koordrp.hooks.types import (
     TIMEOUT,
     HookCall,
     HookFailure,
-    LateAnswer,
-    LateCall,
     HookServerConfig,
     HookType,
+    LateAnswer,
+    LateCall,
     PostStage,
     StageOutcome,
     Subscribers,
@@ -169,7 +169,7 @@ class Dispatcher:
                     hook=hook.value,
                     server=server.name,
                     reason=reason,
-                    later=f" (its answer, if it comes within {server.timeout:g}s, is applied later)" if outcome.late else "",
+                    later=f" (its answer, if it comes within {server.timeout:g}s, is applied later)" if outcome.late and outcome.late.call is recorded else "",
                 )
                 continue
             self._answering.answered(server, hook, timeout)
