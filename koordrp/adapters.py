@@ -8,6 +8,8 @@ What a front end gives a flow:
 - The request protocols (``RunPodSandbox``, ``CreateContainer``, ``UpdateContainerResources``,
   ``UpdatePodSandboxResources``): the call's own request, turned into a hook request and written back
   once the hooks changed it (``Written``, with what the front end could not write: ``LeftAlone``).
+- ``LateUpdates``, for a front end that can still change a created container (NRI mode): a
+  pre-create answer that came after the runtime went on without it is applied there.
 
 And what it gets back: the call's ``Outcome``, a value (the runtime's ``Reply``, koordrp's
 ``Refusal``, or ``CALLER_GONE``) that the front end turns into its own answer, and that
@@ -146,6 +148,19 @@ class Backend(RuntimeReader, Protocol[AnyReply_co]):
 
         Its answer, whatever it is, is a Reply; cancelling the Deferred cancels the runtime's call.
         """
+
+
+class LateNotApplied(Exception):
+    """The runtime did not take what a late answer changed; the text says why."""
+
+
+class LateUpdates(Protocol):
+    """What a front end can still do once a container exists with a pre-create answer that came after the
+    runtime went on without it (NRI mode: containerd's UpdateContainers)."""
+
+    def apply(self, container_id: str, sent: ContainerHookRequest, answered: ContainerHookRequest) -> Awaitable[tuple[LeftAlone, ...]]:
+        """Change the container by what differs between ``sent`` (the request as the server was sent it) and
+        ``answered`` (with its answer merged); what cannot change now, left alone. Raises LateNotApplied."""
 
 
 class RunPodSandbox(Protocol):

@@ -10,7 +10,7 @@ container in the store or read it back from the runtime.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Coroutine, Generic, Iterable, Mapping, Protocol, Sequence, TypeVar
 
 from twisted.internet.defer import CancelledError, Deferred, ensureDeferred
@@ -19,10 +19,13 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from koordrp import calllog
+from koordrp.api.runtime.v1alpha1.api_pb2 import ContainerResourceHookResponse
 from koordrp.adapters import (
     CALLER_GONE,
     AnyReply,
     Backend,
+    LateNotApplied,
+    LateUpdates,
     LookupFailed,
     Outcome,
     Refusal,
@@ -31,8 +34,26 @@ from koordrp.adapters import (
     outcome_label,
 )
 from koordrp.calllog import CallRecord
-from koordrp.hooks.messages import ContainerHookRequest, HookRequest, PodHookRequest, copied, placed_in_pod
-from koordrp.hooks.types import SENT, SKIPPED, HookCall, HookServers, HookType, PostStage, StageOutcome, Subscribers
+from koordrp.hooks.messages import (
+    ContainerHookRequest,
+    HookRequest,
+    PodHookRequest,
+    copied,
+    left_alone,
+    merge_container_response,
+    placed_in_pod,
+)
+from koordrp.hooks.types import (
+    SENT,
+    SKIPPED,
+    HookCall,
+    HookServers,
+    HookType,
+    LateCall,
+    PostStage,
+    StageOutcome,
+    Subscribers,
+)
 from koordrp.store import ContainerState, Store, StoredContainer, StoredPod
 from koordrp.text import shortened
 
@@ -54,9 +75,10 @@ class Stages(Protocol):
     """The hook stages (``koordrp.hooks.dispatcher.Dispatcher``)."""
 
     def run(
-        self, hook: HookType, servers: Subscribers, request: HookRequest, budget: float | None
+        self, hook: HookType, servers: Subscribers, request: HookRequest, budget: float | None, keep_late: bool
     ) -> Awaitable[StageOutcome]:
-        """Run a pre stage: ``request`` comes back changed by each server's answer in turn."""
+        """Run a pre stage: ``request`` comes back changed by each server's answer in turn; ``keep_late``: a call
+        that misses the budget is left running, as the outcome's ``late`` one."""
 
     def announce(self, stages: Sequence[PostStage]) -> None:
         """Start the post stages one call owes, one after another, without waiting for them."""
@@ -100,6 +122,11 @@ class Refused(Exception):
         self.refusal = refusal
 
 
+def _cancelled(failure: Failure) -> Failure | None:
+    """Consumes the CancelledError of what was cancelled on purpose; any other failure goes on."""
+    return None if isinstance(failure.value, CancelledError) else failure
+
+
 class Call(Generic[AnyReply]):
     """One intercepted call, driven on the reactor: its flow, its answer, and what it owes once answered.
 
@@ -117,9 +144,11 @@ class Call(Generic[AnyReply]):
         backend: Backend[AnyReply],
         timeout: float | None = None,
         hooks_share: float = HOOKS_SHARE,
+        late: LateUpdates | None = None,
     ) -> None:
         """``method`` names the call in its log line; ``timeout`` is what is left of the caller's deadline, of
-        which the hook stages may take ``hooks_share``."""
+        which the hook stages may take ``hooks_share``; ``late``: the front end can still apply a pre-create
+        answer that comes after the budget (``apply_late``)."""
         self.store = parts.store
         self._parts = parts
         self.servers = parts.registrations()
@@ -141,6 +170,11 @@ class Call(Generic[AnyReply]):
         self._outcome: Outcome[AnyReply] | None = None
         self._ended = False
         self._seconds = 0.0
+        self._late_updates = late
+        self._late: LateCall | None = None
+        self._late_at = 0
+        """Where the late call is in the call's record."""
+        self._applying_late: Deferred[None] | None = None
 
     # Driving the flow
 
@@ -165,6 +199,8 @@ class Call(Generic[AnyReply]):
         self._cancelled = True
         if self._running is not None and not self._running.called:
             self._running.cancel()
+        if self._applying_late is not None:
+            self._applying_late.cancel()
         self._answered(CALLER_GONE)
 
     def ended(self) -> None:
@@ -193,11 +229,15 @@ class Call(Generic[AnyReply]):
             self._answered(Refusal(RefusalKind.INTERNAL, f"koordrp: {shortened(failure.getErrorMessage())}"))
 
     def _over(self, _: object) -> None:
+        if self._late is not None:  # the flow ended without a container to apply it to
+            ended, self._late = self._late.ended, None
+            ended.addErrback(_cancelled)
+            ended.cancel()
         self._flow_over = True
         self._finish_if_over()
 
     def _finish_if_over(self) -> None:
-        if self._outcome is None or not self._ended or not self._flow_over:
+        if self._outcome is None or not self._ended or not self._flow_over or self._applying_late is not None:
             return
         outcome = outcome_label(self._outcome)
         dispatcher = self._parts.dispatcher
@@ -242,8 +282,11 @@ class Call(Generic[AnyReply]):
         remaining = self.remaining()
         return None if remaining is None else remaining * self._hooks_share
 
-    async def _run(self, hook: HookType, callees: Subscribers, request: HookRequest) -> None:
-        outcome = await self._parts.dispatcher.run(hook, callees, request, self.hook_budget())
+    async def _run(self, hook: HookType, callees: Subscribers, request: HookRequest, keep_late: bool = False) -> None:
+        outcome = await self._parts.dispatcher.run(hook, callees, request, self.hook_budget(), keep_late)
+        if outcome.late is not None:
+            self._late = outcome.late
+            self._late_at = len(self.record.calls) + outcome.calls.index(outcome.late.call)
         self.record.add(outcome.calls)
         if outcome.failure is not None:
             raise Refused(Refusal(RefusalKind.HOOK_FAILED, outcome.failure.message))
@@ -260,22 +303,65 @@ class Call(Generic[AnyReply]):
         request: Request,
         rewritten: Callable[[Request, Request], Written],
         sent: Request | None = None,
+        keep_late: bool = False,
     ) -> bytes | None:
         """Run a pre stage and write what it changed into the call's request; None: forward it as received.
 
         ``sent`` is the hook request as the call's request has it (default: ``request`` before the
         stage); ``rewritten`` runs even when no hook is called, since what the store knows may
         differ from what the caller sent (a pod's cgroup parent, set by hooks when it ran).
+        ``keep_late``: where the front end can apply it, an answer that comes after the budget is
+        applied once the flow says the container exists (``apply_late``).
         """
         callees = self._callees(hook)
         if sent is None:
             sent = copied(request) if callees else request
         if callees:
-            await self._run(hook, callees, request)
+            await self._run(hook, callees, request, keep_late and self._late_updates is not None)
         written = rewritten(sent, request)
         for left in written.left_alone:
             self.record.leave_alone(hook, left.path_prefix, left.why)
         return written.request
+
+    def apply_late(self, container_id: str, applied: Callable[[ContainerHookRequest], None]) -> None:
+        """The container exists now: the answer of a pre-create call that missed its budget, once it comes, is
+        applied to it (what cannot change after create is left alone), and ``applied`` is told the container
+        as answered. The call's line waits for it, and tells it."""
+        late, self._late = self._late, None
+        if late is None or self._late_updates is None:
+            return
+        applying = ensureDeferred(self._apply_late(self._late_updates, late, container_id, applied))
+        self._applying_late = applying
+
+        def done(_: object) -> None:
+            self._applying_late = None
+            self._finish_if_over()
+
+        applying.addErrback(self._late_failed).addBoth(done)
+
+    async def _apply_late(
+        self, updates: LateUpdates, late: LateCall, container_id: str, applied: Callable[[ContainerHookRequest], None]
+    ) -> None:
+        answer = await late.ended
+        call = answer.call
+        if isinstance(answer.response, ContainerResourceHookResponse) and isinstance(late.request, ContainerHookRequest):
+            answered = copied(late.request)
+            changes = tuple(merge_container_response(answered, answer.response))
+            try:
+                if not self.store.has_container(container_id):
+                    raise LateNotApplied("the container was removed meanwhile")
+                for left in await updates.apply(container_id, late.request, answered):
+                    changes = left_alone(changes, left.path_prefix, left.why)
+            except LateNotApplied as error:
+                changes = left_alone(changes, "", f"late, and not applied: {shortened(str(error))}")
+            if any(change.applied for change in changes):
+                applied(answered)
+            call = replace(call, changes=changes)
+        self.record.calls[self._late_at] = call
+
+    def _late_failed(self, failure: Failure) -> None:
+        if not isinstance(failure.value, CancelledError):
+            self.log.failure("applying a late hook answer to {method} failed inside koordrp", failure, method=self.record.method)
 
     def post(self, hook: HookType, request: HookRequest) -> None:
         callees = self._callees(hook)

@@ -16,7 +16,7 @@ from typing import Iterable, Iterator
 from twisted.logger import Logger
 
 from koordrp.hooks.messages import Change, ContainerHookRequest, HookRequest, left_alone
-from koordrp.hooks.types import ERROR, NOT_ANSWERING, TIMEOUT, HookCall, HookType
+from koordrp.hooks.types import ERROR, LATE, NOT_ANSWERING, TIMEOUT, HookCall, HookType
 from koordrp.text import shortened
 
 log = Logger(namespace="koordrp.calls")
@@ -53,9 +53,14 @@ def call_text(call: HookCall) -> str:
     text = f"{call.hook.value}@{call.server.name}: {call.result}"
     if call.seconds is not None:
         text += f" {call.seconds * 1000:.1f} ms"
+    trial = "trial; " if call.trial else ""
     if call.result in (ERROR, TIMEOUT, NOT_ANSWERING):
         fails = call.server.must_be_heard(call.hook)
-        return f"{text} ({shortened(call.reason, 120)}; {'Fail policy: the call failed' if fails else 'went on without it'})"
+        return f"{text} ({trial}{shortened(call.reason, 120)}; {'Fail policy: the call failed' if fails else 'went on without it'})"
+    if call.result == LATE:
+        text += f" ({trial}{shortened(call.reason, 120)}: went on without it, then applied what could change)"
+    elif call.trial:
+        text += " (trial: it answers in time again)"
     applied = [change_text(change) for change in call.changes if change.applied]
     if applied:
         text += ", changed " + ", ".join(applied)
@@ -82,6 +87,7 @@ def call_fields(call: HookCall) -> dict[str, object]:
         "changed": [change_text(change) for change in call.changes if change.applied],
         "left_alone": [f"{change_text(change)} ({change.why})" for change in call.changes if not change.applied],
         "reason": shortened(call.reason, 200),
+        "trial": call.trial,
     }
 
 

@@ -13,8 +13,9 @@ anything is ✗:
 
 With ``--backend-runtime-mode=NRI`` it checks an NRI node instead: kubelet calling containerd, not
 koordrp's socket; containerd's NRI socket accepting plugins; koordrp registered there (what it
-says in ``<state-dir>/nri-plugin.json``, from a live process). In either mode, a koordrp of the
-other mode on the same node is a ✗: every hook would run twice.
+says in ``<state-dir>/nri-plugin.json``, from a live process); each hook server whose timeout is longer
+than what its pre hooks get of containerd's ``plugin_request_timeout``. In either mode, a koordrp of
+the other mode on the same node is a ✗: every hook would run twice.
 
 Every path it reads is an option. ``python -m koordrp.check`` runs it too.
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import tomllib
 from dataclasses import dataclass
@@ -35,8 +37,9 @@ from koordrp import koordrp_version
 from koordrp.api.cri.v1 import api_pb2 as cri
 from koordrp.hooks.config import DEFAULT_HOOK_TIMEOUT
 from koordrp.hooks.registry import Rejection, describe, list_registrations, read_registration, understand
-from koordrp.hooks.types import HookServers
+from koordrp.hooks.types import HookServerConfig, HookServers
 from koordrp.nri import registration
+from koordrp.nri.plugin import ANSWER_MARGIN, pre_hook_limit
 from koordrp.tap import DEFAULT_HOOK_CONFIG_DIR, DEFAULT_NRI_SOCKET, DEFAULT_PROXY_ENDPOINT, DEFAULT_STATE_DIR, RUNTIME_MODES
 from koordrp.unix import EndpointError, connect_error, grpc_target, parse_unix_endpoint, socket_problem
 
@@ -255,13 +258,13 @@ def koordrp_findings(socket_path: str, timeout: float) -> list[Finding]:
 # Hook servers
 
 
-def hook_findings(directory: str, default_timeout: float, timeout: float) -> tuple[list[Finding], int]:
-    """A finding per registration, as koordrp reads it; and how many koordrp would register."""
+def hook_findings(directory: str, default_timeout: float, timeout: float) -> tuple[list[Finding], list[HookServerConfig]]:
+    """A finding per registration, as koordrp reads it; and the servers koordrp would register."""
     listing = list_registrations(directory)
     if listing is None:
-        return [Finding(True, f"no hook server is registered ({directory} does not exist)")], 0
+        return [Finding(True, f"no hook server is registered ({directory} does not exist)")], []
     findings: list[Finding] = []
-    registered = 0
+    registered: list[HookServerConfig] = []
     for name in sorted(listing):
         path = os.path.join(directory, name)
         found = listing[name]
@@ -271,7 +274,7 @@ def hook_findings(directory: str, default_timeout: float, timeout: float) -> tup
         if isinstance(understood, Rejection):
             findings.append(Finding(False, f"{path} is rejected: {understood.reason}", _FIX_FILE))
             continue
-        registered += 1
+        registered.append(understood.config)
         summary = describe(HookServers((understood.config,)))
         problem = _unreachable(understood.config.endpoint, timeout)
         if problem is None:
@@ -306,6 +309,57 @@ def nri_enabled(config_text: str) -> bool:
         return not disable
     version = document.get("version", 1)
     return isinstance(version, int) and version >= 3
+
+
+def go_duration(text: str) -> float:
+    """The seconds a Go duration says ("2s", "1m30s", "500ms"), as containerd's config writes them."""
+    parts = re.findall(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)", text)
+    if not parts or "".join(number + unit for number, unit in parts) != text:
+        raise ValueError(f"{text!r} is not a duration")
+    return sum(float(number) * _DURATION_UNITS[unit] for number, unit in parts)
+
+
+_DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+DEFAULT_PLUGIN_REQUEST_TIMEOUT = 2.0
+"""NRI's own default for plugin_request_timeout."""
+
+
+def nri_deadline_findings(config_path: str, servers: Sequence[HookServerConfig]) -> list[Finding]:
+    """In NRI mode: whether each server's timeout fits in what containerd gives a plugin's call, less koordrp's margin."""
+    try:
+        with open(config_path, encoding="utf-8") as stream:
+            document = tomllib.loads(stream.read())
+        plugins = document.get("plugins", {})
+        nri = plugins.get(NRI_PLUGIN, {}) if isinstance(plugins, dict) else {}
+        said = nri.get("plugin_request_timeout") if isinstance(nri, dict) else None
+        where = f"plugin_request_timeout in {config_path}"
+        if said is None:
+            seconds, where = DEFAULT_PLUGIN_REQUEST_TIMEOUT, f"NRI's default: {config_path} sets no plugin_request_timeout"
+        else:
+            seconds = go_duration(str(said))
+    except FileNotFoundError:
+        seconds, where = DEFAULT_PLUGIN_REQUEST_TIMEOUT, f"NRI's default: there is no {config_path}"
+    except (OSError, tomllib.TOMLDecodeError, ValueError) as error:
+        return [Finding(False, f"cannot read plugin_request_timeout in containerd's config {config_path}: {error}")]
+    limit = pre_hook_limit(seconds)
+    slow = [server for server in servers if limit.exceeded_by(server)]
+    if not slow:
+        return [
+            Finding(
+                True,
+                f"containerd's NRI gives each call {seconds:g}s ({where}): every hook server's pre hooks fit in the "
+                f"{limit.seconds:g}s koordrp gives them",
+            )
+        ]
+    return [
+        Finding(
+            False,
+            f"hook server {server.name} may take {server.timeout:g}s to answer, but its pre hooks get {limit.seconds:g}s: "
+            f"containerd's NRI gives each call {seconds:g}s ({where}) and koordrp keeps {ANSWER_MARGIN:g}s of it to answer",
+            f"set its timeout-seconds to {limit.seconds:g} or less, or {limit.remedy}",
+        )
+        for server in slow
+    ]
 
 
 def nri_findings(config_path: str, hook_servers: int) -> list[Finding]:
@@ -438,13 +492,14 @@ def check(options: argparse.Namespace) -> list[Finding]:
             *nri_plugin_findings(options.proc, options.nri_socket, options.state_dir),
             *proxy_too_findings(socket_path, options.timeout),
             *hooks,
+            *nri_deadline_findings(options.containerd_config, registered),
         ]
     return [
         *kubelet_findings(options.proc, socket_path),
         *koordrp_findings(socket_path, options.timeout),
         *nri_too_findings(options.proc, options.state_dir),
         *hooks,
-        *nri_findings(options.containerd_config, registered),
+        *nri_findings(options.containerd_config, len(registered)),
     ]
 
 

@@ -135,13 +135,21 @@ async def create_container(call: Call[AnyReply], request: CreateContainer) -> An
     asked = placed_in_pod(copied(sent), pod.given)
     container = copied(asked)
     call.concerns(container)
-    rewritten = await call.pre_rewriting(HookType.PRE_CREATE_CONTAINER, container, request.rewritten, sent)
+    rewritten = await call.pre_rewriting(HookType.PRE_CREATE_CONTAINER, container, request.rewritten, sent, keep_late=True)
     reply = await call.forward(rewritten)
     if reply.ok:
         container_id = reply.created_id  # Docker mode reads it from the JSON answer, so once
         asked.container_meta.id = container_id
         given = created_container(container, container_id, request.envs_sent())
         call.store.put_container(container_id, request.sandbox_id, asked, given)
+
+        def applied_late(answered: ContainerHookRequest) -> None:
+            # The runtime has the late answer's resources now; kubelet's values stay what hooks are shown.
+            revised = copied(given)
+            revised.container_resources.CopyFrom(answered.container_resources)
+            call.store.revise_container(container_id, asked, revised)
+
+        call.apply_late(container_id, applied_late)
     return reply
 
 

@@ -29,7 +29,7 @@ class Metrics:
         )
         self.hook_calls = Counter(
             "koordrp_hook_calls",
-            "hook calls by server, hook and result (ok, error, timeout, not-answering, skipped, unreadable)",
+            "hook calls by server, hook and result (ok, error, timeout, late, not-answering, skipped, unreadable)",
             ["server", "hook", "result"],
             registry=self.registry,
         )

@@ -200,12 +200,14 @@ class Options(usage.Options):
             raise usage.UsageError("--runtime-hook-server-key: must not be empty")
 
 
-def front_end(config: Options, reactor: IReactorCore, parts: Parts, metrics: Metrics | None) -> IFrontEnd:
+def front_end(
+    config: Options, reactor: IReactorCore, parts: Parts, metrics: Metrics | None, registry: HookRegistry
+) -> IFrontEnd:
     """The service of the chosen mode (koordrp's socket, or containerd's NRI), on the parts every mode shares."""
     if config["backend-runtime-mode"] == "NRI":
         identity = PluginIdentity(config["nri-plugin-name"], config["nri-plugin-index"])
         nri = NRISettings(config["nri-socket"], identity, config["state-dir"], config["grace-period"])
-        return NRIService(nri, IReactorUNIX(reactor), parts)
+        return NRIService(nri, IReactorUNIX(reactor), parts, on_configured=registry.limit_known)
     if config["backend-runtime-mode"] == "Docker":
         docker = DockerProxySettings(
             listen_path=config["koord-runtimeproxy-endpoint"],
@@ -285,7 +287,7 @@ def makeService(config: Options, reactor: IReactorCore | None = None) -> service
         clock=clock,
         metrics=metrics,
     )
-    proxy = front_end(config, reactor, parts, metrics)
+    proxy = front_end(config, reactor, parts, metrics, registry)
     top = Koordrp(checkpoint, dispatcher)
     # Started in this order, stopped in the reverse: systemd hears READY once the front end serves,
     # and STOPPING before it drains.

@@ -102,6 +102,16 @@ def socket_problem(path: str) -> str | None:
     return None if stat.S_ISSOCK(mode) else f"{path} is not a socket"
 
 
+def socket_identity(path: str) -> tuple[int, int, int] | None:
+    """The socket at ``path`` (device, inode and change time: a freed inode is soon used again): a server that
+    restarts makes a new one. None: no socket there."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    return (info.st_dev, info.st_ino, info.st_ctime_ns) if stat.S_ISSOCK(info.st_mode) else None
+
+
 def connect_error(path: str, timeout: float) -> OSError | None:
     """Why connecting to the unix socket ``path`` fails, or None when a connection is accepted."""
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

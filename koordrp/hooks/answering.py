@@ -1,122 +1,152 @@
-"""Which hook servers answer: a server that let a call time out is skipped by later calls until it answers again.
+"""Which hook servers answer in time: a server that let a call's budget pass is skipped, and tried again
+by a real call after a pause.
 
-A slow server is not a dead one: a hook call waits as long as the CRI call's deadline allows
-(``koordrp.flows``). But a server that did not answer in that time would cost every later call the
-same wait, so from then on calls skip it at once (its failure policy decides what that means), and
-koordrp asks it again in the background: the question it did not answer, one at a time, each
-bounded by the server's own timeout, a second apart. The first answer (any answer: an error the
-server sends back is an answer too) brings it back.
+A hook call waits as long as its call's budget allows: the server's own timeout, or less when the
+call has less to give (the proxy: its share of kubelet's deadline; NRI mode: what containerd gives
+the plugin). A server that did not answer in that time would cost every later call the same wait,
+so from then on calls skip it at once (its failure policy decides what that means). After a pause
+(``FIRST_PAUSE_SECONDS``), the next call that would reach it is sent to it as a trial, with that
+call's own budget, while other calls go on skipping it: an answer within the budget (an error the
+server sends back included) brings it back; no answer within it silences it again, for twice as long
+(up to ``LONGEST_PAUSE_SECONDS``). Nothing is ever asked twice: the server sees each call at most
+once, and a trial is a real call whose answer is used like any other.
+
+A trial that ends without an answer and without waiting (the server is not there, or the call was
+given up) says nothing about the server's speed: the next call is a trial again. A server that
+restarted (a new socket at its endpoint) gets the next call as its trial at once, pause or not.
 """
 
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Hashable, Iterable
 
-from twisted.internet.defer import Deferred
-from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
-from twisted.python.failure import Failure
 
-from koordrp.hooks.client import HookCallError
-from koordrp.hooks.messages import HookRequest, HookResponse, copied
 from koordrp.hooks.types import HookServerConfig, HookType
 
-PROBE_PAUSE_SECONDS = 1.0
+FIRST_PAUSE_SECONDS = 5.0
+"""How long calls skip a server after it first let one pass its budget."""
 
-Ask = Callable[[str, HookType, HookRequest, float], "Deferred[HookResponse]"]
-"""Call a server: endpoint, hook, request, timeout."""
+LONGEST_PAUSE_SECONDS = 300.0
+"""What the pause doubles up to with each trial the server lets pass its budget."""
 
 
 @dataclass
 class Silence:
-    """A server that has not answered since ``since`` (the reactor's clock)."""
+    """A server that has not answered in time since ``since`` (the reactor's clock)."""
 
     server: HookServerConfig
     since: float
     reason: str
-    hook: HookType
-    question: HookRequest
-    """The call it did not answer, asked again until it does."""
-    probe: "Deferred[HookResponse] | None" = None
-    pause: IDelayedCall | None = None
+    pause: float
+    trial_after: float
+    """When the next call that would reach it becomes its trial."""
+    socket: Hashable
+    """The server's socket when it was last tried: a new one is a restarted server."""
+    trying: bool = False
+    """A trial is under way: other calls skip it until the trial ends."""
 
     def describe(self, now: float) -> str:
-        return f"not answering for {now - self.since:.0f}s (last: {self.reason}); asked again in the background"
+        if self.trying:
+            then = "a call is trying it now"
+        else:
+            then = f"the first call after {max(self.trial_after - now, 0.0):.0f}s tries it again"
+        return f"not answering in time for {now - self.since:.0f}s (last: {self.reason}); {then}"
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """The call goes to the server: as usual, or as the trial of a silenced one."""
+
+    trial: bool = False
+
+
+CALL = Admitted()
+TRIAL = Admitted(trial=True)
 
 
 class Answering:
-    """Silences by endpoint, and the background questions that end them."""
+    """Silences by endpoint: which calls skip a server, which call is its trial, and what ends a silence."""
 
     log = Logger()
 
-    def __init__(self, clock: IReactorTime, ask: Ask) -> None:
+    def __init__(self, clock: IReactorTime, socket: Callable[[str], Hashable] = lambda endpoint: None) -> None:
+        """``socket`` tells which socket is at an endpoint now (``koordrp.unix.socket_identity``)."""
         self._clock = clock
-        self._ask = ask
+        self._socket = socket
         self._silences: dict[str, Silence] = {}
 
-    def silence(self, server: HookServerConfig) -> Silence | None:
-        return self._silences.get(server.endpoint)
+    def admit(self, server: HookServerConfig) -> Silence | Admitted:
+        """Whether a call goes to ``server`` (``Admitted``: a trial, if it is silenced), or skips it (its Silence).
 
-    def timed_out(self, server: HookServerConfig, hook: HookType, question: HookRequest, reason: str) -> None:
-        """A call to ``server`` got no answer in time: later calls skip it until it answers again."""
-        if server.endpoint in self._silences:
-            return
-        silence = Silence(server, self._clock.seconds(), reason, hook, copied(question))
-        self._silences[server.endpoint] = silence
-        self.log.warn(
-            "hook server {server} ({endpoint}) did not answer {hook}: {reason}; later calls skip it "
-            "until it answers again (asked again in the background)",
-            server=server.name,
-            endpoint=server.endpoint,
-            hook=hook.value,
-            reason=reason,
-        )
-        self._probe(silence)
+        Every call admitted must be followed by one of ``answered``, ``timed_out`` or ``unheard``.
+        """
+        silence = self._silences.get(server.endpoint)
+        if silence is None:
+            return CALL
+        if silence.trying:
+            return silence
+        socket = self._socket(server.endpoint)
+        if self._clock.seconds() < silence.trial_after and socket == silence.socket:
+            return silence
+        silence.trying, silence.socket = True, socket
+        return TRIAL
 
-    def answered(self, server: HookServerConfig) -> None:
+    def answered(self, server: HookServerConfig, hook: HookType, budget: float) -> None:
+        """``server`` answered ``hook`` within ``budget`` seconds (an error it sent back included): calls reach it again."""
         silence = self._silences.pop(server.endpoint, None)
         if silence is not None:
-            self._end(silence)
             self.log.info(
-                "hook server {server} ({endpoint}) answers again, after {seconds:.0f}s; calls reach it again",
+                "hook server {server} ({endpoint}) answered {hook} within {budget:g}s, after {seconds:.0f}s of not "
+                "answering in time; calls reach it again",
                 server=server.name,
                 endpoint=server.endpoint,
+                hook=hook.value,
+                budget=budget,
                 seconds=self._clock.seconds() - silence.since,
             )
+
+    def timed_out(self, server: HookServerConfig, hook: HookType, reason: str) -> None:
+        """A call to ``server`` got no answer within its budget: later calls skip it, and a trial after a pause
+        that doubles with each trial it lets pass."""
+        now = self._clock.seconds()
+        silence = self._silences.get(server.endpoint)
+        if silence is None:
+            socket = self._socket(server.endpoint)
+            self._silences[server.endpoint] = Silence(server, now, reason, FIRST_PAUSE_SECONDS, now + FIRST_PAUSE_SECONDS, socket)
+            self.log.warn(
+                "hook server {server} ({endpoint}) did not answer {hook} in time: {reason}; later calls skip it, "
+                "and the first call after {pause:g}s tries it again (the pause doubles, up to {longest:g}s, while it "
+                "does not answer in time)",
+                server=server.name,
+                endpoint=server.endpoint,
+                hook=hook.value,
+                reason=reason,
+                pause=FIRST_PAUSE_SECONDS,
+                longest=LONGEST_PAUSE_SECONDS,
+            )
+        elif silence.trying:
+            silence.trying = False
+            silence.reason = reason
+            silence.pause = min(silence.pause * 2, LONGEST_PAUSE_SECONDS)
+            silence.trial_after = now + silence.pause
+            self.log.debug(
+                "hook server {server}: its trial got no answer in time either ({reason}); the next in {pause:g}s",
+                server=server.name,
+                reason=reason,
+                pause=silence.pause,
+            )
+        # Otherwise a call made before the silence began timed out too: that is no trial.
+
+    def unheard(self, server: HookServerConfig) -> None:
+        """A call ended without an answer and without waiting out its budget: if it was the server's trial, the
+        next call is one again."""
+        silence = self._silences.get(server.endpoint)
+        if silence is not None:
+            silence.trying = False
 
     def retain(self, endpoints: Iterable[str]) -> None:
         """Forget the silences of servers no registration names any more."""
         keep = set(endpoints)
         for endpoint in [endpoint for endpoint in self._silences if endpoint not in keep]:
-            self._end(self._silences.pop(endpoint))
-
-    def stop(self) -> None:
-        self.retain(())
-
-    def _end(self, silence: Silence) -> None:
-        if silence.pause is not None and silence.pause.active():
-            silence.pause.cancel()
-        if silence.probe is not None:
-            probe, silence.probe = silence.probe, None
-            probe.cancel()
-
-    def _probe(self, silence: Silence) -> None:
-        silence.pause = None
-        if self._silences.get(silence.server.endpoint) is not silence:
-            return
-        probe = self._ask(silence.server.endpoint, silence.hook, silence.question, silence.server.timeout)
-        silence.probe = probe
-        probe.addCallbacks(lambda _: self._heard(silence), lambda failure: self._not_heard(silence, failure))
-
-    def _heard(self, silence: Silence) -> None:
-        if self._silences.get(silence.server.endpoint) is silence:
-            silence.probe = None
-            self.answered(silence.server)
-
-    def _not_heard(self, silence: Silence, failure: Failure) -> None:
-        if silence.probe is None:  # ended meanwhile (cancelled)
-            return
-        silence.probe = None
-        if isinstance(failure.value, HookCallError) and failure.value.sent_back:
-            self._heard(silence)  # an error the server sends back is an answer: it is there, and it answers
-        else:
-            silence.pause = self._clock.callLater(PROBE_PAUSE_SECONDS, self._probe, silence)
+            del self._silences[endpoint]

@@ -40,12 +40,13 @@ class HookTimedOut(HookCallError):
     timed_out = True
 
 
-def _timed_out(timeout: float) -> str:
-    return f"no answer within {timeout:g}s"
+def no_answer_within(timeout: float) -> str:
+    """Why a call timed out, in words (a budget left of a deadline is shown to three figures: 1.9s, not 1.89997s)."""
+    return f"no answer within {timeout:.3g}s"
 
 
 def _raise_timed_out(result: object, timeout: float) -> object:
-    raise HookTimedOut(_timed_out(timeout))
+    raise HookTimedOut(no_answer_within(timeout))
 
 
 class HookClient:
@@ -89,7 +90,7 @@ class HookClient:
         if code is grpc.StatusCode.UNAVAILABLE:
             self._lost = True
         if code is grpc.StatusCode.DEADLINE_EXCEEDED:
-            raise HookTimedOut(_timed_out(timeout))
+            raise HookTimedOut(no_answer_within(timeout))
         # UNAVAILABLE is grpc's own word for a server it could not reach; any other code the server sent.
         sent_back = code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
         raise HookCallError(f"{code.name}: {shortened(call.details() or '')}", sent_back=sent_back)

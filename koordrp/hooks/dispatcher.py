@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from twisted.internet.defer import CancelledError, Deferred, ensureDeferred
 from twisted.internet.interfaces import IReactorTime
@@ -10,11 +11,12 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from koordrp.drain import Drain
-from koordrp.hooks.answering import Answering
-from koordrp.hooks.client import HookCallError, HookClients, HookTimedOut
-from koordrp.hooks.messages import HookRequest, HookResponse, merge_response, subject_text
+from koordrp.hooks.answering import Answering, Silence
+from koordrp.hooks.client import HookCallError, HookClients, HookTimedOut, no_answer_within
+from koordrp.hooks.messages import HookRequest, HookResponse, copied, merge_response, subject_text
 from koordrp.hooks.types import (
     ERROR,
+    LATE,
     NOT_ANSWERING,
     NOT_MADE,
     OK,
@@ -23,10 +25,13 @@ from koordrp.hooks.types import (
     HookFailure,
     HookServerConfig,
     HookType,
+    LateAnswer,
+    LateCall,
     PostStage,
     StageOutcome,
     Subscribers,
 )
+from koordrp.unix import socket_identity
 
 if TYPE_CHECKING:
     # Only --metrics-endpoint loads prometheus_client: it costs a node daemon ~6 MB of RSS.
@@ -46,10 +51,7 @@ class Dispatcher:
         self._metrics = metrics
         self._announced: set[Deferred[None]] = set()
         self._drain = Drain(reactor)
-        self._answering = Answering(reactor, self._ask)
-
-    def _ask(self, endpoint: str, hook: HookType, request: HookRequest, timeout: float) -> "Deferred[HookResponse]":
-        return self._clients.get(endpoint).call(hook, request, timeout)
+        self._answering = Answering(reactor, socket_identity)
 
     def retain(self, endpoints: Iterable[str]) -> None:
         """The servers registered now: the channels and silences of others are let go."""
@@ -112,8 +114,7 @@ class Dispatcher:
             announced.cancel()
 
     def close(self) -> None:
-        """koordrp stops: no more background questions to silent servers, and every hook channel closed."""
-        self._answering.stop()
+        """koordrp stops: every hook channel is closed."""
         self._clients.close_all()
 
     def count_not_made(self, calls: Iterable[HookCall]) -> None:
@@ -131,7 +132,7 @@ class Dispatcher:
         return seconds
 
     def run(
-        self, hook: HookType, servers: Subscribers, request: HookRequest, budget: float | None = None
+        self, hook: HookType, servers: Subscribers, request: HookRequest, budget: float | None = None, keep_late: bool = False
     ) -> "Deferred[StageOutcome]":
         """Run ``hook`` on ``servers`` in order; ``budget`` is what is left of the CRI call's deadline.
 
@@ -140,20 +141,23 @@ class Dispatcher:
 
         Pre hooks chain: each response is merged into ``request`` before the next server is called.
         Post hook answers are not used, and their failures never fail the CRI call.
+
+        ``keep_late``: a server whose own timeout is longer than the budget is not cancelled when the
+        budget passes; the stage goes on without it, and its call is the outcome's ``late`` one.
         """
-        return ensureDeferred(self._chain(hook, servers, request, budget))
+        return ensureDeferred(self._chain(hook, servers, request, budget, keep_late))
 
     async def _chain(
-        self, hook: HookType, servers: Subscribers, request: HookRequest, budget: float | None
+        self, hook: HookType, servers: Subscribers, request: HookRequest, budget: float | None, keep_late: bool
     ) -> StageOutcome:
         outcome = StageOutcome(request)
         deadline = None if budget is None else self._reactor.seconds() + budget
         changed_by: dict[str, str] = {}
         for server in servers:
-            silence = self._answering.silence(server)
-            if silence is not None:
-                # It let an earlier call time out: skipped at once until it answers again.
-                reason = silence.describe(self._reactor.seconds())
+            admitted = self._answering.admit(server)
+            if isinstance(admitted, Silence):
+                # It let an earlier call pass its budget: skipped at once until its trial answers in time.
+                reason = admitted.describe(self._reactor.seconds())
                 if self._metrics is not None:  # counted, but no call was made: no duration
                     self._metrics.hook_call(server.name, hook.value, NOT_ANSWERING, None)
                 outcome.calls.append(HookCall(server, hook, NOT_ANSWERING, reason=reason))
@@ -164,23 +168,36 @@ class Dispatcher:
             timeout = server.timeout
             if deadline is not None:
                 timeout = min(timeout, deadline - self._reactor.seconds())
+            # Kept: the server is given its own timeout, and the stage goes on without it at the budget (a server
+            # that must be heard fails the call then: nothing would be left to apply its answer to).
+            kept = keep_late and outcome.late is None and not server.must_be_heard(hook) and 0 < timeout < server.timeout
             started = self._reactor.seconds()
+            call: Deferred[HookResponse] | None = None
             try:
                 if timeout <= 0:
                     raise HookTimedOut("the CRI call's deadline had passed")
-                response = await self._clients.get(server.endpoint).call(hook, request, timeout)
+                call = self._clients.get(server.endpoint).call(hook, request, server.timeout if kept else timeout)
+                response = await (_within(call, timeout, self._reactor) if kept else call)
             except CancelledError:
+                self._answering.unheard(server)
                 raise  # the call itself was given up (its client went away): not the server's failure
             except Exception as error:
                 timed_out = isinstance(error, HookTimedOut)
                 result = TIMEOUT if timed_out else ERROR
-                seconds = self._count(server, hook, result, started)
                 reason = str(error) or type(error).__name__
-                outcome.calls.append(HookCall(server, hook, result, seconds, reason=reason))
+                seconds = self._reactor.seconds() - started
+                recorded = HookCall(server, hook, result, seconds, reason=reason, trial=admitted.trial)
+                outcome.calls.append(recorded)
                 if timed_out and timeout > 0:
-                    self._answering.timed_out(server, hook, request, reason)
+                    self._answering.timed_out(server, hook, reason)
                 elif isinstance(error, HookCallError) and error.sent_back:
-                    self._answering.answered(server)
+                    self._answering.answered(server, hook, timeout)
+                else:
+                    self._answering.unheard(server)
+                if kept and timed_out and call is not None:
+                    outcome.late = LateCall(recorded, copied(request), self._late(server, hook, call, recorded, started))
+                else:
+                    self._count(server, hook, result, started)
                 if server.must_be_heard(hook):
                     outcome.failure = HookFailure(server, hook, reason)
                     self.log.warn(
@@ -191,16 +208,17 @@ class Dispatcher:
                     )
                     return outcome
                 self.log.warn(
-                    "hook {hook} on {server} failed: {reason}; going on without it",
+                    "hook {hook} on {server} failed: {reason}; going on without it{later}",
                     hook=hook.value,
                     server=server.name,
                     reason=reason,
+                    later=f" (its answer, if it comes within {server.timeout:g}s, is applied later)" if outcome.late and outcome.late.call is recorded else "",
                 )
                 continue
-            self._answering.answered(server)
+            self._answering.answered(server, hook, timeout)
             seconds = self._count(server, hook, OK, started)
             changes = merge_response(request, response, server.apply_pod_resources) if hook.is_pre else []
-            outcome.calls.append(HookCall(server, hook, OK, seconds, tuple(changes)))
+            outcome.calls.append(HookCall(server, hook, OK, seconds, tuple(changes), trial=admitted.trial))
             for change in changes:
                 if not change.applied:
                     continue
@@ -215,3 +233,58 @@ class Dispatcher:
                     )
                 changed_by[change.path] = server.name
         return outcome
+
+    def _late(
+        self, server: HookServerConfig, hook: HookType, call: "Deferred[HookResponse]", recorded: HookCall, started: float
+    ) -> "Deferred[LateAnswer]":
+        """How a call left running past its stage's budget ends (counted then, with its own result)."""
+        ended: Deferred[LateAnswer] = Deferred(lambda _: call.cancel())
+
+        def answered(response: HookResponse) -> LateAnswer:
+            seconds = self._count(server, hook, LATE, started)
+            return LateAnswer(replace(recorded, result=LATE, seconds=seconds), response)
+
+        def failed(failure: Failure) -> LateAnswer | Failure:
+            if isinstance(failure.value, CancelledError):
+                return failure
+            result = TIMEOUT if isinstance(failure.value, HookTimedOut) else ERROR
+            seconds = self._count(server, hook, result, started)
+            reason = f"{recorded.reason}, nor later: {failure.getErrorMessage()}"
+            return LateAnswer(replace(recorded, result=result, seconds=seconds, reason=reason))
+
+        call.addCallbacks(answered, failed).addBoth(_settle, ended)
+        return ended
+
+
+def _settle(result: object, settled: "Deferred[Any]") -> None:
+    """Fire ``settled`` with ``result`` (a Failure errs it), unless it has fired (been cancelled) already."""
+    if settled.called:
+        return
+    if isinstance(result, Failure):
+        settled.errback(result)
+    else:
+        settled.callback(result)
+
+
+def _within(call: "Deferred[HookResponse]", seconds: float, clock: IReactorTime) -> "Deferred[HookResponse]":
+    """``call``'s result, or HookTimedOut after ``seconds``; the call itself goes on after that (its result is
+    then for whoever waits on it next). Cancelling it cancels the call."""
+    bounded: Deferred[HookResponse] = Deferred(lambda _: call.cancel())
+    reason = no_answer_within(seconds)
+
+    def passed() -> None:
+        if not bounded.called:
+            bounded.errback(HookTimedOut(reason))
+
+    timer = clock.callLater(seconds, passed)
+
+    def ended(result: object) -> object:
+        if timer.active():
+            timer.cancel()
+        if bounded.called:
+            return result  # too late for the stage: for the late call's waiter
+        _settle(result, bounded)
+        return None
+
+    call.addBoth(ended)
+    return bounded

@@ -28,6 +28,7 @@ from koordrp.hooks.config import (
     parse_hook_server_config,
     permission_problem,
 )
+from koordrp.hooks.limit import PreHookLimit
 from koordrp.hooks.types import HookServerConfig, HookServers, HookType
 from koordrp.trouble import Notice, Trouble
 
@@ -224,12 +225,13 @@ def understand(name: str, reading: Reading, default_timeout: float) -> Understoo
         return Rejection(error.reason, reading.seen, hashlib.sha256(reading.data).digest())
 
 
-def describe(servers: HookServers) -> str:
-    """One line naming every server, where it listens, its policy, timeout and hooks."""
+def describe(servers: HookServers, limit: PreHookLimit | None = None) -> str:
+    """One line naming every server, where it listens, its policy, timeout (and what ``limit`` leaves of it) and hooks."""
     if not servers.servers:
         return "none"
     return "; ".join(
-        f"{server.name} ({server.endpoint}, {server.failure_policy.value}, {server.timeout:g}s): "
+        f"{server.name} ({server.endpoint}, {server.failure_policy.value}, {server.timeout:g}s"
+        f"{limit.effective(server) if limit is not None else ''}): "
         + (", ".join(hook.value for hook in HookType if hook in server.hooks) or "no hooks")
         for server in servers.servers
     )
@@ -249,7 +251,20 @@ class RegistrationBook:
         self._entries: dict[str, Entry] = {}
         self._present = True
         self._described = False
+        self._limit: PreHookLimit | None = None
         self.servers = HookServers()
+
+    def limit_known(self, limit: PreHookLimit) -> list[Notice]:
+        """What to log once the time pre hooks get is known (or changes): each server that may take longer, and
+        the servers with what they get."""
+        if limit == self._limit:
+            return []
+        self._limit = limit
+        slow = [server for server in self.servers.servers if limit.exceeded_by(server)]
+        if not slow:
+            return []
+        notices = [Notice(LogLevel.warn, "{warning}", {"warning": limit.warning(server)}) for server in slow]
+        return notices + [Notice(LogLevel.info, SERVERS, {"servers": describe(self.servers, limit)})]
 
     def update(self, listing: Listing | None, read: Callable[[str], Reading]) -> tuple[bool, list[Notice]]:
         """Take in ``listing`` (None: the directory is gone); say whether the servers changed, and what to log."""
@@ -278,7 +293,7 @@ class RegistrationBook:
         self.servers = servers
         if changed or not self._described:
             # The first update always says what is in force, so the log shows it from start-up on.
-            notices.append(Notice(LogLevel.info, SERVERS, {"servers": describe(servers)}))
+            notices.append(Notice(LogLevel.info, SERVERS, {"servers": describe(servers, self._limit)}))
             self._described = True
         return changed, notices
 
@@ -316,6 +331,8 @@ class RegistrationBook:
             remarks.append(Notice(LogLevel.info, IGNORED_STAGES, {"file": self._path(name), "stages": stages}))
         if not config.hooks:
             remarks.append(Notice(LogLevel.info, NO_HOOKS, {"file": self._path(name)}))
+        if self._limit is not None and self._limit.exceeded_by(config):
+            remarks.append(Notice(LogLevel.warn, "{warning}", {"warning": self._limit.warning(config)}))
         return remarks
 
     def _reject(self, name: str, old: Entry | None, rejection: Rejection, notices: list[Notice]) -> Entry:
@@ -455,6 +472,12 @@ class HookRegistry(service.Service):
                     self._on_change(self._current)
                 except Exception:
                     self.log.failure("hook server change listener failed")
+
+    def limit_known(self, limit: PreHookLimit) -> None:
+        """The time pre hooks get is known now (NRI mode: containerd configured koordrp): servers that may take
+        longer get a warning each, now and when they register."""
+        for notice in self._book.limit_known(limit):
+            self._emit(notice)
 
     def _read(self, name: str) -> Reading:
         return read_registration(os.path.join(self.directory, name))

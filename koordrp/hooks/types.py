@@ -3,7 +3,9 @@
 from dataclasses import dataclass, field
 from enum import Enum
 
-from koordrp.hooks.messages import Change, HookRequest
+from twisted.internet.defer import Deferred
+
+from koordrp.hooks.messages import Change, HookRequest, HookResponse
 
 
 class HookType(Enum):
@@ -117,18 +119,43 @@ class HookCall:
     server: HookServerConfig
     hook: HookType
     result: str
-    """OK, ERROR, TIMEOUT; NOT_ANSWERING (skipped: the server let an earlier call time out and has not
-    answered since); or, for calls not made: SENT (a post hook, not waited for), SKIPPED (by the pod's
-    label), UNREADABLE (the CRI request could not be read)."""
+    """OK, ERROR, TIMEOUT; LATE (answered after its call went on without it, and applied where the front
+    end still could); NOT_ANSWERING (skipped: the server let an earlier call pass its budget and has not
+    answered one in time since); or, for calls not made: SENT (a post hook, not waited for), SKIPPED (by
+    the pod's label), UNREADABLE (the CRI request could not be read)."""
     seconds: float | None = None
     changes: tuple[Change, ...] = ()
     reason: str = ""
+    trial: bool = False
+    """The call was the trial of a server that had not answered in time (``koordrp.hooks.answering``)."""
 
 
-OK, ERROR, TIMEOUT, SENT, SKIPPED, UNREADABLE = "ok", "error", "timeout", "sent", "skipped", "unreadable"
+OK, ERROR, TIMEOUT, LATE, SENT, SKIPPED, UNREADABLE = "ok", "error", "timeout", "late", "sent", "skipped", "unreadable"
 NOT_ANSWERING = "not-answering"
 NOT_MADE = (SKIPPED, UNREADABLE)
 """The results of hook calls a CRI call spared (a post hook SENT is still made, later)."""
+
+
+@dataclass(frozen=True)
+class LateAnswer:
+    """How a call that missed its stage's budget ended: ``call`` as its line tells it now (LATE with the
+    server's ``response``; TIMEOUT or ERROR without one)."""
+
+    call: HookCall
+    response: HookResponse | None = None
+
+
+@dataclass(frozen=True)
+class LateCall:
+    """A pre hook call that missed its stage's budget and was left running, to its server's own timeout,
+    for a front end that can still apply its answer (NRI mode: a PreCreateContainer answer's resources)."""
+
+    call: HookCall
+    """As the stage recorded it (TIMEOUT)."""
+    request: HookRequest
+    """The request as the server was sent it (a copy)."""
+    ended: "Deferred[LateAnswer]"
+    """Fires once the call ends; cancelling it cancels the call."""
 
 
 @dataclass
@@ -138,3 +165,5 @@ class StageOutcome:
     request: HookRequest
     failure: HookFailure | None = None
     calls: list[HookCall] = field(default_factory=list)
+    late: LateCall | None = None
+    """A call that missed the budget and goes on (only for a stage that keeps them)."""

@@ -12,6 +12,7 @@ containerd then failed is not stored.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Coroutine
 
@@ -27,7 +28,8 @@ from koordrp.drain import Drain
 from koordrp import resync
 from koordrp import flows
 from koordrp.api.nri.v1alpha1 import api_pb2 as nri
-from koordrp.hooks.messages import HookRequest, placed_in_pod, subject_text
+from koordrp.hooks.limit import PreHookLimit
+from koordrp.hooks.messages import ContainerHookRequest, HookRequest, placed_in_pod, subject_text
 from koordrp.nri import translate
 from koordrp.nri.connection import UNKNOWN, UNIMPLEMENTED, NRIConnection, NRIConnectionLost, NRIError
 from koordrp.nri.wire import MAX_TTRPC_MESSAGE
@@ -59,6 +61,20 @@ CONFIRM_SECONDS = 120.0
 """How long a create, start or update waits for containerd to say it happened (kubelet's own bound)."""
 
 REGISTER_SECONDS = 5.0
+
+UPDATE_SECONDS = 30.0
+"""How long koordrp waits for containerd to apply a late answer (containerd applies it between its calls to plugins)."""
+
+
+def pre_hook_limit(request_timeout: float) -> PreHookLimit:
+    """What pre hooks get when containerd gives each call ``request_timeout`` seconds."""
+    return PreHookLimit(
+        max(request_timeout - ANSWER_MARGIN, 0.0),
+        f"containerd's NRI gives each call {request_timeout:g}s (plugin_request_timeout) and koordrp keeps "
+        f"{ANSWER_MARGIN:g}s of it to answer",
+        "raise plugin_request_timeout in containerd's config (then every NRI event on the node may wait that long "
+        'for a server that does not answer: docs/operating.md, "NRI mode")',
+    )
 
 # What each Post event confirms, and the events after which it will not come.
 _CONFIRMED_BY: dict[int, str] = {
@@ -197,6 +213,32 @@ async def _stored_container(container: nri.Container, pod: nri.PodSandbox, pods:
     return StoredContainer.read_back(container.pod_sandbox_id, request, translate.container_state(container.state))
 
 
+class LateAnswers:
+    """``adapters.LateUpdates`` on an NRI connection: containerd's UpdateContainers, the call a plugin makes to
+    change a container it was not asked about."""
+
+    def __init__(self, connection: NRIConnection | None) -> None:
+        self._connection = connection
+
+    async def apply(
+        self, container_id: str, sent: ContainerHookRequest, answered: ContainerHookRequest
+    ) -> tuple[adapters.LeftAlone, ...]:
+        written = translate.late_update(container_id, sent, answered)
+        if written.request is None:
+            return written.left_alone
+        if self._connection is None:
+            raise adapters.LateNotApplied("koordrp is not connected to containerd's NRI")
+        try:
+            payload = await self._connection.call("UpdateContainers", written.request, UPDATE_SECONDS)
+        except NRIError as error:
+            raise adapters.LateNotApplied(f"containerd refused the update: {error}") from None
+        except DeferredTimeout:
+            raise adapters.LateNotApplied(f"containerd did not answer the update within {UPDATE_SECONDS:g}s") from None
+        if nri.UpdateContainersResponse.FromString(payload).failed:
+            raise adapters.LateNotApplied("containerd failed the update")
+        return written.left_alone
+
+
 class Synchronized:
     """What containerd told at Synchronize, as ``adapters.RuntimeInventory`` (for the store to agree with)."""
 
@@ -253,16 +295,24 @@ class NRIPlugin:
     log = Logger()
 
     def __init__(
-        self, parts: Parts, identity: PluginIdentity, on_synchronized: Callable[[str], None] = lambda runtime: None
+        self,
+        parts: Parts,
+        identity: PluginIdentity,
+        on_synchronized: Callable[[str, str], None] = lambda runtime, deadline: None,
+        on_configured: Callable[[PreHookLimit], None] = lambda limit: None,
     ) -> None:
-        """``on_synchronized`` is told containerd's name and version once it has synchronized the plugin."""
+        """``on_synchronized`` is told containerd's name and version, and the deadline it gives each call, once it
+        has synchronized the plugin;
+        ``on_configured``, what pre hooks get of containerd's deadline, once it has configured it."""
         self._parts = parts
         self._identity = identity
+        self._on_configured = on_configured
         self._confirmations = Confirmations(parts.clock)
         self._calls: set[Call[NRIReply]] = set()
         self._on_synchronized = on_synchronized
         self._connection: NRIConnection | None = None
         self._runtime = "containerd"
+        self._deadline = "no deadline"
         self._synchronizing: _Synchronization | None = None
         self._synchronized = False
         self.given_up: GivenUp | None = None
@@ -366,6 +416,16 @@ class NRIPlugin:
     def _configure(self, payload: bytes, timeout: float | None) -> Deferred[bytes]:
         request = nri.ConfigureRequest.FromString(payload)
         self._runtime = f"{request.runtime_name} {request.runtime_version}"
+        # NRI 0.8 (containerd 2.x) says its request timeout; NRI 0.6 (1.7) gives Configure that deadline.
+        if request.request_timeout > 0:
+            request_timeout: float | None = request.request_timeout / 1000
+        else:
+            request_timeout = None if timeout is None else math.ceil(timeout * 100) / 100
+        if request_timeout is None:
+            self._deadline = "no deadline"
+        else:
+            self._deadline = f"{request_timeout:g}s (plugin_request_timeout)"
+            self._on_configured(pre_hook_limit(request_timeout))
         return succeed(nri.ConfigureResponse(events=EVENT_MASK).SerializeToString())
 
     def _synchronize(self, payload: bytes, timeout: float | None) -> Deferred[bytes]:
@@ -392,7 +452,7 @@ class NRIPlugin:
             if deadline is not None and self._parts.clock.seconds() > deadline - ANSWER_MARGIN:
                 raise NRIError(UNKNOWN, f"koordrp synchronized after containerd's {timeout:g}s")
             self._synchronized = True
-            self._on_synchronized(self._runtime)
+            self._on_synchronized(self._runtime, self._deadline)
             return nri.SynchronizeResponse().SerializeToString()
 
         def not_synchronized(failure: Failure) -> bytes:
@@ -419,6 +479,7 @@ class NRIPlugin:
             lambda answer: NRIBackend(answer, empty, request.pod, request.container, self._expect("create", request.container.id)),
             lambda call: flows.create_container(call, translate.CreateContainer(request.pod, request.container)),
             translate.named(request.pod, request.container),
+            late=LateAnswers(self._connection),
         )
 
     def _update_container(self, payload: bytes, timeout: float | None) -> Deferred[bytes]:
@@ -513,11 +574,13 @@ class NRIPlugin:
         backend: Callable[[Deferred[bytes]], NRIBackend],
         flow: Callable[[Call[NRIReply]], Coroutine[Any, Any, NRIReply]],
         named: HookRequest | None = None,
+        late: LateAnswers | None = None,
     ) -> Deferred[bytes]:
         """Run ``flow`` for containerd's request; the Deferred is containerd's answer (the flow may go on after it).
 
         ``named`` is the pod (and container) as the request names them: the call's line names them so
         when the flow finds nothing better in the store (a container whose create containerd undid).
+        ``late``: how an answer that comes after containerd's deadline is still applied.
         """
         answer: Deferred[bytes] = Deferred(lambda _: call.cancel())
         call = Call(
@@ -527,6 +590,7 @@ class NRIPlugin:
             None if timeout is None else max(timeout - ANSWER_MARGIN, 0.0),
             # Nothing is forwarded after the hooks: they may take what containerd gives.
             hooks_share=1.0,
+            late=late,
         )
         call.record.subject = named
         self._calls.add(call)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from typing import Callable
 
 from twisted.application import service
 from twisted.internet.defer import Deferred, ensureDeferred, fail, succeed
@@ -27,6 +28,7 @@ from zope.interface import implementer
 
 from koordrp.call import Parts
 from koordrp.frontend import IFrontEnd
+from koordrp.hooks.limit import PreHookLimit
 from koordrp.nri import registration
 from koordrp.nri.connection import NRIConnection
 from koordrp.nri.plugin import NRIPlugin, PluginIdentity
@@ -65,7 +67,7 @@ class _Session(NRIPlugin):
     """The plugin of one connection, telling the service how the connection goes."""
 
     def __init__(self, owner: NRIService) -> None:
-        super().__init__(owner.parts, owner.settings.identity, on_synchronized=owner.synchronized)
+        super().__init__(owner.parts, owner.settings.identity, on_synchronized=owner.synchronized, on_configured=owner.on_configured)
         self._owner = owner
 
     def made(self, connection: NRIConnection) -> Deferred[None]:
@@ -81,10 +83,18 @@ class _Session(NRIPlugin):
 class NRIService(service.Service):
     log = Logger()
 
-    def __init__(self, settings: NRISettings, reactor: IReactorUNIX, parts: Parts) -> None:
-        """``reactor`` also provides IReactorTime."""
+    def __init__(
+        self,
+        settings: NRISettings,
+        reactor: IReactorUNIX,
+        parts: Parts,
+        on_configured: Callable[[PreHookLimit], None] = lambda limit: None,
+    ) -> None:
+        """``reactor`` also provides IReactorTime; ``on_configured`` is told what pre hooks get of containerd's
+        deadline, at each connection."""
         self.settings = settings
         self.parts = parts
+        self.on_configured = on_configured
         self._reactor = reactor
         self._clock = IReactorTime(reactor)
         self._connecting: Deferred[NRIConnection] | None = None
@@ -130,13 +140,14 @@ class NRIService(service.Service):
         reason = f"cannot connect: {shortened(failure.getErrorMessage()).rstrip('.')}"
         self._unavailable(reason, LogLevel.warn, most=CONNECT_RETRY_CAP_SECONDS)
 
-    def synchronized(self, runtime: str) -> None:
+    def synchronized(self, runtime: str, deadline: str) -> None:
         self._synchronized = True
         self.log.info(
-            "registered with {runtime}'s NRI at {socket} as plugin {plugin}",
+            "registered with {runtime}'s NRI at {socket} as plugin {plugin}; it gives each call {deadline}",
             runtime=runtime,
             socket=self.settings.socket_path,
             plugin=self.settings.identity.full_name,
+            deadline=deadline,
         )
         self._retrying.succeeded()
         if self.settings.state_dir is not None:

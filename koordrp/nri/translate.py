@@ -32,6 +32,9 @@ NO_OOM_SCORE = "NRI cannot set a container's OOM score"
 NO_SWAP = "containerd 1.7's NRI sets no swap limit (a new memory limit sets swap to the same value)"
 NOT_IN_AN_UPDATE = "an NRI update has no annotations"
 NOT_UNDER_ITS_POD = "the container's cgroups path is not under its pod's cgroup parent"
+LATE = "late"
+"""Why a late answer's change to what is fixed once a container is created was left alone."""
+FIXED_AT_CREATE = ("container_envs", "container_annotations", "pod_cgroup_parent")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -234,6 +237,18 @@ class CreateContainer:
         return oci_env_map(self._env)
 
 
+def _container_update(
+    container_id: str, before: ContainerHookRequest, after: ContainerHookRequest
+) -> tuple[nri.ContainerUpdate | None, list[LeftAlone]]:
+    """The ContainerUpdate of what the hooks changed in the container's resources (None: nothing NRI can set)."""
+    resources, left = _changed_resources(before.container_resources, after.container_resources, "container_resources.")
+    if not resources.ByteSize():
+        return None, left
+    update = nri.ContainerUpdate(container_id=container_id)
+    update.linux.resources.CopyFrom(resources)
+    return update, left
+
+
 class UpdateContainer:
     """NRI's UpdateContainer request (adapters.UpdateContainerResources), answered with a ContainerUpdate of it."""
 
@@ -248,10 +263,18 @@ class UpdateContainer:
         return {}  # NRI's update carries none
 
     def rewritten(self, before: ContainerHookRequest, after: ContainerHookRequest) -> Written:
-        resources, left = _changed_resources(before.container_resources, after.container_resources, "container_resources.")
+        update, left = _container_update(self.container_id, before, after)
         left.append(LeftAlone("container_annotations", NOT_IN_AN_UPDATE))
-        if not resources.ByteSize():
+        if update is None:
             return Written(None, tuple(left))
-        update = nri.ContainerUpdate(container_id=self.container_id)
-        update.linux.resources.CopyFrom(resources)
         return Written(nri.UpdateContainerResponse(update=[update]).SerializeToString(), tuple(left))
+
+
+def late_update(container_id: str, before: ContainerHookRequest, after: ContainerHookRequest) -> Written:
+    """A created container's UpdateContainersRequest (a plugin's own call) with the resources a pre-create answer
+    that came late changed; what a created container cannot change, left alone as ``LATE``."""
+    update, left = _container_update(container_id, before, after)
+    left.extend(LeftAlone(path, LATE) for path in FIXED_AT_CREATE)
+    if update is None:
+        return Written(None, tuple(left))
+    return Written(nri.UpdateContainersRequest(update=[update]).SerializeToString(), tuple(left))

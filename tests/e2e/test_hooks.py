@@ -216,13 +216,13 @@ def test_hot_reload_gives_each_pod_the_config_in_force_when_it_arrived(
     wait_registered(koordrp, 1)
     assert "RELOADED=1" not in env_of("start-only")
     register(hooks_dir, "reload", server.path, ["PreCreateContainer"])  # renamed over the old one
-    koordrp.wait_for_registrations("reload.json (", "60s): PreCreateContainer")
+    koordrp.wait_for_registrations("reload.json (", "): PreCreateContainer")
     assert "RELOADED=1" in env_of("after-rename")
     path.write_text(json.dumps({"remote-endpoint": server.path, "runtime-hooks": ["PreStartContainer"]}))  # in place
-    koordrp.wait_for_registrations("reload.json (", "60s): PreStartContainer")
+    koordrp.wait_for_registrations("reload.json (", "): PreStartContainer")
     assert "RELOADED=1" not in env_of("after-edit")
     register(hooks_dir, "reload", server.path, ["PreCreateContainer"])
-    koordrp.wait_for_registrations("reload.json (", "60s): PreCreateContainer")
+    koordrp.wait_for_registrations("reload.json (", "): PreCreateContainer")
     path.write_text("{ not json")  # a broken edit keeps the last good version
     assert koordrp.log_lines(f"hook server registration {path} rejected: ")
     assert "RELOADED=1" in env_of("after-broken-edit")

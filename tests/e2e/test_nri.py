@@ -65,7 +65,8 @@ def runtime(nri_containerd: Containerd) -> Any:
 
 
 def call_line(koordrp: KoordrpProcess, text: str) -> str:
-    [line] = koordrp.log_lines(f"[koordrp.calls#info] {text}")
+    """The call's line: written once its hooks are done with it (a late answer applied)."""
+    [line] = koordrp.log_lines(f"[koordrp.calls#info] {text}", timeout=15)
     return line
 
 
@@ -127,10 +128,12 @@ def test_koordlets_cleared_cpuset_cannot_be_applied_and_is_named(
     assert 'left alone (NRI can set a cpuset but not clear it) resources.cpuset_cpus "0-1"→""' in create
 
 
-def test_a_server_slower_than_containerds_deadline_is_cut_short_and_koordrp_stays_its_plugin(
+def test_a_server_slower_than_containerds_deadline_is_cut_short_then_tried_again_by_a_real_call(
     plugin: KoordrpProcess, runtime: Any, servers: dict[str, FakeHookServer], workdir: Path, hooks_dir: Path
 ) -> None:
-    """containerd gives a plugin 2 s and drops one that answers later: the hooks get what is left of it."""
+    """containerd gives a plugin 2 s and drops one that answers later: the hooks get what is left of it. The
+    server is skipped from then on; the first create after the pause is its trial, and it is back once it
+    answers one in time. It sees each request once."""
     slow = hook_server(servers, workdir, "slow")
     slow.delays[CREATE] = 30
     slow.behaviours[CREATE] = lambda request: hook.ContainerResourceHookResponse(container_envs={"SLOW": "1"})
@@ -138,12 +141,78 @@ def test_a_server_slower_than_containerds_deadline_is_cut_short_and_koordrp_stay
     wait_registered(plugin, 1)
     with running_container(runtime, "slow", workdir) as pod:
         assert "SLOW=1" not in runtime_spec(runtime, pod.container_id)["process"]["env"]
-    create = call_line(plugin, "CreateContainer pod default/slow")
-    assert "PreCreateContainer@slow.json: timeout 1" in create and "went on without it" in create, create
-    slow.unwedge()  # it answers again: the next container gets its hooks, koordrp is still containerd's plugin
-    assert plugin.log_lines("hook server slow.json", count=2, timeout=10)[-1].endswith("calls reach it again"), plugin.log()
-    assert "SLOW=1" in env_of_new_container(runtime, workdir, "again")
+        slow.unwedge()  # it answers its backlog: too late for the container, whose environment is fixed
+        create = call_line(plugin, "CreateContainer pod default/slow")
+    assert "PreCreateContainer@slow.json: late " in create and "(no answer within 1.9s: went on without it" in create, create
+    assert "left alone (late) envs +SLOW" in create, create
+    for attempt in range(100):  # each create is skipped at once until the pause is over
+        env = env_of_new_container(runtime, workdir, f"again-{attempt}")
+        line = call_line(plugin, f"CreateContainer pod default/again-{attempt}")
+        if "not-answering" not in line:
+            break
+    assert "PreCreateContainer@slow.json: ok" in line and "(trial: it answers in time again)" in line, line
+    assert "SLOW=1" in env
+    assert plugin.log_lines("calls reach it again")
+    assert [request.pod_meta.name for request in slow.calls(CREATE)] == ["slow", f"again-{attempt}"]
     assert "the connection was lost" not in plugin.log()
+
+
+def test_a_server_slower_than_containerds_deadline_is_warned_of_before_any_call(
+    nri_containerd: Containerd, servers: dict[str, FakeHookServer], workdir: Path, hooks_dir: Path
+) -> None:
+    slow = hook_server(servers, workdir, "slow")
+    register(hooks_dir, "slow", slow.path, ["PreCreateContainer"], "Ignore", **{"timeout-seconds": 10})
+    koordrp = KoordrpProcess(workdir, nri_containerd.endpoint, nri_socket=nri_containerd.paths.nri_socket)
+    koordrp.start()
+    try:
+        [warning] = koordrp.log_lines("hook server slow.json (")
+        assert "may take 10s to answer (its timeout-seconds, or --hook-timeout), but its pre hooks get 1.9s" in warning
+        assert "containerd's NRI gives each call 2s (plugin_request_timeout)" in warning
+        assert f"slow.json ({slow.path}, Ignore, 10s; pre hooks 1.9s)" in koordrp.wait_for_registrations("pre hooks 1.9s")
+        assert slow.calls() == [] and "koordrp.calls" not in koordrp.log()
+        later = hook_server(servers, workdir, "later")
+        register(hooks_dir, "later", later.path, ["PreRunPodSandbox"])  # --hook-timeout's 60s
+        [warning] = koordrp.log_lines("hook server later.json (")
+        assert "may take 60s to answer" in warning
+    finally:
+        koordrp.stop()
+
+
+def test_eight_creates_two_seconds_apart_with_a_server_answering_in_2_5s_wait_twice_and_the_first_gets_its_answer(
+    plugin: KoordrpProcess, runtime: Any, servers: dict[str, FakeHookServer], workdir: Path, hooks_dir: Path
+) -> None:
+    """The issue's node: the first create waits for containerd's deadline and silences the server; the first
+    create after the pause is its trial and waits too; every other create skips it at once. Each late answer's
+    cpu shares reach its container; its environment cannot, and says so. Counted by koordrp's call lines."""
+    slow = hook_server(servers, workdir, "slow")
+    slow.delays[CREATE] = 2.5
+    slow.behaviours[CREATE] = lambda request: hook.ContainerResourceHookResponse(
+        container_resources=hook.LinuxContainerResources(cpu_shares=512), container_envs={"SLOW": "1"}
+    )
+    register(hooks_dir, "slow", slow.path, ["PreCreateContainer"], "Ignore", **{"timeout-seconds": 10})
+    wait_registered(plugin, 1)
+    pod = pod_sandbox_config("eight", log_directory=workdir / "eight")
+    sandbox_id = runtime.RunPodSandbox(api_pb2.RunPodSandboxRequest(config=pod), timeout=TIMEOUT).pod_sandbox_id
+    try:
+        ids = []
+        first = time.monotonic()
+        for index in range(8):
+            # The scenario's pace (a create every 2 s), not a wait for something to happen.
+            time.sleep(max(0.0, first + 2 * index - time.monotonic()))
+            config = container_config(f"c{index}", image=BUSYBOX_REF, command=["sleep", "3600"])
+            request = api_pb2.CreateContainerRequest(pod_sandbox_id=sandbox_id, config=config, sandbox_config=pod)
+            ids.append(runtime.CreateContainer(request, timeout=TIMEOUT).container_id)
+        lines = {index: call_line(plugin, f"CreateContainer pod default/eight ({pod.metadata.uid}) container c{index}:") for index in range(8)}
+        waited = [index for index, line in lines.items() if "PreCreateContainer@slow.json: late" in line]
+        assert len(waited) == 2 and waited[0] == 0 and "(trial; " in lines[waited[1]], lines
+        assert all("PreCreateContainer@slow.json: not-answering" in lines[index] for index in lines if index not in waited), lines
+        assert [request.container_meta.name for request in slow.calls(CREATE)] == [f"c{index}" for index in waited]
+        for index in waited:
+            assert "→512, left alone (late) envs +SLOW" in lines[index] and "changed resources.cpu_shares " in lines[index], lines[index]
+            spec = runtime_spec(runtime, ids[index])
+            assert spec["linux"]["resources"]["cpu"]["shares"] == 512 and "SLOW=1" not in spec["process"]["env"]
+    finally:
+        remove_pod(runtime, sandbox_id)
 
 
 def env_of_new_container(runtime: Any, workdir: Path, name: str) -> list[str]:

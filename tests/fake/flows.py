@@ -47,7 +47,9 @@ class ScriptedStages:
         self.drains.append(timeout)
         return succeed(None)
 
-    async def run(self, hook: HookType, servers: Subscribers, request: HookRequest, budget: float | None) -> StageOutcome:
+    async def run(
+        self, hook: HookType, servers: Subscribers, request: HookRequest, budget: float | None, keep_late: bool = False
+    ) -> StageOutcome:
         waiting = self.pending.get(hook)
         if waiting is not None:
             await waiting

@@ -199,8 +199,9 @@ def _toml_str(value: str | Path) -> str:
     return json.dumps(str(value))
 
 
-def render_nri(paths: ContainerdPaths, enabled: bool) -> str:
-    """NRI's section (containerd ≥ 1.7): NRI on our own socket, with no plugins of its own to start; or off."""
+def render_nri(paths: ContainerdPaths, enabled: bool, request_timeout: str = "2s") -> str:
+    """NRI's section (containerd ≥ 1.7): NRI on our own socket, with no plugins of its own to start; or off.
+    ``request_timeout``: what it gives each call to a plugin (NRI's default)."""
     section = f'[plugins."{NRI_PLUGIN}"]'
     if not enabled:
         return f"""\
@@ -214,13 +215,19 @@ def render_nri(paths: ContainerdPaths, enabled: bool) -> str:
     plugin_path = {_toml_str(paths.nri_plugins)}
     plugin_config_path = {_toml_str(paths.nri_plugin_config)}
     plugin_registration_timeout = "5s"
-    plugin_request_timeout = "2s"
+    plugin_request_timeout = {_toml_str(request_timeout)}
     disable_connections = false
 """
 
 
 def render_config(
-    paths: ContainerdPaths, sandbox_image: str, log_level: str, *, release: str = "1.6", nri: bool = False
+    paths: ContainerdPaths,
+    sandbox_image: str,
+    log_level: str,
+    *,
+    release: str = "1.6",
+    nri: bool = False,
+    nri_request_timeout: str = "2s",
 ) -> str:
     """Return a version 2 containerd config.toml for a private CRI instance of `release` (with NRI if `nri`)."""
     of = RELEASES[release]
@@ -279,7 +286,7 @@ required_plugins = ["io.containerd.grpc.v1.cri"]
           # other containerd; keeping it private lets stop() find our leftovers.
           Root = {_toml_str(paths.runc_root)}
           SystemdCgroup = false
-""" + ("\n" + render_nri(paths, nri) if of.nri else "")
+""" + ("\n" + render_nri(paths, nri, nri_request_timeout) if of.nri else "")
 
 
 class Containerd(Daemon[ContainerdPaths]):
@@ -301,8 +308,10 @@ class Containerd(Daemon[ContainerdPaths]):
         sandbox_image: str = PAUSE_REF,
         log_level: str = "info",
         start_timeout: float = 30.0,
+        nri_request_timeout: str = "2s",
     ) -> None:
-        """`release`: a key of RELEASES; `nri`: NRI enabled on `paths.nri_socket` (a release with NRI)."""
+        """`release`: a key of RELEASES; `nri`: NRI enabled on `paths.nri_socket` (a release with NRI), giving each
+        call to a plugin `nri_request_timeout` (a Go duration)."""
         if release not in RELEASES:
             raise ValueError(f"no containerd release {release!r}; the harness runs {', '.join(RELEASES)}")
         if nri and not RELEASES[release].nri:
@@ -314,6 +323,7 @@ class Containerd(Daemon[ContainerdPaths]):
         self.nri = nri
         self.sandbox_image = sandbox_image
         self.log_level = log_level
+        self.nri_request_timeout = nri_request_timeout
         self._channel: grpc.Channel | None = None
 
     # -- addresses and clients ------------------------------------------------
@@ -355,7 +365,9 @@ class Containerd(Daemon[ContainerdPaths]):
             self.paths.nri_plugin_config,
         ):
             directory.mkdir(parents=True, exist_ok=True)
-        config = render_config(self.paths, self.sandbox_image, self.log_level, release=self.release, nri=self.nri)
+        config = render_config(
+            self.paths, self.sandbox_image, self.log_level, release=self.release, nri=self.nri, nri_request_timeout=self.nri_request_timeout
+        )
         self.paths.config.write_text(config)
         return self.paths.config
 

@@ -10,9 +10,14 @@ from tests.support.images import ImageSet, build_test_images
 from tests.support.koordrp_process import KoordrpProcess
 
 
-def start_containerd(images: ImageSet, base: Path | None = None, release: str = "1.6", nri: bool = False) -> Containerd:
-    """A private containerd of `release` (with NRI if `nri`: a release with NRI), running, with `images` imported."""
-    runtime = Containerd(base or Path(tempfile.mkdtemp(prefix="krp-cd-", dir="/tmp")), release=release, nri=nri)
+def start_containerd(
+    images: ImageSet, base: Path | None = None, release: str = "1.6", nri: bool = False, nri_request_timeout: str = "2s"
+) -> Containerd:
+    """A private containerd of `release` (with NRI if `nri`: a release with NRI, giving each plugin call
+    `nri_request_timeout`), running, with `images` imported."""
+    runtime = Containerd(
+        base or Path(tempfile.mkdtemp(prefix="krp-cd-", dir="/tmp")), release=release, nri=nri, nri_request_timeout=nri_request_timeout
+    )
     runtime.start()
     try:
         runtime.import_images(images)

@@ -6,7 +6,7 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from koordrp.calllog import CallRecord, call_text, field_name
 from koordrp.hooks.messages import Change, ContainerHookRequest
-from koordrp.hooks.types import ERROR, OK, SENT, TIMEOUT, FailurePolicy, HookCall, HookServerConfig, HookType
+from koordrp.hooks.types import ERROR, LATE, OK, SENT, TIMEOUT, FailurePolicy, HookCall, HookServerConfig, HookType
 
 KOORDLET = HookServerConfig("koordlet.json", "/run/k.sock", FailurePolicy.IGNORE, frozenset(HookType), 2.0)
 STRICT = HookServerConfig("strict.json", "/run/s.sock", FailurePolicy.FAIL, frozenset(HookType), 2.0)
@@ -63,6 +63,25 @@ class CallTextTests(SynchronousTestCase):
              "resources.oom_score_adj 0→5 (NRI cannot set a container's OOM score)"],
         )
 
+    def test_a_trial_and_a_late_answer_say_so(self) -> None:
+        self.assertEqual(
+            call_text(HookCall(KOORDLET, CREATE, TIMEOUT, 1.9, reason="no answer within 1.9s", trial=True)),
+            "PreCreateContainer@koordlet.json: timeout 1900.0 ms (trial; no answer within 1.9s; went on without it)",
+        )
+        self.assertEqual(
+            call_text(HookCall(KOORDLET, CREATE, OK, 0.5, trial=True)),
+            "PreCreateContainer@koordlet.json: ok 500.0 ms (trial: it answers in time again)",
+        )
+        changes = (
+            Change("container_resources.cpu_shares", 2, 512),
+            Change("container_envs[LATE]", added=True, applied=False, why="late"),
+        )
+        self.assertEqual(
+            call_text(HookCall(KOORDLET, CREATE, LATE, 2.5, changes, reason="no answer within 1.9s")),
+            "PreCreateContainer@koordlet.json: late 2500.0 ms (no answer within 1.9s: went on without it, then applied "
+            "what could change), changed resources.cpu_shares 2→512, left alone (late) envs +LATE",
+        )
+
     def test_calls_not_waited_for_or_not_made(self) -> None:
         self.assertEqual(call_text(HookCall(KOORDLET, HookType.POST_STOP_CONTAINER, SENT)), "PostStopContainer@koordlet.json: sent")
         self.assertEqual(call_text(HookCall(KOORDLET, CREATE, "skipped")), "PreCreateContainer@koordlet.json: skipped")
@@ -77,7 +96,7 @@ class RecordTests(SynchronousTestCase):
         self.assertEqual(
             fields["hook_calls"],
             [{"hook": "PreCreateContainer", "server": "koordlet.json", "result": "ok", "duration_ms": 0.5,
-              "changed": ["envs ~TOKEN"], "left_alone": [], "reason": ""}],
+              "changed": ["envs ~TOKEN"], "left_alone": [], "reason": "", "trial": False}],
         )
         self.assertNotIn("s3cr3t", json.dumps({key: value for key, value in fields.items()}))
         self.assertEqual(CallRecord("RunPodSandbox").fields("OK", 0.01)["hooks"], "none")

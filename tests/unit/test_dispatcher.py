@@ -254,7 +254,8 @@ class DispatcherTests(TestCase):
         self.assertIn("LATE", outcome.request.container_envs)
 
     @inlineCallbacks
-    def test_a_server_that_let_a_call_time_out_is_skipped_at_once_until_it_answers_again(self):  # type: ignore[no-untyped-def]
+    def test_a_server_that_let_a_call_time_out_is_skipped_without_a_call(self):  # type: ignore[no-untyped-def]
+        """Its trial, later, is in tests/unit/test_answering.py, on the test's clock."""
         metrics = Metrics()
         self.dispatcher = Dispatcher(self.clients, reactor, metrics)
         self.addCleanup(self.dispatcher.close)
@@ -263,11 +264,10 @@ class DispatcherTests(TestCase):
             wedged.delays["PreCreateContainerHook"] = 30
             first = yield self.dispatcher.run(CREATE, (config,), hook.ContainerResourceHookRequest(), None)
             self.assertEqual([call.result for call in first.calls], ["timeout"])
-            started = time.monotonic()
             later = yield self.dispatcher.run(CREATE, (config,), hook.ContainerResourceHookRequest(), None)
-            self.assertLess(time.monotonic() - started, 0.1)
             [skipped] = later.calls
             self.assertEqual(skipped.result, "not-answering")
+            self.assertEqual(len(wedged.calls("PreCreateContainerHook")), 1)  # asked once, never again
             labels = {"server": f"wedged-{policy.value}.json", "hook": CREATE.value, "result": "not-answering"}
             self.assertEqual(metrics.registry.get_sample_value("koordrp_hook_calls_total", labels), 1)
             timed = {"server": f"wedged-{policy.value}.json", "hook": CREATE.value}
@@ -278,14 +278,4 @@ class DispatcherTests(TestCase):
                 self.assertIn("not answering", later.failure.message)
             else:
                 self.assertIsNone(later.failure)
-            # It answers again: the background question hears it, and calls reach it within seconds.
-            del wedged.delays["PreCreateContainerHook"]
-            deadline = time.monotonic() + 5
-            while True:
-                outcome = yield self.dispatcher.run(CREATE, (config,), hook.ContainerResourceHookRequest(), None)
-                if outcome.calls[0].result == "ok" or time.monotonic() > deadline:
-                    break
-                yield deferLater(reactor, 0.05, lambda: None)
-            self.assertEqual(outcome.calls[0].result, "ok")
-            self.assertLess(time.monotonic() - started, 3.0)
-            self.assertTrue(any("answers again" in event["log_format"] for event in self.events))
+            wedged.unwedge()

@@ -29,6 +29,7 @@ from koordrp.hooks.registry import (
     read_registration,
 )
 from koordrp.hooks.types import FailurePolicy, HookServerConfig, HookServers, HookType
+from koordrp.nri.plugin import pre_hook_limit
 from koordrp.trouble import Notice
 from tests.support import koordlet
 from tests.support.tempdirs import short_tempdir
@@ -269,6 +270,32 @@ class BookTests(SynchronousTestCase):
         self.assertEqual([n.format for n in notices], [registry.IGNORED_STAGES, registry.SERVERS])
 
 
+    def test_a_server_that_may_take_longer_than_its_pre_hooks_get_is_warned_of_once_the_limit_is_known(self) -> None:
+        """NRI mode: containerd's deadline is known once it configured koordrp; each server that may take
+        longer gets one warning then, and the line of servers says what their pre hooks get."""
+        limit = pre_hook_limit(2.0)
+        self.files.put("koordlet.json", koordlet.DEFAULT, key(1))  # no timeout-seconds: the book's 3s
+        self.files.put("quick.json", registration("/run/q.sock", ("PreCreateContainer",), timeout_seconds=1), key(2))
+        self.files.put("post.json", registration("/run/p.sock", ("PostStopContainer",), timeout_seconds=30), key(3))
+        self.update({"koordlet.json": key(1), "quick.json": key(2), "post.json": key(3)})
+        notices = self.book.limit_known(limit)
+        [warning] = self.warnings(notices)
+        self.assertTrue(warning.startswith("hook server koordlet.json (/var/run/koordlet/koordlet.sock) may take 3s to answer"), warning)
+        self.assertIn("its pre hooks get 1.9s: containerd's NRI gives each call 2s (plugin_request_timeout)", warning)
+        self.assertIn("set its timeout-seconds to 1.9 or less, or raise plugin_request_timeout", warning)
+        self.assertIn("koordlet.json (/var/run/koordlet/koordlet.sock, Ignore, 3s; pre hooks 1.9s)", self.lines(notices)[-1])
+        self.assertIn("quick.json (/run/q.sock, Ignore, 1s): PreCreateContainer", self.lines(notices)[-1])
+        self.assertEqual(self.book.limit_known(limit), [])  # known already: said already
+        # A server registered later is warned of as it registers; one changed, again.
+        self.files.put("slow.json", registration("/run/s.sock", ("PreCreateContainer",), timeout_seconds=10), key(4))
+        _, notices = self.update({"koordlet.json": key(1), "quick.json": key(2), "post.json": key(3), "slow.json": key(4)})
+        [warning] = self.warnings(notices)
+        self.assertIn("hook server slow.json (/run/s.sock) may take 10s", warning)
+        self.assertIn("slow.json (/run/s.sock, Ignore, 10s; pre hooks 1.9s)", self.lines(notices)[-1])
+        self.assertEqual(len(self.warnings(self.book.limit_known(pre_hook_limit(11.0)))), 0)
+        self.assertEqual(len(self.warnings(self.book.limit_known(pre_hook_limit(1.0)))), 3)
+
+
 class FileTests(SynchronousTestCase):
     """list_registrations and read_registration on a real directory."""
 
@@ -311,7 +338,7 @@ class FileTests(SynchronousTestCase):
         os.mkfifo(os.path.join(self.dir, "x.json"))
         os.symlink("/dev/zero", os.path.join(self.dir, "zero.json"))
         findings, registered = check.hook_findings(self.dir, 3.0, 1.0)
-        self.assertEqual(registered, 0)
+        self.assertEqual(registered, [])
         self.assertEqual(
             [(finding.ok, finding.text) for finding in findings],
             [

@@ -17,6 +17,8 @@ from koordrp import adapters
 from koordrp.call import Parts, SkipLabel
 from koordrp.api.nri.v1alpha1 import api_pb2 as nri
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
+from koordrp.hooks.dispatcher import Dispatcher
+from koordrp.hooks.limit import PreHookLimit
 from koordrp.hooks.types import FailurePolicy, HookServerConfig, HookServers, HookType
 from koordrp.nri import registration, translate
 from koordrp.api.ttrpc import ttrpc_pb2
@@ -51,6 +53,7 @@ from koordrp.nri.wire import (
 )
 from koordrp.store import ContainerState, Store
 from tests.fake.flows import ScriptedStages
+from tests.fake.hook_clients import PendingCall, calls_to, scripted_clients
 from tests.fake.nri import FakeContainerd
 
 SKIP = SkipLabel("runtimeproxy.koordinator.sh/skip-hookserver", "true")
@@ -274,7 +277,7 @@ class PluginTests(LogCapture):
         self.plugin = NRIPlugin(parts, PluginIdentity("koordrp", "10"), on_synchronized=self.count_synchronized)
         self.containerd = FakeContainerd(NRIConnection(self.plugin, self.clock))
 
-    def count_synchronized(self, runtime: str) -> None:
+    def count_synchronized(self, runtime: str, deadline: str) -> None:
         self.synchronized += 1
 
     def subscribe(self, *hooks: HookType, policy: FailurePolicy = FailurePolicy.IGNORE) -> None:
@@ -565,6 +568,134 @@ class PluginTests(LogCapture):
     def test_an_event_koordrp_does_not_know_is_unimplemented(self) -> None:
         stream = self.containerd.call("Reconfigure", nri.Empty())
         self.assertEqual(self.containerd.answers()[stream].status.code, UNIMPLEMENTED)
+
+
+class LateAnswerTests(LogCapture):
+    """A PreCreateContainer answer after containerd's deadline, with the real dispatcher and a server the test
+    answers on its clock: containerd goes on without it, then gets its resources through UpdateContainers."""
+
+    SLOW = HookServerConfig("slow.json", "/run/slow.sock", FailurePolicy.IGNORE, frozenset({PRE_CREATE}), 10.0)
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.clock = Clock()
+        self.store = Store()
+        self.clients = scripted_clients(self.clock)
+        parts = Parts(self.store, Dispatcher(self.clients, self.clock), lambda: HookServers((self.SLOW,)), SKIP, self.clock)
+        self.limits: list[PreHookLimit] = []
+        self.deadlines: list[str] = []
+        self.plugin = NRIPlugin(
+            parts,
+            PluginIdentity("koordrp", "10"),
+            on_synchronized=lambda runtime, deadline: self.deadlines.append(deadline),
+            on_configured=self.limits.append,
+        )
+        self.containerd = FakeContainerd(NRIConnection(self.plugin, self.clock))
+        self.containerd.sent()  # the registration
+        self.containerd.call("StateChange", event(nri.RUN_POD_SANDBOX))
+
+    def create_past_the_deadline(self) -> PendingCall:
+        """A create whose hook call misses containerd's 2 s: containerd is answered without the hook's changes."""
+        stream = self.containerd.call("CreateContainer", nri.CreateContainerRequest(pod=nri_pod(), container=nri_container()), timeout=2.0)
+        [pending] = calls_to(self.clients, self.SLOW.endpoint)
+        self.clock.advance(2.0 - ANSWER_MARGIN)
+        answer = self.containerd.answers()[stream]
+        self.assertEqual((answer.status.code, nri.CreateContainerResponse.FromString(answer.payload).HasField("adjust")), (0, False))
+        return pending
+
+    def late_answer(self, pending: PendingCall) -> None:
+        self.clock.advance(0.6)
+        pending.answer(
+            hook.ContainerResourceHookResponse(
+                container_resources=hook.LinuxContainerResources(cpu_shares=512, cpuset_cpus="0-3"),
+                container_envs={"LATE": "1"},
+                container_annotations={"late": "1"},
+            )
+        )
+
+    def created(self) -> None:
+        self.containerd.call("StateChange", event(nri.POST_CREATE_CONTAINER, nri_container(nri.CONTAINER_CREATED)))
+
+    def update_requested(self) -> tuple[int, nri.UpdateContainersRequest]:
+        [sent] = [sent for sent in self.containerd.sent() if sent.request is not None]
+        assert sent.request is not None
+        self.assertEqual(sent.request.method, "UpdateContainers")
+        return sent.stream_id, nri.UpdateContainersRequest.FromString(sent.request.payload)
+
+    def create_line(self) -> str:
+        [line] = [e for e in self.events if e.get("log_namespace") == "koordrp.calls" and e["method"] == "CreateContainer"]
+        return str(line["hooks"])
+
+    def test_a_late_answers_resources_reach_the_created_container_and_what_cannot_change_is_named(self) -> None:
+        pending = self.create_past_the_deadline()
+        self.created()
+        self.assertEqual(pending.cancelled, [])  # not cut at containerd's deadline
+        self.late_answer(pending)
+        stream, request = self.update_requested()
+        [update] = request.update
+        self.assertEqual((update.container_id, update.linux.resources.cpu.shares.value), ("c-1", 512))
+        self.assertFalse(update.linux.resources.cpu.cpus)  # unchanged: not named
+        self.assertEqual([e for e in self.events if e.get("log_namespace") == "koordrp.calls"][-1]["method"], "RunPodSandbox")
+        self.containerd.answer(stream, nri.UpdateContainersResponse())
+        self.assertEqual(
+            self.create_line(),
+            "PreCreateContainer@slow.json: late 2500.0 ms (no answer within 1.9s: went on without it, then applied what "
+            "could change), changed resources.cpu_shares 2→512, left alone (late) annotations +late, envs +LATE",
+        )
+        stored = self.store.container("c-1")
+        assert stored is not None
+        self.assertEqual((stored.asked.container_resources.cpu_shares, stored.given.container_resources.cpu_shares), (2, 512))
+        self.assertNotIn("LATE", stored.given.container_envs)
+
+    def test_an_answer_that_comes_before_containerd_says_it_created_the_container_waits_for_it(self) -> None:
+        self.late_answer(self.create_past_the_deadline())
+        self.assertEqual([sent for sent in self.containerd.sent() if sent.request is not None], [])
+        self.created()
+        self.update_requested()
+
+    def test_a_create_containerd_did_not_make_drops_the_late_call(self) -> None:
+        pending = self.create_past_the_deadline()
+        self.containerd.call("StateChange", event(nri.REMOVE_CONTAINER, nri_container()))
+        self.assertEqual(len(pending.cancelled), 1)
+        self.assertIn("PreCreateContainer@slow.json: timeout 1900.0 ms (no answer within 1.9s; went on without it)", self.create_line())
+
+    def test_an_update_containerd_refuses_leaves_it_all_alone_and_says_why(self) -> None:
+        pending = self.create_past_the_deadline()
+        self.created()
+        self.late_answer(pending)
+        stream, _ = self.update_requested()
+        self.containerd.answer(stream, code=UNKNOWN, error="no such container")
+        self.assertIn(
+            "then applied what could change), left alone (late, and not applied: containerd refused the update: "
+            "no such container) annotations +late, resources.cpu_shares 2→512, envs +LATE",
+            self.create_line(),
+        )
+        stored = self.store.container("c-1")
+        assert stored is not None
+        self.assertEqual(stored.given.container_resources.cpu_shares, 2)
+
+    def test_a_container_removed_before_the_answer_came_is_left_alone(self) -> None:
+        pending = self.create_past_the_deadline()
+        self.created()
+        self.containerd.call("StopContainer", nri.StopContainerRequest(pod=nri_pod(), container=nri_container(nri.CONTAINER_STOPPED)))
+        self.containerd.call("StateChange", event(nri.REMOVE_CONTAINER, nri_container(nri.CONTAINER_STOPPED)))
+        self.late_answer(pending)
+        self.assertEqual([sent for sent in self.containerd.sent() if sent.request is not None], [])
+        self.assertIn("left alone (late, and not applied: the container was removed meanwhile) annotations +late", self.create_line())
+
+    def test_a_server_that_never_answers_ends_at_its_own_timeout(self) -> None:
+        self.create_past_the_deadline()
+        self.created()
+        self.clock.advance(self.SLOW.timeout - (2.0 - ANSWER_MARGIN))
+        self.assertIn("timeout 10000.0 ms (no answer within 1.9s, nor later: no answer within 10s; went on without it)", self.create_line())
+
+    def test_containerd_2_says_its_deadline_and_1_7_gives_configure_it(self) -> None:
+        self.containerd.call("Configure", nri.ConfigureRequest(runtime_name="containerd", request_timeout=10000), timeout=9.99)
+        self.containerd.call("Configure", nri.ConfigureRequest(runtime_name="containerd"), timeout=1.99995)
+        self.assertEqual([round(limit.seconds, 3) for limit in self.limits], [10 - ANSWER_MARGIN, 2 - ANSWER_MARGIN])
+        self.assertIn("plugin_request_timeout", self.limits[0].source)
+        self.containerd.call("Synchronize", nri.SynchronizeRequest())
+        self.assertEqual(self.deadlines, ["2s (plugin_request_timeout)"])
 
 
 class TranslateTests(SynchronousTestCase):
