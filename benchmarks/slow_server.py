@@ -31,7 +31,6 @@ from typing import Any, Callable, Iterator
 from cri_api.v1 import api_pb2
 
 from benchmarks import slow_hook_server
-from tests.support.containerd import Containerd
 from tests.support.cri_objects import container_config, pod_sandbox_config
 from tests.support.hook_registration import register
 from tests.support.images import BUSYBOX_REF, ImageSet, build_test_images
