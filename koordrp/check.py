@@ -39,6 +39,7 @@ from koordrp.hooks.config import DEFAULT_HOOK_TIMEOUT
 from koordrp.hooks.registry import Rejection, describe, list_registrations, read_registration, understand
 from koordrp.hooks.types import HookServerConfig, HookServers
 from koordrp.nri import registration
+from koordrp.hooks.limit import SHORTEN
 from koordrp.nri.plugin import ANSWER_MARGIN, pre_hook_limit
 from koordrp.tap import DEFAULT_HOOK_CONFIG_DIR, DEFAULT_NRI_SOCKET, DEFAULT_PROXY_ENDPOINT, DEFAULT_STATE_DIR, RUNTIME_MODES
 from koordrp.unix import EndpointError, connect_error, grpc_target, parse_unix_endpoint, socket_problem
@@ -356,7 +357,7 @@ def nri_deadline_findings(config_path: str, servers: Sequence[HookServerConfig])
             False,
             f"hook server {server.name} may take {server.timeout:g}s to answer, but its pre hooks get {limit.seconds:g}s: "
             f"containerd's NRI gives each call {seconds:g}s ({where}) and koordrp keeps {ANSWER_MARGIN:g}s of it to answer",
-            f"set its timeout-seconds to {limit.seconds:g} or less, or {limit.remedy}",
+            f"set {SHORTEN} to {limit.seconds:g} or less, or {limit.remedy}",
         )
         for server in slow
     ]

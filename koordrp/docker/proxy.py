@@ -27,6 +27,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import Interface, implementer
 
+from koordrp.drain import Drain
 from koordrp.docker.http import (
     MAX_BODY_BYTES,
     BodyTooLarge,
@@ -40,6 +41,9 @@ from koordrp.docker.http import (
     json_response,
     parse_request_head,
 )
+
+CLOSE_SECONDS = 1.0
+"""How long a stop waits for the client connections it closed to be gone."""
 
 LINGER_SECONDS = 10.0
 """How long koordrp reads (and drops) what a client still sends after answering its request early."""
@@ -122,6 +126,9 @@ class DockerClientConnection(protocol.Protocol):
         self._connecting: IConnector | None = None
         self._lingering: IDelayedCall | None = None
         self._gone = False
+
+    def connectionMade(self) -> None:
+        self.proxy.clients.add(self)
 
     def dataReceived(self, data: bytes) -> None:
         if self._upstream is not None:
@@ -252,6 +259,7 @@ class DockerClientConnection(protocol.Protocol):
 
     def connectionLost(self, reason: Failure = protocol.connectionDone) -> None:
         self._gone = True
+        self.proxy.client_gone(self)
         if self._lingering is not None and self._lingering.active():
             self._lingering.cancel()
         if self._handling is not None:
@@ -281,9 +289,24 @@ class DockerProxyFactory(protocol.Factory):
         self.clock = IReactorTime(reactor)
         self.interceptor = interceptor
         self.unavailable = unavailable
+        self.clients: set[DockerClientConnection] = set()
+        self._all_gone = Drain(self.clock)
 
     def buildProtocol(self, addr: IAddress | None) -> DockerClientConnection:
         return DockerClientConnection(self)
+
+    def client_gone(self, client: DockerClientConnection) -> None:
+        self.clients.discard(client)
+        if not self.clients:
+            self._all_gone.idle()
+
+    def let_go(self) -> "Deferred[None]":
+        """koordrp stops: every client connection still open (a stream, a lingering refusal) is closed, and
+        the Deferred fires once they are gone."""
+        gone = self._all_gone.wait(bool(self.clients), CLOSE_SECONDS)
+        for client in list(self.clients):
+            client.transport.abortConnection()  # type: ignore[union-attr]
+        return gone
 
     def connect_upstream(self, factory: protocol.ClientFactory) -> IConnector:
         return self.reactor.connectUNIX(self.backend_path, factory, timeout=10)

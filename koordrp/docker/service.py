@@ -46,6 +46,7 @@ class DockerProxyService(service.Service):
             parts.store, lambda: ensureDeferred(resync.read_everything(self._dockerd, None)), clock, "dockerd", parts.metrics
         )
         self._port: IListeningPort | None = None
+        self._factory: DockerProxyFactory | None = None
 
     def probe(self) -> "Deferred[object]":
         return self._dockerd.probe()
@@ -53,7 +54,9 @@ class DockerProxyService(service.Service):
     def startService(self) -> None:
         settings = self.settings
         prepare_listening_path(settings.listen_path)
-        factory = DockerProxyFactory(settings.backend_path, self._reactor, self._interceptor, self._dockerd.unavailable)
+        self._factory = factory = DockerProxyFactory(
+            settings.backend_path, self._reactor, self._interceptor, self._dockerd.unavailable
+        )
         self._port = self._reactor.listenUNIX(settings.listen_path, factory, mode=SOCKET_MODE, wantPID=False)
         restrict_socket(settings.listen_path, settings.socket_gid)
         super().startService()  # type: ignore[no-untyped-call]
@@ -75,6 +78,7 @@ class DockerProxyService(service.Service):
         stopped: Deferred[None] = port.stopListening()  # type: ignore[assignment]
         # Post hooks of calls that were answered are still owed to their servers, within the stop's bound.
         stopped.addCallback(lambda _: self._parts.dispatcher.drain(self.settings.grace_period))
+        stopped.addCallback(lambda _: self._factory.let_go() if self._factory is not None else None)
 
         def release(_: object) -> None:
             remove_socket(self.settings.listen_path)

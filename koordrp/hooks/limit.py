@@ -11,6 +11,9 @@ from dataclasses import dataclass
 
 from koordrp.hooks.types import HookServerConfig
 
+SHORTEN = "its timeout-seconds (in a file without one, as koordlet writes it: koordrp's --hook-timeout)"
+"""What an operator shortens so that a server's pre hook calls fit the limit."""
+
 
 @dataclass(frozen=True)
 class PreHookLimit:
@@ -34,6 +37,6 @@ class PreHookLimit:
             f"hook server {server.name} ({server.endpoint}) may take {server.timeout:g}s to answer (its timeout-seconds, "
             f"or --hook-timeout), but its pre hooks get {self.seconds:g}s: {self.source}. An answer later than that "
             f"comes after the call went on without it (a PreCreateContainer answer's resources are still applied to "
-            f"the created container), and the server is skipped until a call to it answers in time; set its "
-            f"timeout-seconds to {self.seconds:g} or less, or {self.remedy}"
+            f"the created container), and the server is skipped until a call to it answers in time; set "
+            f"{SHORTEN} to {self.seconds:g} or less, or {self.remedy}"
         )

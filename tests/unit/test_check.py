@@ -31,7 +31,7 @@ class NRIDeadlineTests(SynchronousTestCase):
             f"hook server slow.json may take 10s to answer, but its pre hooks get 1.9s: containerd's NRI gives each "
             f"call 2s (plugin_request_timeout in {path}) and koordrp keeps 0.1s of it to answer",
         )
-        self.assertTrue(finding.fix.startswith("set its timeout-seconds to 1.9 or less, or raise plugin_request_timeout"))
+        self.assertTrue(finding.fix.startswith("set its timeout-seconds (in a file without one, as koordlet writes it: koordrp's --hook-timeout) to 1.9 or less, or raise plugin_request_timeout"))
 
     def test_servers_that_fit_and_containerds_default(self) -> None:
         [finding] = nri_deadline_findings(self.config('  plugin_request_timeout = "11s"\n'), [SLOW, QUICK, POST])

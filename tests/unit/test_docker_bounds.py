@@ -24,7 +24,8 @@ from koordrp.hooks.types import FailurePolicy, HookServerConfig, HookServers, Ho
 from koordrp.store import Store
 from tests.fake.dockerd import WEDGED, ScriptedDockerd, answer
 from tests.fake.flows import ScriptedStages
-from tests.unit.test_docker_waits import DockerModeTestCase, until
+from tests.support.waiting import until
+from tests.unit.test_docker_waits import DockerModeTestCase
 
 QUESTION_SECONDS = 0.5
 FORTY_EIGHT_MB = 48_000_000

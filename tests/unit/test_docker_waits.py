@@ -5,14 +5,13 @@ Docker mode service on the real reactor, with a real client on its own socket.
 """
 
 import os
-import time
 from typing import Any, cast
 
 from twisted.internet import reactor
 from twisted.internet.defer import CancelledError, Deferred, inlineCallbacks
 from twisted.internet.interfaces import IReactorUNIX
 from twisted.internet.protocol import ClientFactory, Factory, Protocol
-from twisted.internet.task import Clock, deferLater
+from twisted.internet.task import Clock
 from twisted.logger import ILogObserver, LogEvent, globalLogPublisher
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase, TestCase
@@ -31,6 +30,7 @@ from koordrp.resync import RETRY_SECONDS, StoreSync
 from koordrp.store import Store
 from koordrp.web import HealthResource
 from tests.support.tempdirs import short_tempdir
+from tests.support.waiting import until
 
 QUESTION_SECONDS = 0.5
 PROBE_SECONDS = 0.5
@@ -76,14 +76,6 @@ def open_sockets() -> int:
         except FileNotFoundError:  # the descriptor listdir itself used
             pass
     return sum(link.startswith("socket:") for link in links)
-
-
-async def until(condition: Any, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        await deferLater(reactor, 0.01, lambda: None)
 
 
 class DockerModeTestCase(TestCase):

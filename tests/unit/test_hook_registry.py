@@ -282,7 +282,7 @@ class BookTests(SynchronousTestCase):
         [warning] = self.warnings(notices)
         self.assertTrue(warning.startswith("hook server koordlet.json (/var/run/koordlet/koordlet.sock) may take 3s to answer"), warning)
         self.assertIn("its pre hooks get 1.9s: containerd's NRI gives each call 2s (plugin_request_timeout)", warning)
-        self.assertIn("set its timeout-seconds to 1.9 or less, or raise plugin_request_timeout", warning)
+        self.assertIn("set its timeout-seconds (in a file without one, as koordlet writes it: koordrp's --hook-timeout) to 1.9 or less, or raise plugin_request_timeout", warning)
         self.assertIn("koordlet.json (/var/run/koordlet/koordlet.sock, Ignore, 3s; pre hooks 1.9s)", self.lines(notices)[-1])
         self.assertIn("quick.json (/run/q.sock, Ignore, 1s): PreCreateContainer", self.lines(notices)[-1])
         self.assertEqual(self.book.limit_known(limit), [])  # known already: said already
