@@ -13,6 +13,7 @@ from twisted.python import usage
 
 from koordrp import koordrp_version
 from koordrp.checkpoint import CheckpointError, DirectoryCheckpoint
+from koordrp.cri.listing import CRIListing
 from koordrp.cri.server import CRIProxyService, CRIProxySettings
 from koordrp.docker.service import DockerProxyService, DockerProxySettings
 from koordrp.call import Parts, SkipLabel
@@ -24,6 +25,7 @@ from koordrp.hooks.registry import HookRegistry
 from koordrp.hooks.types import HookServers
 from koordrp.nri.plugin import PluginIdentity
 from koordrp.nri.service import NRIService, NRISettings
+from koordrp.resync import DEFAULT_INTERVAL
 from koordrp.shutdown import OrderlyStopOnSIGTERM
 from koordrp.store import Store
 from koordrp.systemd import SystemdNotifier
@@ -59,7 +61,8 @@ class Options(usage.Options):
             "remote-runtime-service-endpoint",
             None,
             None,
-            f"backend runtime socket [default: {DEFAULT_RUNTIME_ENDPOINT}, or {DEFAULT_DOCKER_ENDPOINT} in Docker mode]",
+            "backend runtime socket (NRI mode: containerd's, whose CRI listing the store is reconciled with) "
+            f"[default: {DEFAULT_RUNTIME_ENDPOINT}, or {DEFAULT_DOCKER_ENDPOINT} in Docker mode]",
         ],
         [
             "remote-image-service-endpoint",
@@ -104,6 +107,14 @@ class Options(usage.Options):
             DEFAULT_HOOK_TIMEOUT,
             "seconds a hook call may take at most, unless its file sets timeout-seconds; within that, "
             "hooks may use half of what is left of the CRI call's own deadline",
+            float,
+        ],
+        [
+            "reconcile-interval",
+            None,
+            DEFAULT_INTERVAL,
+            "seconds between readings of the runtime that make koordrp forget the pods and containers removed "
+            "behind its back (and learn those made behind it); 0: only at start and after an outage",
             float,
         ],
         ["grace-period", None, 10.0, "seconds in-flight CRI calls get to finish on shutdown", float],
@@ -184,6 +195,8 @@ class Options(usage.Options):
             self["remote-image-service-endpoint"] = self["remote-runtime-service-endpoint"]
         if not 0 < self["hook-timeout"] < float("inf"):
             raise usage.UsageError("--hook-timeout: must be a number of seconds > 0")
+        if not 0 <= self["reconcile-interval"] < float("inf"):
+            raise usage.UsageError("--reconcile-interval: must be a number of seconds >= 0 (0: off)")
         if not self["grace-period"] >= 0:
             raise usage.UsageError("--grace-period: must be a number of seconds >= 0")
         if self["max-workers"] < 2:
@@ -203,6 +216,7 @@ def front_end(config: Options, reactor: IReactorCore, parts: Parts, metrics: Met
             listen_path=config["koord-runtimeproxy-endpoint"],
             backend_path=config["remote-runtime-service-endpoint"],
             socket_gid=config["socket-group"],
+            reconcile_interval=config["reconcile-interval"],
         )
         return DockerProxyService(docker, IReactorUNIX(reactor), parts)
     settings = CRIProxySettings(
@@ -212,6 +226,7 @@ def front_end(config: Options, reactor: IReactorCore, parts: Parts, metrics: Met
         grace_period=config["grace-period"],
         max_workers=config["max-workers"],
         socket_gid=config["socket-group"],
+        reconcile_interval=config["reconcile-interval"],
     )
     return CRIProxyService(settings, IReactorThreads(reactor), parts, metrics)
 
@@ -271,10 +286,16 @@ def makeService(config: Options, reactor: IReactorCore | None = None) -> service
     # Started in this order, stopped in the reverse: systemd hears READY once the front end serves,
     # and STOPPING before it drains.
     children: list[service.IService] = [registry, proxy, SystemdNotifier(clock), OrderlyStopOnSIGTERM(reactor)]
+    if config["backend-runtime-mode"] == "NRI" and config["reconcile-interval"] > 0:
+        # Between containerd's synchronizations, its CRI socket says what is gone (NRI cannot list).
+        listing = CRIListing(
+            config["remote-runtime-service-endpoint"], IReactorThreads(reactor), parts.store, config["reconcile-interval"]
+        )
+        children.insert(2, listing)
     if metrics is not None:
         from koordrp.web import metrics_service
 
-        metrics.watch_store(parts.store.sizes)
+        metrics.watch_store(parts.store)
         children.append(metrics_service(config["metrics-endpoint"], metrics, proxy.probe, clock))
     # The registry starts first, so the first call already sees every registered server.
     for child in children:

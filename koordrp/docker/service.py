@@ -3,13 +3,12 @@
 from dataclasses import dataclass
 
 from twisted.application import service
-from twisted.internet.defer import Deferred, ensureDeferred
+from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IListeningPort, IReactorTime, IReactorUNIX
 from twisted.logger import Logger
 from zope.interface import implementer
 
 from koordrp.call import Parts
-from koordrp import resync
 from koordrp.docker.dockerd import Dockerd
 from koordrp.docker.http import json_response
 from koordrp.docker.intercept import DockerInterceptor
@@ -24,6 +23,8 @@ class DockerProxySettings:
     listen_path: str
     backend_path: str
     socket_gid: int | None = None
+    reconcile_interval: float = 0.0
+    """Seconds between readings of dockerd for the store (0: at start only)."""
 
 
 @implementer(IFrontEnd)
@@ -41,9 +42,7 @@ class DockerProxyService(service.Service):
         clock = IReactorTime(reactor)
         self._interceptor = DockerInterceptor(self._dockerd, parts)
         # Each question to dockerd has koordrp's own bound (koordrp.docker.dockerd).
-        self._sync = StoreSync(
-            parts.store, lambda: ensureDeferred(resync.read_everything(self._dockerd, None)), clock, "dockerd"
-        )
+        self._sync = StoreSync(parts.store, self._dockerd, clock, "dockerd", settings.reconcile_interval)
         self._port: IListeningPort | None = None
 
     def unavailable(self, reason: str) -> bytes:

@@ -12,22 +12,20 @@ from twisted.internet import reactor
 from twisted.internet.defer import Deferred, inlineCallbacks
 from twisted.internet.interfaces import IReactorUNIX
 from twisted.internet.protocol import ClientFactory, Factory, Protocol
-from twisted.internet.task import Clock, deferLater
+from twisted.internet.task import deferLater
 from twisted.logger import ILogObserver, LogEvent, globalLogPublisher
 from twisted.python.failure import Failure
-from twisted.trial.unittest import SynchronousTestCase, TestCase
+from twisted.trial.unittest import TestCase
 from twisted.web.server import NOT_DONE_YET
 from twisted.web.test.requesthelper import DummyRequest
 
-from koordrp import adapters
 from koordrp.call import Parts, SkipLabel
-from koordrp import resync
 from koordrp.docker.dockerd import Dockerd
 from koordrp.docker.service import DockerProxyService, DockerProxySettings
 from koordrp.hooks.client import HookClients
 from koordrp.hooks.dispatcher import Dispatcher
 from koordrp.hooks.types import HookServers
-from koordrp.resync import RETRY_SECONDS, StoreSync
+from koordrp.resync import RETRY_SECONDS
 from koordrp.store import Store
 from koordrp.web import HealthResource
 from tests.support.tempdirs import short_tempdir
@@ -159,45 +157,3 @@ class WedgedDockerdTests(TestCase):
         yield self.service.stopService()
         yield Deferred.fromCoroutine(until(lambda: self.wedged.open == 0, timeout=QUESTION_SECONDS + 2))
         yield Deferred.fromCoroutine(until(lambda: open_sockets() <= before))
-
-
-class StoreSyncTests(SynchronousTestCase):
-    def setUp(self) -> None:
-        self.clock = Clock()
-        self.store = Store()
-        self.answers: list[Deferred[resync.Snapshot]] = []
-        self.sync = StoreSync(self.store, self.read, self.clock, "dockerd")
-        self.events: list[LogEvent] = []
-        observer = cast(ILogObserver, self.events.append)
-        globalLogPublisher.addObserver(observer)
-        self.addCleanup(globalLogPublisher.removeObserver, observer)
-
-    def read(self) -> "Deferred[resync.Snapshot]":
-        answer: Deferred[resync.Snapshot] = Deferred()
-        self.answers.append(answer)
-        return answer
-
-    def lines(self, start: str) -> list[LogEvent]:
-        return [event for event in self.events if event.get("log_format", "").startswith(start)]
-
-    def test_failures_are_told_once_per_reason_and_retried_until_the_runtime_answers(self) -> None:
-        self.sync.start()
-        self.answers[0].errback(adapters.LookupFailed("GET /containers/json: no answer within 10s"))
-        self.clock.advance(RETRY_SECONDS)
-        self.answers[1].errback(adapters.LookupFailed("GET /containers/json: no answer within 10s"))
-        self.clock.advance(RETRY_SECONDS)
-        self.answers[2].errback(adapters.LookupFailed("GET /containers/json: connection refused"))
-        self.assertEqual([event["reason"] for event in self.lines("cannot read")], [
-            "GET /containers/json: no answer within 10s",
-            "GET /containers/json: connection refused",
-        ])
-        self.clock.advance(RETRY_SECONDS)
-        self.answers[3].callback(([], []))
-        self.assertEqual(len(self.lines("store rebuilt from")), 1)
-        self.assertEqual(self.clock.getDelayedCalls(), [])
-
-    def test_stopping_ends_the_retries(self) -> None:
-        self.sync.start()
-        self.answers[0].errback(adapters.LookupFailed("no answer"))
-        self.sync.stop()
-        self.assertEqual(self.clock.getDelayedCalls(), [])
