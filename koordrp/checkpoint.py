@@ -12,7 +12,7 @@ node's running containers do.
 import os
 import re
 import stat
-from typing import Callable, Literal, Protocol, TypeVar
+from typing import AbstractSet, Callable, Literal, Protocol, TypeVar
 
 from google.protobuf.message import DecodeError
 from twisted.logger import Logger
@@ -44,7 +44,7 @@ class Checkpoint(Protocol):
         (DecodeError, ValueError).
         """
 
-    def retain(self, kind: Kind, identifiers: set[str]) -> None:
+    def retain(self, kind: Kind, identifiers: AbstractSet[str]) -> None:
         """Forget what is kept for every identifier not in ``identifiers``."""
 
     def count(self) -> int:
@@ -60,7 +60,7 @@ class NoCheckpoint:
     def read(self, kind: Kind, identifier: str, parse: Callable[[bytes], Parsed]) -> Parsed | None:
         return None
 
-    def retain(self, kind: Kind, identifiers: set[str]) -> None:
+    def retain(self, kind: Kind, identifiers: AbstractSet[str]) -> None:
         pass
 
     def count(self) -> int:
@@ -156,7 +156,7 @@ class DirectoryCheckpoint:
         except (DecodeError, ValueError) as error:
             raise StateUnreadable(f"{path}: {error or type(error).__name__}") from None
 
-    def retain(self, kind: Kind, identifiers: set[str]) -> None:
+    def retain(self, kind: Kind, identifiers: AbstractSet[str]) -> None:
         for identifier in self._kept[kind] - identifiers:
             self.write(kind, identifier, None)
 

@@ -289,9 +289,10 @@ class Store:
             del self._containers[container_id]
         new = len({i for i, _ in pods} - self._pods.keys()) + len({i for i, _ in containers} - self._containers.keys())
         self.learn(pods, containers)
-        # What was kept for the pods and containers removed while koordrp could not see it.
-        self._checkpoint.retain("pods", set(self._pods))
-        self._checkpoint.retain("containers", set(self._containers))
+        # What was kept for the pods and containers the runtime no longer has goes; not what was kept for
+        # those it lists and the store has not learnt (yet: NRI mode learns from Synchronize alone).
+        self._checkpoint.retain("pods", self._pods.keys() | listed_pods)
+        self._checkpoint.retain("containers", self._containers.keys() | listed_containers)
         return len(gone_pods) + len(gone_containers), new
 
     def sizes(self) -> tuple[int, int]:

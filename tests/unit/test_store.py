@@ -188,6 +188,15 @@ class CheckpointTests(SynchronousTestCase):
         restarted.reconcile((set(), set()), [], [], restarted.ids())
         self.assertEqual(self.files("containers"), [])
 
+    def test_what_was_kept_for_what_the_runtime_lists_stays_until_it_is_learnt(self) -> None:
+        """NRI mode's listing runs before containerd's synchronization has told the store anything."""
+        Store(self.opened()).put_container("c1", "p1", container("asked"), container("given"))
+        restarted = Store(self.opened())
+        restarted.reconcile((set(), {"c1"}), [], [], restarted.ids())
+        self.assertEqual(self.files("containers"), ["c1"])
+        restarted.learn([], [("c1", StoredContainer.read_back("p1", container("given"), ContainerState.RUNNING))])
+        self.assertEqual(restarted.container("c1").asked, container("asked"))  # type: ignore[union-attr]
+
     def test_a_file_that_cannot_be_read_leaves_what_the_runtime_has_and_says_so_once(self) -> None:
         self.opened()
         path = os.path.join(self.directory, "containers", "c1")
