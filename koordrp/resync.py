@@ -104,7 +104,7 @@ def agree(
 ) -> None:
     """The store agrees with what ``runtime`` (named in the log line) has, read after ``known_before``.
 
-    The line says what the runtime has and what the store learnt and forgot; ``quiet``: only if it
+    The line says what the store holds now, and what it learnt and forgot; ``quiet``: only if it
     learnt or forgot something.
     """
     forgotten, learnt = store.reconcile((found.pod_ids, found.container_ids), found.pods, found.containers, known_before)
@@ -112,7 +112,7 @@ def agree(
         return
     pods, containers = store.sizes()
     log.info(
-        "store {done} {runtime}: {forgotten} forgotten, {learnt} learnt; it holds {pods} pods, {containers} containers",
+        "store {done} {runtime}: {pods} pods, {containers} containers ({learnt} learnt, {forgotten} forgotten)",
         done="reconciled with" if quiet else "rebuilt from",
         runtime=runtime,
         pods=pods,
@@ -140,8 +140,12 @@ class StoreSync:
     ) -> None:
         """``runtime`` names ``inventory`` in log lines; each question to it is bounded by ``timeout``.
 
-        ``learns``: what the runtime lists and the store lacks is read back and learnt; otherwise
-        the store only forgets by the listing (NRI mode, where containerd tells of what appears).
+        ``learns``: what the runtime lists and the store lacks is read back and learnt. Otherwise
+        the store learns what appears from elsewhere (NRI mode: containerd's events, which tell of
+        a pod sandbox just before containerd lists it), so a reading only forgets, and only what
+        the store knew before the previous reading began: so young a pod is not taken for gone.
+        Where koordrp hears of a pod or container only once the runtime has made it (the proxies),
+        a reading forgets what the store knew before it began.
         """
         self._store = store
         self._inventory = inventory
@@ -180,9 +184,9 @@ class StoreSync:
         self._cancel_next()
         if not self._running or self._reading is not None:
             return
-        # A reading forgets only what koordrp knew before the previous one began: NRI tells of a pod
-        # sandbox just before containerd lists it, and so young a pod must not be taken for gone.
-        known_before, self._known_earlier = self._known_earlier, self._store.ids()
+        known_now = self._store.ids()
+        known_before = known_now if self._learns else self._known_earlier
+        self._known_earlier = known_now
         reading = ensureDeferred(self._snapshot())
         self._reading = agreed = reading.addCallbacks(lambda found: self._agree(found, known_before, periodic), self._failed)
         agreed.addBoth(self._read_done)

@@ -102,7 +102,7 @@ def docker_proxy(dockerd: Dockerd, workdir: Path) -> Iterator[Observed]:
 def forgotten(observed: Observed, lines: str) -> int:
     """How many pods and containers the log ``lines`` say the store forgot."""
     told = observed.process.log_lines(lines)
-    return sum(int(line.split(lines, 1)[1].split(" forgotten", 1)[0]) for line in told)
+    return sum(int(line.rsplit(" learnt, ", 1)[1].split(" forgotten", 1)[0]) for line in told)
 
 
 def pods(runtime: Any, workdir: Path, name: str, count: int = 5) -> list[str]:

@@ -139,14 +139,13 @@ class PeriodicTests(StoreSyncTestCase):
         self.clock.advance(INTERVAL)
         self.assertEqual(self.runtime.read_back, [])
 
-    def test_a_pod_younger_than_the_previous_reading_is_not_taken_for_gone(self) -> None:
-        """NRI tells of a pod sandbox just before containerd lists it: it must survive a listing without it."""
+    def test_a_pod_removed_right_after_a_call_made_it_is_forgotten_at_the_next_reading(self) -> None:
+        """The proxies hear of a pod only once the runtime lists it."""
         self.sync.start()
-        self.store.put_pod("told-first", pod("told-first"), pod("told-first"))  # containerd lists it a moment later
+        self.put("short-lived")
+        self.runtime.remove("short-lived")
         self.clock.advance(INTERVAL)
-        self.assertTrue(self.store.has_pod("told-first"))
-        self.clock.advance(INTERVAL)  # known before the previous reading began, and still not listed: gone
-        self.assertFalse(self.store.has_pod("told-first"))
+        self.assertFalse(self.store.has_pod("short-lived"))
 
     def test_a_call_in_flight_keeps_what_it_creates(self) -> None:
         self.put("old")
@@ -251,6 +250,15 @@ class ForgetOnlyTests(StoreSyncTestCase):
         self.assertEqual((self.runtime.read_back, self.store.sizes()), ([], (1, 0)))
         [line] = self.lines("store {done}")
         self.assertEqual((line["done"], line["forgotten"]), ("reconciled with", 2))
+
+    def test_a_pod_younger_than_the_previous_reading_is_not_taken_for_gone(self) -> None:
+        """NRI tells of a pod sandbox just before containerd lists it: it must survive a listing without it."""
+        self.sync.start()
+        self.store.put_pod("told-first", pod("told-first"), pod("told-first"))  # containerd lists it a moment later
+        self.clock.advance(INTERVAL)
+        self.assertTrue(self.store.has_pod("told-first"))
+        self.clock.advance(INTERVAL)  # known before the previous reading began, and still not listed: gone
+        self.assertFalse(self.store.has_pod("told-first"))
 
     def test_its_trouble_is_told_when_it_starts_and_when_it_ends(self) -> None:
         self.runtime.broken = "UNAVAILABLE: no such socket"
