@@ -288,8 +288,8 @@ class Call(Generic[AnyReply]):
         return await self.backend.forward(rewritten, self.remaining())
 
     def shown(self, stored: Stored) -> Stored:
-        """What the hooks are shown of this pod or container comes from the store: if what kubelet asked was
-        lost (its state file could not be read), the call's line says so."""
+        """The hooks are shown what kubelet asked for this pod or container: if it was lost (its state file
+        could not be read), the call's line says so. (A container's hooks are shown its pod as given.)"""
         if stored.asked_lost:
             self.record.asked_lost = True
         return stored
@@ -302,14 +302,15 @@ class Call(Generic[AnyReply]):
             if stored is not None:
                 self.store.learn([(sandbox_id, stored)], [])
                 pod = self.store.pod(sandbox_id)
-        return None if pod is None else self.shown(pod)
+        return pod
 
     async def _pod_as_given(self, sandbox_id: str) -> PodHookRequest | None:
         pod = await self.pod(sandbox_id)
         return None if pod is None else pod.given
 
     async def container(self, container_id: str) -> StoredContainer | None:
-        """The container from the store, or read back from the runtime (and remembered), with its pod."""
+        """The container from the store, or read back from the runtime (and remembered), with its pod; its
+        hooks are shown what kubelet asked for it (``shown``)."""
         stored = self.store.container(container_id)
         if stored is None and container_id:
             stored = await self._read_back(

@@ -219,7 +219,7 @@ async def stop_pod_sandbox(call: Call[AnyReply], sandbox_id: str) -> AnyReply:
         for container in containers:  # copies, in the pod at hand
             call.post(HookType.POST_STOP_CONTAINER, placed_in_pod(call.shown(container).asked, pod.given))
         if pod_was_up:
-            call.post(HookType.POST_STOP_POD_SANDBOX, pod.asked)
+            call.post(HookType.POST_STOP_POD_SANDBOX, call.shown(pod).asked)
 
     return await _forward_changing(call, stopped, lambda: call.pod_now(sandbox_id, stopped=True))
 

@@ -1,12 +1,12 @@
 """Keeping the store in agreement with the runtime: at start, after the runtime was away, and every
 ``--reconcile-interval`` seconds, so that what was removed behind koordrp's back is forgotten.
 
-Every front end reads what its runtime has with ``read_everything`` (NRI mode: from what containerd
-tells at Synchronize, and in between from containerd's CRI listing, which it only forgets by:
-``koordrp.cri.listing``); ``agree`` decides what the store makes of it. ``StoreSync`` reads it
-at start and then periodically, and retries every second while the runtime cannot say, with one log
-line when that starts (or its reason changes) and one when it is over. A periodic reading that
-changes nothing logs nothing.
+Every front end reads what its runtime has with ``read_everything``; ``agree`` decides what the
+store makes of it. ``StoreSync`` reads it at start and then periodically, and retries every second
+while the runtime cannot say, with one log line when that starts (or its reason changes) and one
+when it is over; a periodic reading that changes nothing logs nothing. NRI mode agrees with what
+containerd tells at Synchronize too, and in between forgets by containerd's CRI listing
+(``koordrp.cri.listing``).
 """
 
 from dataclasses import dataclass
@@ -56,7 +56,9 @@ async def read_everything(
     sandbox_ids, container_ids = await runtime.listed(timeout)
 
     def unknown(identifier: str) -> bool:
-        return identifier not in skip and not (store is not None and (store.has_pod(identifier) or store.has_container(identifier)))
+        if identifier in skip:
+            return False
+        return store is None or not (store.has_pod(identifier) or store.has_container(identifier))
 
     pods: dict[str, StoredPod] = {}
     unreadable: set[str] = set()
@@ -92,7 +94,6 @@ async def _readable(kind: str, identifier: str, reading: Awaitable[Result | None
             error=shortened(str(error)),
         )
         return None
-
 
 
 def agree(

@@ -663,13 +663,15 @@ class IdentityRules(FlowTestCase):
         self.runtime.pods["s-1"] = PodHookRequest(pod_meta=hook.PodSandboxMetadata(name="web", uid="uid-1"))
         self.runtime.containers["c-1"] = StoredContainer.read_back("s-1", ContainerHookRequest(), ContainerState.CREATED)
         self.subscribe(PRE_START, POST_STOP, POST_STOP_POD)
-        self.drive(flows.start_container, "c-1")  # read back: what kubelet asked for it is lost
-        self.put_pod("s-2")
-        self.drive(flows.start_container, "no-such-container")
+        self.drive(flows.start_container, "c-1")  # read back, with its pod: what kubelet asked for both is lost
+        self.runtime.created_id = "c-2"
+        self.drive(flows.create_container, CRIWire().container("s-1", []))  # shown its pod as given: nothing lost
+        self.drive(flows.stop_container, "c-1")
+        self.drive(flows.stop_pod_sandbox, "s-1")  # c-2's PostStopContainer, and the pod's as kubelet asked it
         for call in self.calls:
             call.ended()
-        lost = [(line["method"], line["asked_lost"]) for line in self.call_lines()]
-        self.assertEqual(lost, [("Method", True), ("Method", False)])
+        lost = [line["asked_lost"] for line in self.call_lines()]
+        self.assertEqual(lost, [True, False, True, True])
         self.assertIn(
             "hooks: PreStartContainer@a.json: ok 1.0 ms; kubelet's values not available (its state file could not be read)",
             formatEvent(self.call_lines()[0]),
