@@ -63,6 +63,7 @@ if TYPE_CHECKING:
 
 Result = TypeVar("Result")
 Request = TypeVar("Request", PodHookRequest, ContainerHookRequest)
+Stored = TypeVar("Stored", StoredPod, StoredContainer)
 
 HOOKS_SHARE = 0.5
 """The share of what is left of a call's deadline its hook stage may take; the runtime's call keeps the rest."""
@@ -372,6 +373,13 @@ class Call(Generic[AnyReply]):
     async def forward(self, rewritten: bytes | None = None) -> AnyReply:
         return await self.backend.forward(rewritten, self.remaining())
 
+    def shown(self, stored: Stored) -> Stored:
+        """The hooks are shown what kubelet asked for this pod or container: if it was lost (its state file
+        could not be read), the call's line says so. (A container's hooks are shown its pod as given.)"""
+        if stored.asked_lost:
+            self.record.asked_lost = True
+        return stored
+
     async def pod(self, sandbox_id: str) -> StoredPod | None:
         """The pod from the store, or read back from the runtime (and remembered) if the store lacks it."""
         pod = self.store.pod(sandbox_id)
@@ -387,7 +395,8 @@ class Call(Generic[AnyReply]):
         return None if pod is None else pod.given
 
     async def container(self, container_id: str) -> StoredContainer | None:
-        """The container from the store, or read back from the runtime (and remembered), with its pod."""
+        """The container from the store, or read back from the runtime (and remembered), with its pod; its
+        hooks are shown what kubelet asked for it (``shown``)."""
         stored = self.store.container(container_id)
         if stored is None and container_id:
             stored = await self._read_back(
@@ -398,7 +407,7 @@ class Call(Generic[AnyReply]):
             if stored is not None:
                 self.store.learn([], [(container_id, stored)])
                 stored = self.store.container(container_id)
-        return stored
+        return None if stored is None else self.shown(stored)
 
     def container_request(self, container: ContainerHookRequest, sandbox_id: str) -> ContainerHookRequest:
         """What a hook about a container is shown: ``container`` (kubelet's, copied), in its pod as the pod is now."""
@@ -418,8 +427,9 @@ class Call(Generic[AnyReply]):
             )
             return None
 
-    async def container_now(self, container_id: str, state: ContainerState) -> bool:
-        """Whether the runtime says, on koordrp's own account (the caller is gone), the container is in ``state``."""
+    async def container_now(self, container_id: str, state: ContainerState | None) -> bool:
+        """Whether the runtime says, on koordrp's own account (the caller is gone), the container is in
+        ``state`` (None: that it no longer has it)."""
 
         async def stored_pod(sandbox_id: str) -> PodHookRequest | None:
             pod = self.store.pod(sandbox_id)
@@ -429,12 +439,13 @@ class Call(Generic[AnyReply]):
             found = await self.backend.read_container(container_id, stored_pod, SETTLE_SECONDS)
         except LookupFailed:
             return False
-        return found is not None and found.state is state
+        return found is None if state is None else found is not None and found.state is state
 
-    async def pod_now_stopped(self, sandbox_id: str) -> bool:
-        """Whether the runtime says, on koordrp's own account (the caller is gone), the pod is stopped."""
+    async def pod_now(self, sandbox_id: str, stopped: bool | None) -> bool:
+        """Whether the runtime says, on koordrp's own account (the caller is gone), the pod is ``stopped`` (or
+        running; None: that it no longer has it)."""
         try:
             found = await self.backend.read_pod(sandbox_id, SETTLE_SECONDS)
         except LookupFailed:
             return False
-        return found is not None and found.stopped
+        return found is None if stopped is None else found is not None and found.stopped is stopped

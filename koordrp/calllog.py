@@ -23,7 +23,9 @@ log = Logger(namespace="koordrp.calls")
 
 FORMAT = (
     "{method} pod {namespace}/{pod} ({uid}){container_part}: {outcome}{why_part} in {duration_ms:.1f} ms; hooks: {hooks}"
+    "{asked_lost_part}"
 )
+ASKED_LOST = "; kubelet's values not available (its state file could not be read): hooks were shown the runtime's"
 
 # How the log names a hook message's fields: as an operator thinks of them.
 _NAMES = {"container_resources.": "resources.", "pod_cgroup_parent": "cgroup_parent"}
@@ -101,6 +103,8 @@ class CallRecord:
     why: str = ""
     """Why the call ended as it did, where the runtime tells and its outcome's word does not (NRI: why
     containerd did not do it)."""
+    asked_lost: bool = False
+    """What kubelet asked for the pod or container was lost (its state file could not be read)."""
 
     def add(self, calls: Iterable[HookCall]) -> None:
         self.calls.extend(calls)
@@ -130,6 +134,8 @@ class CallRecord:
             "container_part": f" container {container}" if container else "",
             "hooks": "; ".join(call_text(call) for call in self.calls) or "none",
             "hook_calls": [call_fields(call) for call in self.calls],
+            "asked_lost": self.asked_lost,
+            "asked_lost_part": ASKED_LOST if self.asked_lost else "",
             "outcome": outcome,
             "why": self.why,
             "why_part": f" ({self.why})" if self.why else "",

@@ -12,8 +12,9 @@ node's running containers do.
 import os
 import re
 import stat
-from typing import Literal, Protocol
+from typing import AbstractSet, Callable, Literal, Protocol, TypeVar
 
+from google.protobuf.message import DecodeError
 from twisted.logger import Logger
 
 Kind = Literal["pods", "containers"]
@@ -22,16 +23,32 @@ KINDS: tuple[Kind, ...] = ("pods", "containers")
 # Runtime ids are hex; anything else (or absurdly long) is not given a file name.
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 DIRECTORY_MODE = 0o700
+MAX_FILE_BYTES = 16 << 20
+"""A kept hook request is a CRI request's worth: kubelet's own limit for one is 16 MiB."""
+
+Parsed = TypeVar("Parsed")
+
+
+class StateUnreadable(Exception):
+    """Something is kept for a pod or container that koordrp cannot read; the message names the file and why."""
 
 
 class Checkpoint(Protocol):
     def write(self, kind: Kind, identifier: str, data: bytes | None) -> None:
         """Keep ``data`` for ``identifier``; None: keep nothing (forget what was kept)."""
 
-    def read(self, kind: Kind, identifier: str) -> bytes | None: ...
+    def read(self, kind: Kind, identifier: str, parse: Callable[[bytes], Parsed]) -> Parsed | None:
+        """What is kept for ``identifier``, parsed; None: nothing is kept.
 
-    def retain(self, kind: Kind, identifiers: set[str]) -> None:
+        StateUnreadable: something is kept that cannot be read, or that ``parse`` refuses
+        (DecodeError, ValueError).
+        """
+
+    def retain(self, kind: Kind, identifiers: AbstractSet[str]) -> None:
         """Forget what is kept for every identifier not in ``identifiers``."""
+
+    def count(self) -> int:
+        """How many pods and containers something is kept for."""
 
 
 class NoCheckpoint:
@@ -40,11 +57,14 @@ class NoCheckpoint:
     def write(self, kind: Kind, identifier: str, data: bytes | None) -> None:
         pass
 
-    def read(self, kind: Kind, identifier: str) -> bytes | None:
+    def read(self, kind: Kind, identifier: str, parse: Callable[[bytes], Parsed]) -> Parsed | None:
         return None
 
-    def retain(self, kind: Kind, identifiers: set[str]) -> None:
+    def retain(self, kind: Kind, identifiers: AbstractSet[str]) -> None:
         pass
+
+    def count(self) -> int:
+        return 0
 
 
 class CheckpointError(RuntimeError):
@@ -117,19 +137,31 @@ class DirectoryCheckpoint:
         self._failing = None
         kept.add(identifier)
 
-    def read(self, kind: Kind, identifier: str) -> bytes | None:
+    def read(self, kind: Kind, identifier: str, parse: Callable[[bytes], Parsed]) -> Parsed | None:
         path = self._path(kind, identifier)
         if path is None or identifier not in self._kept[kind]:
             return None
         try:
             with open(path, "rb") as stream:
-                return stream.read()
-        except OSError:
+                data = stream.read(MAX_FILE_BYTES + 1)
+        except FileNotFoundError:  # removed by someone else: nothing is kept
+            self._kept[kind].discard(identifier)
             return None
+        except OSError as error:
+            raise StateUnreadable(f"{path}: {error.strerror}") from None
+        if len(data) > MAX_FILE_BYTES:
+            raise StateUnreadable(f"{path}: larger than {MAX_FILE_BYTES >> 20} MiB")
+        try:
+            return parse(data)
+        except (DecodeError, ValueError) as error:
+            raise StateUnreadable(f"{path}: {error or type(error).__name__}") from None
 
-    def retain(self, kind: Kind, identifiers: set[str]) -> None:
+    def retain(self, kind: Kind, identifiers: AbstractSet[str]) -> None:
         for identifier in self._kept[kind] - identifiers:
             self.write(kind, identifier, None)
+
+    def count(self) -> int:
+        return sum(len(kept) for kept in self._kept.values())
 
 
 def _remove(path: str) -> None:

@@ -72,14 +72,15 @@ METHOD_HOOKS: dict[str, tuple[HookType, ...]] = {
 async def _forward_changing(
     call: Call[AnyReply], happened: Callable[[], None], done_all_the_same: Callable[[], Awaitable[bool]]
 ) -> AnyReply:
-    """Forward a call that starts or stops something; ``happened()`` once the runtime has done it.
+    """Forward a call that starts, stops or removes something; ``happened()`` once the runtime has done it.
 
     This is where a call the caller gives up on (kubelet cancels, its deadline passes) is settled:
     the runtime's call is cancelled with it, but may have done its work all the same. koordrp then
     asks the runtime (``done_all_the_same``, on a bound of its own) and ``happened()`` runs only if
-    it says so: a cancelled StopContainer owes PostStopContainer only if the container did stop.
-    Otherwise the store keeps the state it had, and kubelet's repeat of the call owes what this one
-    would have.
+    it says so: a cancelled StopContainer owes PostStopContainer only if the container did stop, a
+    cancelled RemoveContainer forgets the container only if it is gone. Otherwise the store keeps
+    what it had, and kubelet's repeat of the call owes what this one would have (or the next
+    reconcile forgets it).
     """
     try:
         reply = await call.forward()
@@ -224,11 +225,11 @@ async def stop_pod_sandbox(call: Call[AnyReply], sandbox_id: str) -> AnyReply:
         pod_was_up, containers = call.store.pod_stopped(sandbox_id)
         # The runtime stopped the pod's containers too: a plugin sees every stop that went through koordrp.
         for container in containers:  # copies, in the pod at hand
-            call.post(HookType.POST_STOP_CONTAINER, placed_in_pod(container.asked, pod.given))
+            call.post(HookType.POST_STOP_CONTAINER, placed_in_pod(call.shown(container).asked, pod.given))
         if pod_was_up:
-            call.post(HookType.POST_STOP_POD_SANDBOX, pod.asked)
+            call.post(HookType.POST_STOP_POD_SANDBOX, call.shown(pod).asked)
 
-    return await _forward_changing(call, stopped, lambda: call.pod_now_stopped(sandbox_id))
+    return await _forward_changing(call, stopped, lambda: call.pod_now(sandbox_id, stopped=True))
 
 
 async def update_pod_sandbox_resources(call: Call[AnyReply], request: UpdatePodSandboxResources) -> AnyReply:
@@ -248,10 +249,9 @@ async def remove_container(call: Call[AnyReply], container_id: str) -> AnyReply:
     stored = call.store.container(container_id)
     if stored is not None:
         call.concerns(call.container_request(stored.asked, stored.sandbox_id))
-    reply = await call.forward()
-    if reply.ok:
-        call.store.forget_container(container_id)
-    return reply
+    return await _forward_changing(
+        call, lambda: call.store.forget_container(container_id), lambda: call.container_now(container_id, None)
+    )
 
 
 async def remove_pod_sandbox(call: Call[AnyReply], sandbox_id: str) -> AnyReply:
@@ -259,10 +259,9 @@ async def remove_pod_sandbox(call: Call[AnyReply], sandbox_id: str) -> AnyReply:
     pod = call.store.pod(sandbox_id)
     if pod is not None:
         call.concerns(pod.asked)
-    reply = await call.forward()
-    if reply.ok:
-        call.store.forget_pod(sandbox_id)
-    return reply
+    return await _forward_changing(
+        call, lambda: call.store.forget_pod(sandbox_id), lambda: call.pod_now(sandbox_id, stopped=None)
+    )
 
 
 async def unreadable(call: Call[AnyReply], method: str, reason: str) -> AnyReply:

@@ -5,10 +5,14 @@ histogram update (a few microseconds), which the pass-through path is otherwise 
 """
 
 import time
-from typing import Callable, Iterator, TypeVar
+from typing import Callable, Iterable, Iterator, TypeVar
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from koordrp.store import Store
 
 Request = TypeVar("Request")
 Answer = TypeVar("Answer")
@@ -43,7 +47,6 @@ class Metrics:
             registry=self.registry,
         )
         self.hook_servers = Gauge("koordrp_hook_servers", "registered hook servers", registry=self.registry)
-        self.store_entries = Gauge("koordrp_store_entries", "pods and containers koordrp remembers", ["kind"], registry=self.registry)
         self.failed_attempts = Counter(
             "koordrp_failed_attempts",
             "failed attempts at what koordrp retries until it works, by activity (nri-registration, store-resync); "
@@ -55,9 +58,8 @@ class Metrics:
             "koordrp_backend_reachable", "1 while the backend is reachable", ["endpoint"], registry=self.registry
         )
 
-    def watch_store(self, sizes: Callable[[], tuple[int, int]]) -> None:
-        self.store_entries.labels("pods").set_function(lambda: sizes()[0])
-        self.store_entries.labels("containers").set_function(lambda: sizes()[1])
+    def watch_store(self, store: Store) -> None:
+        self.registry.register(_StoreCollector(store))
 
     def hook_call(self, server: str, hook: str, result: str, seconds: float | None) -> None:
         self.hook_calls.labels(server, hook, result).inc()
@@ -104,6 +106,28 @@ class Metrics:
                 self.cri_calls.labels(short, code).inc()
 
         return counted
+
+
+class _StoreCollector(Collector):
+    """What the store holds, read when /metrics is scraped."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+
+    def collect(self) -> Iterable[Metric]:
+        pods, containers = self._store.sizes()
+        yield GaugeMetricFamily("koordrp_store_pods", "pods koordrp remembers", value=pods)
+        yield GaugeMetricFamily("koordrp_store_containers", "containers koordrp remembers", value=containers)
+        yield GaugeMetricFamily(
+            "koordrp_state_files",
+            "pods and containers for which what kubelet asked is kept in --state-dir",
+            value=self._store.state_files(),
+        )
+        yield CounterMetricFamily(
+            "koordrp_state_files_unreadable",
+            "state files koordrp could not read (each one's hooks were shown what the runtime has)",
+            value=self._store.unreadable_state_files,
+        )
 
 
 def _code_name(context: grpc.ServicerContext) -> str:

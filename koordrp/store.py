@@ -8,15 +8,23 @@ each entry, the state its pod or container is in as far as koordrp knows (it dec
 hooks are owed). Every read and write copies, so no caller can change what another one sees.
 
 After a restart the store is rebuilt from the runtime, which knows only ``given``; ``asked`` comes
-back from the checkpoint (``koordrp.checkpoint``), where it is kept whenever it differs.
+back from the checkpoint (``koordrp.checkpoint``), where it is kept whenever it differs. A kept file
+koordrp cannot read costs a warning naming it, and the entry is marked (``asked_lost``) so that the
+lines of the calls about it say their hooks were not shown kubelet's values.
 """
 
 from dataclasses import dataclass, replace
 from enum import Enum
-from typing import Iterable
+from typing import AbstractSet, Callable, Iterable, TypeVar
 
-from koordrp.checkpoint import Checkpoint, Kind, NoCheckpoint
-from koordrp.hooks.messages import AnyRequest, ContainerHookRequest, PodHookRequest, Resources, copied
+from google.protobuf.unknown_fields import UnknownFieldSet
+from twisted.logger import Logger
+
+from koordrp.checkpoint import Checkpoint, Kind, NoCheckpoint, StateUnreadable
+from koordrp.hooks.messages import ContainerHookRequest, PodHookRequest, Resources, copied
+
+
+Request = TypeVar("Request", PodHookRequest, ContainerHookRequest)
 
 
 class ContainerState(Enum):
@@ -55,6 +63,8 @@ class StoredPod:
     """What the runtime was given: the pod as it is."""
     stopped: bool = False
     """Its sandbox is stopped (``runtime_state`` says STOPPED), and its containers with it."""
+    asked_lost: bool = False
+    """What kubelet asked was kept in a file koordrp could not read: ``asked`` is what the runtime has."""
 
     @classmethod
     def read_back(cls, pod: PodHookRequest, stopped: bool) -> "StoredPod":
@@ -62,7 +72,7 @@ class StoredPod:
         return cls(pod, pod, stopped)
 
     def copy(self) -> "StoredPod":
-        return StoredPod(copied(self.asked), copied(self.given), self.stopped)
+        return replace(self, asked=copied(self.asked), given=copied(self.given))
 
 
 @dataclass(frozen=True)
@@ -73,6 +83,8 @@ class StoredContainer:
     given: ContainerHookRequest
     """What the runtime was given."""
     state: ContainerState = ContainerState.CREATED
+    asked_lost: bool = False
+    """What kubelet asked was kept in a file koordrp could not read: ``asked`` is what the runtime has."""
 
     @classmethod
     def read_back(cls, sandbox_id: str, container: ContainerHookRequest, state: ContainerState) -> "StoredContainer":
@@ -80,7 +92,7 @@ class StoredContainer:
         return cls(sandbox_id, container, container, state)
 
     def copy(self) -> "StoredContainer":
-        return StoredContainer(self.sandbox_id, copied(self.asked), copied(self.given), self.state)
+        return replace(self, asked=copied(self.asked), given=copied(self.given))
 
 
 def _kept(asked: PodHookRequest | ContainerHookRequest, given: PodHookRequest | ContainerHookRequest) -> bytes | None:
@@ -88,11 +100,33 @@ def _kept(asked: PodHookRequest | ContainerHookRequest, given: PodHookRequest | 
     return None if asked == given else asked.SerializeToString()
 
 
+def _parser(given: Request) -> Callable[[bytes], Request]:
+    """How a kept request about the pod or container the runtime has as ``given`` is read.
+
+    koordrp writes the fields it knows and no other, about the pod (or a container of the pod) the
+    runtime has: bytes that parse into something else were not written by it for this entry.
+    """
+
+    def parse(data: bytes) -> Request:
+        kept = type(given).FromString(data)
+        if len(UnknownFieldSet(kept)):
+            raise ValueError(f"not a {type(given).__name__} as koordrp writes it")
+        if kept.pod_meta.uid != given.pod_meta.uid:
+            raise ValueError(f"about pod uid {kept.pod_meta.uid!r}, not {given.pod_meta.uid!r}")
+        return kept
+
+    return parse
+
+
 class Store:
+    log = Logger()
+
     def __init__(self, checkpoint: Checkpoint | None = None) -> None:
         self._pods: dict[str, StoredPod] = {}
         self._containers: dict[str, StoredContainer] = {}
         self._checkpoint: Checkpoint = checkpoint if checkpoint is not None else NoCheckpoint()
+        self.unreadable_state_files = 0
+        """How many times a kept file could not be read (each costs one warning)."""
 
     def pod(self, sandbox_id: str) -> StoredPod | None:
         stored = self._pods.get(sandbox_id)
@@ -201,21 +235,31 @@ class Store:
         """
         for sandbox_id, pod in pods:
             if sandbox_id not in self._pods:
-                self._pods[sandbox_id] = replace(pod, asked=self._asked("pods", sandbox_id, pod.given), given=copied(pod.given))
+                asked, lost = self._asked("pods", sandbox_id, pod.given)
+                self._pods[sandbox_id] = replace(pod, asked=asked, given=copied(pod.given), asked_lost=lost)
         for container_id, stored in containers:
             if container_id not in self._containers:
-                asked = self._asked("containers", container_id, stored.given)
-                self._containers[container_id] = replace(stored, asked=asked, given=copied(stored.given))
+                container_asked, lost = self._asked("containers", container_id, stored.given)
+                self._containers[container_id] = replace(
+                    stored, asked=container_asked, given=copied(stored.given), asked_lost=lost
+                )
 
-    def _asked(self, kind: Kind, identifier: str, given: AnyRequest) -> AnyRequest:
-        """What kubelet asked, as the checkpoint kept it; what the runtime has if nothing readable was kept."""
-        data = self._checkpoint.read(kind, identifier)
-        if data is not None:
-            try:
-                return type(given).FromString(data)
-            except Exception:  # a file koordrp cannot read: what the runtime has stands in
-                pass
-        return copied(given)
+    def _asked(self, kind: Kind, identifier: str, given: Request) -> tuple[Request, bool]:
+        """What kubelet asked, as the checkpoint kept it (or what the runtime has, if nothing was kept), and
+        whether something was kept that cannot be read (what the runtime has then stands in, said once)."""
+        try:
+            kept = self._checkpoint.read(kind, identifier, _parser(given))
+        except StateUnreadable as error:
+            self.unreadable_state_files += 1
+            self.log.warn(
+                "cannot read what kubelet asked for {kind} {id}, kept in {error}; its hooks are shown what the "
+                "runtime has instead, which may hold earlier hooks' changes",
+                kind=kind[:-1],
+                id=identifier,
+                error=str(error),
+            )
+            return copied(given), True
+        return (copied(given), False) if kept is None else (kept, False)
 
     def ids(self) -> tuple[set[str], set[str]]:
         """The pod and container ids known now: what a later reconcile may forget."""
@@ -223,33 +267,37 @@ class Store:
 
     def reconcile(
         self,
+        listed: tuple[AbstractSet[str], AbstractSet[str]],
         pods: list[tuple[str, StoredPod]],
         containers: list[tuple[str, StoredContainer]],
-        known_before: tuple[set[str], set[str]],
+        known_before: tuple[AbstractSet[str], AbstractSet[str]],
     ) -> tuple[int, int]:
         """Agree with a listing of the runtime taken after ``known_before``; returns (forgotten, learnt).
 
-        What was known before the listing and is not in it was removed while koordrp could not see
-        it, and is forgotten. Entries written after ``known_before`` came from calls the listing may
-        have missed, and are kept. Everything listed and unknown is learnt.
+        ``listed`` is the id of every pod and container the runtime has; ``pods`` and ``containers``
+        are those of them read back. What was known before the listing and is not in it was removed
+        while koordrp could not see it, and is forgotten. Entries written after ``known_before`` came
+        from calls the listing may have missed, and are kept. Everything read back and unknown is learnt.
         """
         pods_before, containers_before = known_before
-        listed_pods = {sandbox_id for sandbox_id, _ in pods}
-        listed_containers = {container_id for container_id, _ in containers}
+        listed_pods, listed_containers = listed
         gone_pods = [i for i in pods_before - listed_pods if i in self._pods]
         gone_containers = [i for i in containers_before - listed_containers if i in self._containers]
         for sandbox_id in gone_pods:
             del self._pods[sandbox_id]
         for container_id in gone_containers:
             del self._containers[container_id]
-        new = sum(i not in self._pods for i in listed_pods) + sum(
-            i not in self._containers for i in listed_containers
-        )
+        new = len({i for i, _ in pods} - self._pods.keys()) + len({i for i, _ in containers} - self._containers.keys())
         self.learn(pods, containers)
-        # What was kept for the pods and containers removed while koordrp could not see it.
-        self._checkpoint.retain("pods", set(self._pods))
-        self._checkpoint.retain("containers", set(self._containers))
+        # What was kept for the pods and containers the runtime no longer has goes; not what was kept for
+        # those it lists and the store has not learnt (yet: NRI mode learns from Synchronize alone).
+        self._checkpoint.retain("pods", self._pods.keys() | listed_pods)
+        self._checkpoint.retain("containers", self._containers.keys() | listed_containers)
         return len(gone_pods) + len(gone_containers), new
 
     def sizes(self) -> tuple[int, int]:
         return len(self._pods), len(self._containers)
+
+    def state_files(self) -> int:
+        """How many pods and containers a state file is kept for."""
+        return self._checkpoint.count()

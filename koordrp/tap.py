@@ -14,6 +14,7 @@ from twisted.python import usage
 
 from koordrp import koordrp_version
 from koordrp.checkpoint import CheckpointError, DirectoryCheckpoint
+from koordrp.cri.listing import CRIListing
 from koordrp.cri.server import CRIProxyService, CRIProxySettings
 from koordrp.docker.service import DockerProxyService, DockerProxySettings
 from koordrp.call import Parts, SkipLabel
@@ -25,6 +26,7 @@ from koordrp.hooks.registry import HookRegistry
 from koordrp.hooks.types import HookServers
 from koordrp.nri.plugin import PluginIdentity
 from koordrp.nri.service import NRIService, NRISettings
+from koordrp.resync import DEFAULT_INTERVAL
 from koordrp.shutdown import OrderlyStopOnSIGTERM
 from koordrp.store import Store
 from koordrp.systemd import SystemdNotifier
@@ -60,7 +62,8 @@ class Options(usage.Options):
             "remote-runtime-service-endpoint",
             None,
             None,
-            f"backend runtime socket [default: {DEFAULT_RUNTIME_ENDPOINT}, or {DEFAULT_DOCKER_ENDPOINT} in Docker mode]",
+            "backend runtime socket (NRI mode: containerd's, whose CRI listing the store is reconciled with) "
+            f"[default: {DEFAULT_RUNTIME_ENDPOINT}, or {DEFAULT_DOCKER_ENDPOINT} in Docker mode]",
         ],
         [
             "remote-image-service-endpoint",
@@ -113,6 +116,14 @@ class Options(usage.Options):
             10.0,
             "seconds a stop (SIGTERM) may take: calls in flight and post hooks still running get this long, then are cut "
             "(NRI mode: koordrp stays containerd's plugin meanwhile); keep it below the unit's TimeoutStopSec",
+            float,
+        ],
+        [
+            "reconcile-interval",
+            None,
+            DEFAULT_INTERVAL,
+            "seconds between readings of the runtime that make koordrp forget the pods and containers removed "
+            "behind its back (and learn those made behind it); 0: only at start and after an outage",
             float,
         ],
         ["max-workers", None, 64, "CRI worker threads (streams hold one each)", int],
@@ -192,6 +203,8 @@ class Options(usage.Options):
             self["remote-image-service-endpoint"] = self["remote-runtime-service-endpoint"]
         if not 0 < self["hook-timeout"] < float("inf"):
             raise usage.UsageError("--hook-timeout: must be a number of seconds > 0")
+        if not 0 <= self["reconcile-interval"] < float("inf"):
+            raise usage.UsageError("--reconcile-interval: must be a number of seconds >= 0 (0: off)")
         if not self["grace-period"] >= 0:
             raise usage.UsageError("--grace-period: must be a number of seconds >= 0")
         if self["max-workers"] < 2:
@@ -214,6 +227,7 @@ def front_end(
             backend_path=config["remote-runtime-service-endpoint"],
             socket_gid=config["socket-group"],
             grace_period=config["grace-period"],
+            reconcile_interval=config["reconcile-interval"],
         )
         return DockerProxyService(docker, IReactorUNIX(reactor), parts)
     settings = CRIProxySettings(
@@ -223,6 +237,7 @@ def front_end(
         grace_period=config["grace-period"],
         max_workers=config["max-workers"],
         socket_gid=config["socket-group"],
+        reconcile_interval=config["reconcile-interval"],
     )
     return CRIProxyService(settings, IReactorThreads(reactor), parts, metrics)
 
@@ -292,10 +307,16 @@ def makeService(config: Options, reactor: IReactorCore | None = None) -> service
     # Started in this order, stopped in the reverse: systemd hears READY once the front end serves,
     # and STOPPING before it drains.
     children: list[service.IService] = [registry, proxy, SystemdNotifier(clock), OrderlyStopOnSIGTERM(reactor)]
+    if config["backend-runtime-mode"] == "NRI" and config["reconcile-interval"] > 0:
+        # Between containerd's synchronizations, its CRI socket says what is gone (NRI cannot list).
+        listing = CRIListing(
+            config["remote-runtime-service-endpoint"], IReactorThreads(reactor), parts.store, config["reconcile-interval"], metrics
+        )
+        children.insert(2, listing)
     if metrics is not None:
         from koordrp.web import metrics_service
 
-        metrics.watch_store(parts.store.sizes)
+        metrics.watch_store(parts.store)
         children.append(metrics_service(config["metrics-endpoint"], metrics, proxy.probe, clock))
     # The registry starts first, so the first call already sees every registered server.
     for child in children:

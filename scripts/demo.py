@@ -239,7 +239,9 @@ def show_metrics(base_url: str) -> None:
     print(f"{base_url}/metrics (hook calls, lifecycle calls, registrations, store):")
     line_filter = ("Container", "PodSandbox")
     for line in lines:
-        hooks_and_store = line.startswith(("koordrp_hook_calls_total", "koordrp_hook_servers ", "koordrp_store_entries"))
+        hooks_and_store = line.startswith(
+            ("koordrp_hook_calls_total", "koordrp_hook_servers ", "koordrp_store_", "koordrp_state_files")
+        )
         lifecycle_call = line.startswith("koordrp_cri_calls_total") and any(word in line for word in line_filter)
         if hooks_and_store or lifecycle_call:
             print("  " + line)

@@ -8,14 +8,13 @@ from typing import TYPE_CHECKING
 
 import grpc
 from twisted.application import service
-from twisted.internet.defer import Deferred, ensureDeferred, fail
+from twisted.internet.defer import Deferred, fail
 from twisted.internet.interfaces import IReactorThreads, IReactorTime
 from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 from zope.interface import implementer
 
 from koordrp.call import Parts
-from koordrp import resync
 from koordrp.cri.backend import CHANNEL_OPTIONS, Answer, BackendChannel, call_unary
 from koordrp.cri.intercept import Interceptor
 from koordrp.cri.methods import BackendRole
@@ -49,6 +48,8 @@ class CRIProxySettings:
     max_workers: int
     socket_gid: int | None = None
     """The group that may use the socket (mode 0660); None: koordrp's own group."""
+    reconcile_interval: float = 0.0
+    """Seconds between readings of the runtime for the store (0: at start and after an outage only)."""
 
 
 @implementer(IFrontEnd)
@@ -106,10 +107,12 @@ class CRIProxyService(service.Service):
         # CRI calls are served throughout: a call about something not learnt yet reads it back itself.
         self._sync = StoreSync(
             self._parts.store,
-            lambda: ensureDeferred(resync.read_everything(lookup, _REBUILD_TIMEOUT)),
+            lookup,
             IReactorTime(self._reactor),
             "the runtime",
-            self._parts.metrics,
+            settings.reconcile_interval,
+            _REBUILD_TIMEOUT,
+            metrics=self._parts.metrics,
         )
         self._sync.start()
 

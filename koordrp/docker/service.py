@@ -3,13 +3,12 @@
 from dataclasses import dataclass
 
 from twisted.application import service
-from twisted.internet.defer import Deferred, ensureDeferred
+from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IListeningPort, IReactorTime, IReactorUNIX
 from twisted.logger import Logger
 from zope.interface import implementer
 
 from koordrp.call import Parts
-from koordrp import resync
 from koordrp.docker.dockerd import Dockerd
 from koordrp.docker.intercept import DockerInterceptor
 from koordrp.docker.proxy import DockerProxyFactory
@@ -25,6 +24,8 @@ class DockerProxySettings:
     socket_gid: int | None = None
     grace_period: float = 10.0
     """The stop's bound: how long post hooks still running get."""
+    reconcile_interval: float = 0.0
+    """Seconds between readings of dockerd for the store (0: at start only)."""
 
 
 @implementer(IFrontEnd)
@@ -43,7 +44,7 @@ class DockerProxyService(service.Service):
         self._interceptor = DockerInterceptor(self._dockerd, parts)
         # Each question to dockerd has koordrp's own bound (koordrp.docker.dockerd).
         self._sync = StoreSync(
-            parts.store, lambda: ensureDeferred(resync.read_everything(self._dockerd, None)), clock, "dockerd", parts.metrics
+            parts.store, self._dockerd, clock, "dockerd", settings.reconcile_interval, metrics=parts.metrics
         )
         self._port: IListeningPort | None = None
         self._factory: DockerProxyFactory | None = None

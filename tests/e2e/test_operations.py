@@ -57,8 +57,9 @@ def test_metrics_health_and_call_log(
             assert sample(metrics, "koordrp_hook_calls_total", server="tuner.json", hook="PreCreateContainer", result="skipped") == 1
             assert sample(metrics, "koordrp_hook_call_seconds_count", server="tuner.json", hook="PreCreateContainer") == 1
             assert sample(metrics, "koordrp_hook_servers") == 1
-            assert sample(metrics, "koordrp_store_entries", kind="pods") == 1
-            assert sample(metrics, "koordrp_store_entries", kind="containers") == 1
+            assert sample(metrics, "koordrp_store_pods") == 1
+            assert sample(metrics, "koordrp_store_containers") == 1
+            assert sample(metrics, "koordrp_state_files") == 1  # tuner.json changed the container's environment
             assert sample(metrics, "koordrp_backend_reachable", endpoint=relay.listen_path) == 1
             assert get(f"{base}/healthz")[0] == 200
             runtime.StopContainer(api_pb2.StopContainerRequest(container_id=pod.container_id, timeout=0))

@@ -46,6 +46,10 @@ class FakeCRIBackend(FakeGrpcServer):
     """Set when a StopContainer's caller gave up (cancelled, or its deadline passed) before the stop's end."""
     watches: int = 0
     """Health watches opened (koordrp holds one open; they are not in ``calls``)."""
+    sandboxes: list[str] = field(default_factory=list)
+    """The pod sandbox ids ListPodSandbox answers with."""
+    containers: list[str] = field(default_factory=list)
+    """The container ids ListContainers answers with."""
     watches_ending: threading.Event = field(default_factory=threading.Event)
     """Set: every open health watch ends with UNAVAILABLE, as when the runtime goes away."""
 
@@ -94,6 +98,14 @@ class FakeCRIBackend(FakeGrpcServer):
     def create_container(self, request: bytes, context: grpc.ServicerContext) -> bytes:
         return api_pb2.CreateContainerResponse(container_id="created-1").SerializeToString()
 
+    def list_pod_sandbox(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        items = [api_pb2.PodSandbox(id=identifier) for identifier in self.sandboxes]
+        return api_pb2.ListPodSandboxResponse(items=items).SerializeToString()
+
+    def list_containers(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        containers = [api_pb2.Container(id=identifier) for identifier in self.containers]
+        return api_pb2.ListContainersResponse(containers=containers).SerializeToString()
+
     def list_images(self, request: bytes, context: grpc.ServicerContext) -> bytes:
         return api_pb2.ListImagesResponse(images=[api_pb2.Image(id=self.name)]).SerializeToString()
 
@@ -130,6 +142,8 @@ class _Handler(BytesHandler):
             RUNTIME + "StopContainer": backend.stop_container,
             # containerd 2.1 and later resize pods in place; 1.6 and 1.7 answer UNIMPLEMENTED.
             RUNTIME + "UpdatePodSandboxResources": lambda request, context: b"",
+            RUNTIME + "ListPodSandbox": backend.list_pod_sandbox,
+            RUNTIME + "ListContainers": backend.list_containers,
             IMAGE + "ListImages": backend.list_images,
         }
         self._unary = unary

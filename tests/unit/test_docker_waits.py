@@ -20,13 +20,12 @@ from twisted.web.test.requesthelper import DummyRequest
 
 from koordrp import adapters
 from koordrp.call import Parts, SkipLabel
-from koordrp import resync
 from koordrp.docker.dockerd import DRIVER_RETRY_SECONDS, CgroupDriver, Dockerd
 from koordrp.docker.service import DockerProxyService, DockerProxySettings
 from koordrp.hooks.client import HookClients
 from koordrp.hooks.dispatcher import Dispatcher
 from koordrp.hooks.types import HookServers
-from koordrp.resync import RETRY_SECONDS, StoreSync
+from koordrp.resync import RETRY_SECONDS
 from koordrp.store import Store
 from koordrp.web import HealthResource
 from tests.support.tempdirs import short_tempdir
@@ -157,52 +156,6 @@ class WedgedDockerdTests(DockerModeTestCase):
         yield self.service.stopService()
         yield Deferred.fromCoroutine(until(lambda: self.wedged.open == 0, timeout=QUESTION_SECONDS + 2))
         yield Deferred.fromCoroutine(until(lambda: open_sockets() <= before))
-
-
-class StoreSyncTests(SynchronousTestCase):
-    def setUp(self) -> None:
-        self.clock = Clock()
-        self.store = Store()
-        self.answers: list[Deferred[resync.Snapshot]] = []
-        self.sync = StoreSync(self.store, self.read, self.clock, "dockerd")
-        self.events: list[LogEvent] = []
-        observer = cast(ILogObserver, self.events.append)
-        globalLogPublisher.addObserver(observer)
-        self.addCleanup(globalLogPublisher.removeObserver, observer)
-
-    def read(self) -> "Deferred[resync.Snapshot]":
-        answer: Deferred[resync.Snapshot] = Deferred()
-        self.answers.append(answer)
-        return answer
-
-    def lines(self, start: str) -> list[LogEvent]:
-        return [event for event in self.events if event.get("log_format", "").startswith(start)]
-
-    def test_failures_are_told_once_per_reason_and_retried_less_often_until_the_runtime_answers(self) -> None:
-        self.sync.start()
-        self.answers[0].errback(adapters.LookupFailed("GET /containers/json: no answer within 10s"))
-        self.clock.advance(RETRY_SECONDS)
-        self.answers[1].errback(adapters.LookupFailed("GET /containers/json: no answer within 10s"))
-        self.clock.advance(RETRY_SECONDS)
-        self.assertEqual(len(self.answers), 2)  # the second wait is longer
-        self.clock.advance(RETRY_SECONDS)
-        self.answers[2].errback(adapters.LookupFailed("GET /containers/json: connection refused"))
-        self.assertEqual([event["problem"] for event in self.lines("cannot read")], [
-            "GET /containers/json: no answer within 10s",
-            "GET /containers/json: connection refused",
-        ])
-        self.clock.advance(4 * RETRY_SECONDS)
-        self.answers[3].callback(([], []))
-        self.assertEqual(len(self.lines("store rebuilt from")), 1)
-        [over] = self.lines("read {runtime}'s pods and containers again")
-        self.assertEqual((over["runtime"], over["failures"]), ("dockerd", 3))
-        self.assertEqual(self.clock.getDelayedCalls(), [])
-
-    def test_stopping_ends_the_retries(self) -> None:
-        self.sync.start()
-        self.answers[0].errback(adapters.LookupFailed("no answer"))
-        self.sync.stop()
-        self.assertEqual(self.clock.getDelayedCalls(), [])
 
 
 class CgroupDriverTests(SynchronousTestCase):

@@ -7,11 +7,12 @@ Rules that only involve ids run once. The stages and the runtime are fakes that 
 """
 
 import json
+from dataclasses import replace
 from typing import Any, Callable, Coroutine, Sequence, cast
 
 from twisted.internet.defer import Deferred, ensureDeferred
 from twisted.internet.task import Clock
-from twisted.logger import ILogObserver, LogEvent, globalLogPublisher
+from twisted.logger import ILogObserver, LogEvent, formatEvent, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 
 from koordrp import adapters
@@ -29,6 +30,7 @@ from koordrp.hooks.dispatcher import Dispatcher
 from koordrp.hooks.messages import ContainerHookRequest, HookRequest, PodHookRequest, copied, placed_in_pod
 from koordrp.metrics import Metrics
 from koordrp.hooks.types import NOT_MADE, SKIPPED, UNREADABLE, FailurePolicy, HookServerConfig, HookServers, HookType, PostStage
+from koordrp.checkpoint import Kind, NoCheckpoint, Parsed, StateUnreadable
 from koordrp.store import ContainerState, Store, StoredContainer, StoredPod
 from tests.fake.flows import RecordingRuntime, Reply, ScriptedStages
 
@@ -227,6 +229,9 @@ class FlowTestCase(SynchronousTestCase):
         observer = cast(ILogObserver, self.events.append)
         globalLogPublisher.addObserver(observer)
         self.addCleanup(globalLogPublisher.removeObserver, observer)
+
+    def call_lines(self) -> list[LogEvent]:
+        return [event for event in self.events if event.get("log_namespace") == "koordrp.calls"]
 
     def subscribe(self, *hooks: HookType) -> None:
         self.servers = HookServers(
@@ -648,8 +653,29 @@ class IdentityRules(FlowTestCase):
             [counted("koordrp_cri_calls_total", method=method, code="OK") for method in ("StartContainer", "StopContainer")], [1, 1]
         )
 
-    def call_lines(self) -> list[LogEvent]:
-        return [event for event in self.events if event.get("log_namespace") == "koordrp.calls"]
+    def test_hooks_shown_the_runtimes_values_for_want_of_kubelets_say_so_in_the_calls_line(self) -> None:
+        class Garbled(NoCheckpoint):
+            def read(self, kind: Kind, identifier: str, parse: Callable[[bytes], Parsed]) -> Parsed | None:
+                raise StateUnreadable(f"/state/{kind}/{identifier}: garbled")
+
+        self.store = Store(Garbled())
+        self.parts = replace(self.parts, store=self.store)
+        self.runtime.pods["s-1"] = PodHookRequest(pod_meta=hook.PodSandboxMetadata(name="web", uid="uid-1"))
+        self.runtime.containers["c-1"] = StoredContainer.read_back("s-1", ContainerHookRequest(), ContainerState.CREATED)
+        self.subscribe(PRE_START, POST_STOP, POST_STOP_POD)
+        self.drive(flows.start_container, "c-1")  # read back, with its pod: what kubelet asked for both is lost
+        self.runtime.created_id = "c-2"
+        self.drive(flows.create_container, CRIWire().container("s-1", []))  # shown its pod as given: nothing lost
+        self.drive(flows.stop_container, "c-1")
+        self.drive(flows.stop_pod_sandbox, "s-1")  # c-2's PostStopContainer, and the pod's as kubelet asked it
+        for call in self.calls:
+            call.ended()
+        lost = [line["asked_lost"] for line in self.call_lines()]
+        self.assertEqual(lost, [True, False, True, True])
+        self.assertIn(
+            "hooks: PreStartContainer@a.json: ok 1.0 ms; kubelet's values not available (its state file could not be read)",
+            formatEvent(self.call_lines()[0]),
+        )
 
     def test_every_flow_calls_the_hooks_its_method_has(self) -> None:
         """flows.METHOD_HOOKS (what an unreadable request of a method spares, and the docs' table) is what the flows do."""
@@ -744,6 +770,36 @@ class CancellationTests(FlowTestCase):
         self.drive(flows.stop_pod_sandbox, "s-1")
         self.assertEqual([post.hook for post in self.announced], [POST_STOP, POST_STOP_POD])
 
+    def remove_cancelled(self, flow: Callable[..., Coroutine[Any, Any, Reply]], identifier: str) -> None:
+        self.runtime.answering = Deferred()
+        cancelled = self.runtime.cancelled
+        answer = self.start(flow, identifier)
+        self.calls[-1].cancel()
+        self.assertIs(self.successResultOf(answer), adapters.CALLER_GONE)
+        self.assertEqual((self.runtime.cancelled - cancelled, self.runtime.timeouts[-1]), (1, SETTLE_SECONDS))
+        self.runtime.answering = None
+
+    def test_a_cancelled_removal_forgets_only_what_the_runtime_no_longer_has(self) -> None:
+        self.put_pod()
+        self.put_container()
+        self.runtime.pods["s-1"] = PodHookRequest()
+        self.runtime.containers["c-1"] = StoredContainer.read_back("s-1", ContainerHookRequest(), ContainerState.STOPPED)
+        self.remove_cancelled(flows.remove_container, "c-1")  # the runtime still has it
+        self.remove_cancelled(flows.remove_pod_sandbox, "s-1")
+        self.assertEqual(self.store.sizes(), (1, 1))
+        del self.runtime.containers["c-1"]
+        self.remove_cancelled(flows.remove_container, "c-1")  # the runtime removed it all the same
+        self.assertEqual(self.store.sizes(), (1, 0))
+        del self.runtime.pods["s-1"]
+        self.remove_cancelled(flows.remove_pod_sandbox, "s-1")
+        self.assertEqual(self.store.sizes(), (0, 0))
+
+    def test_a_cancelled_removal_the_runtime_cannot_be_asked_about_forgets_nothing(self) -> None:
+        self.put_pod()
+        self.runtime.broken = "UNAVAILABLE"
+        self.remove_cancelled(flows.remove_pod_sandbox, "s-1")
+        self.assertEqual(self.store.sizes(), (1, 0))
+
     def test_the_end_of_a_cancelled_call_waits_for_what_it_asks_the_runtime(self) -> None:
         class SlowReader(RecordingRuntime):
             async def read_container(self, container_id: str, pods: adapters.PodSource, timeout: float | None) -> StoredContainer | None:
@@ -764,9 +820,6 @@ class CancellationTests(FlowTestCase):
         self.assertEqual([stage.hook for stage in self.stages.announced], [POST_STOP])
         [line] = self.call_lines()
         self.assertEqual(line["outcome"], "CANCELLED")
-
-    def call_lines(self) -> list[LogEvent]:
-        return [event for event in self.events if event.get("log_namespace") == "koordrp.calls"]
 
     def test_each_question_gets_what_is_left_of_the_callers_deadline(self) -> None:
         self.runtime.containers["c-1"] = StoredContainer.read_back("s-1", ContainerHookRequest(), ContainerState.CREATED)
@@ -791,9 +844,21 @@ class ReadEverythingTests(FlowTestCase):
         self.runtime.pods["s-1"] = PodHookRequest(cgroup_parent="/p")
         self.runtime.containers["c-1"] = StoredContainer.read_back("s-1", ContainerHookRequest(), ContainerState.CREATED)
         self.runtime.containers["c-2"] = StoredContainer.read_back("s-gone", ContainerHookRequest(), ContainerState.CREATED)
-        pods, containers = self.successResultOf(ensureDeferred(resync.read_everything(self.runtime, None)))
-        self.assertEqual([sandbox_id for sandbox_id, _ in pods], ["s-1"])
-        self.assertEqual([(cid, stored.given.pod_cgroup_parent) for cid, stored in containers], [("c-1", "/p"), ("c-2", "")])
+        found = self.successResultOf(ensureDeferred(resync.read_everything(self.runtime, None)))
+        self.assertEqual([sandbox_id for sandbox_id, _ in found.pods], ["s-1"])
+        given = [(cid, stored.given.pod_cgroup_parent) for cid, stored in found.containers]
+        self.assertEqual(given, [("c-1", "/p"), ("c-2", "")])
+        self.assertEqual((found.pod_ids, found.container_ids), ({"s-1"}, {"c-1", "c-2"}))
+
+    def test_what_the_store_has_is_listed_but_not_read_again(self) -> None:
+        self.runtime.pods["s-1"] = PodHookRequest(cgroup_parent="/p")
+        self.runtime.containers["c-1"] = StoredContainer.read_back("s-1", ContainerHookRequest(), ContainerState.CREATED)
+        self.runtime.containers["c-2"] = StoredContainer.read_back("s-1", ContainerHookRequest(), ContainerState.CREATED)
+        self.put_pod("s-1")
+        self.store.put_container("c-1", "s-1", ContainerHookRequest(), ContainerHookRequest())
+        found = self.successResultOf(ensureDeferred(resync.read_everything(self.runtime, None, self.store)))
+        self.assertEqual(self.runtime.read_back, ["c-2"])
+        self.assertEqual((found.pod_ids, [cid for cid, _ in found.containers]), ({"s-1"}, ["c-2"]))
 
     def test_an_entry_that_cannot_be_read_is_left_out_with_a_warning(self) -> None:
         class HalfReadable(RecordingRuntime):
@@ -803,8 +868,9 @@ class ReadEverythingTests(FlowTestCase):
                 return await super().read_pod(sandbox_id, timeout)
 
         runtime = HalfReadable(pods={"s-bad": PodHookRequest(), "s-good": PodHookRequest()})
-        pods, _ = self.successResultOf(ensureDeferred(resync.read_everything(runtime, None)))
-        self.assertEqual([sandbox_id for sandbox_id, _ in pods], ["s-good"])
+        found = self.successResultOf(ensureDeferred(resync.read_everything(runtime, None)))
+        self.assertEqual([sandbox_id for sandbox_id, _ in found.pods], ["s-good"])
+        self.assertEqual((found.pod_ids, found.unreadable), ({"s-bad", "s-good"}, {"s-bad"}))
         [warning] = [event for event in self.events if "left out" in event["log_format"]]
         self.assertEqual((warning["id"], warning["error"]), ("s-bad", "verbose info is not JSON"))
 

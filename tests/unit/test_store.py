@@ -2,10 +2,12 @@
 
 import os
 import threading
+from typing import Callable, cast
 
+from twisted.logger import ILogObserver, LogEvent, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 
-from koordrp.checkpoint import CheckpointError, DirectoryCheckpoint, Kind
+from koordrp.checkpoint import CheckpointError, DirectoryCheckpoint, Kind, Parsed
 from koordrp.hooks.messages import ContainerHookRequest, PodHookRequest
 from koordrp.store import ContainerState, Store, StoredContainer, StoredPod
 
@@ -62,6 +64,7 @@ class StoreTests(SynchronousTestCase):
         before = store.ids()
         store.put_pod("created-during-listing", pod("new"), pod("new"))
         forgotten, learnt = store.reconcile(
+            ({"kept", "appeared"}, {"appeared-c"}),
             [("kept", StoredPod.read_back(pod("kept, as the runtime says"), False)), ("appeared", StoredPod.read_back(pod("appeared"), False))],
             [("appeared-c", StoredContainer.read_back("appeared", container("c"), ContainerState.CREATED))],
             before,
@@ -72,6 +75,12 @@ class StoreTests(SynchronousTestCase):
         self.assertEqual(given(store.pod("kept")), pod("kept"))
         self.assertEqual(given(store.pod("created-during-listing")), pod("new"))
         self.assertEqual(given(store.pod("appeared")), pod("appeared"))
+
+    def test_what_is_listed_but_not_read_back_is_kept_and_not_learnt(self) -> None:
+        store = Store()
+        store.put_pod("known", pod("known"), pod("known"))
+        forgotten, learnt = store.reconcile(({"known", "unread"}, set()), [], [], store.ids())
+        self.assertEqual((forgotten, learnt, store.sizes()), (0, 0, (1, 0)))
 
     def test_a_container_starts_and_stops_once_until_it_starts_again(self) -> None:
         store = Store()
@@ -149,6 +158,7 @@ class CheckpointTests(SynchronousTestCase):
 
         restarted = Store(self.opened())
         restarted.reconcile(
+            ({"p1"}, {"c1", "c2"}),
             [("p1", StoredPod.read_back(pod("given"), False))],
             [
                 ("c1", StoredContainer.read_back("p1", container("given"), ContainerState.RUNNING)),
@@ -175,31 +185,100 @@ class CheckpointTests(SynchronousTestCase):
     def test_what_was_kept_for_things_removed_while_koordrp_was_away_goes(self) -> None:
         Store(self.opened()).put_container("gone", "p1", container("asked"), container("given"))
         restarted = Store(self.opened())
-        restarted.reconcile([], [], restarted.ids())
+        restarted.reconcile((set(), set()), [], [], restarted.ids())
         self.assertEqual(self.files("containers"), [])
 
-    def test_a_file_that_cannot_be_read_leaves_what_the_runtime_has(self) -> None:
+    def test_what_was_kept_for_what_the_runtime_lists_stays_until_it_is_learnt(self) -> None:
+        """NRI mode's listing runs before containerd's synchronization has told the store anything."""
+        Store(self.opened()).put_container("c1", "p1", container("asked"), container("given"))
+        restarted = Store(self.opened())
+        restarted.reconcile((set(), {"c1"}), [], [], restarted.ids())
+        self.assertEqual(self.files("containers"), ["c1"])
+        restarted.learn([], [("c1", StoredContainer.read_back("p1", container("given"), ContainerState.RUNNING))])
+        self.assertEqual(restarted.container("c1").asked, container("asked"))  # type: ignore[union-attr]
+
+    def test_a_file_that_cannot_be_read_leaves_what_the_runtime_has_and_says_so_once(self) -> None:
         self.opened()
-        with open(os.path.join(self.directory, "containers", "c1"), "wb") as garbage:
+        path = os.path.join(self.directory, "containers", "c1")
+        with open(path, "wb") as garbage:
             garbage.write(b"\xff\xff\xff")
         store = Store(self.opened())
+        events = self.observed()
         store.learn([], [("c1", StoredContainer.read_back("p1", container("given"), ContainerState.RUNNING))])
-        self.assertEqual(store.container("c1").asked, container("given"))  # type: ignore[union-attr]
+        stored = store.container("c1")
+        assert stored is not None
+        self.assertEqual((stored.asked, stored.asked_lost), (container("given"), True))
+        [warning] = events
+        self.assertIn(path, warning["error"])
+        self.assertEqual((warning["kind"], warning["id"]), ("container", "c1"))
+        self.assertEqual(store.unreadable_state_files, 1)
+        store.learn([], [("c1", StoredContainer.read_back("p1", container("given"), ContainerState.RUNNING))])
+        self.assertEqual((len(events), store.unreadable_state_files), (1, 1))
+
+    def test_what_parses_but_koordrp_did_not_write_for_that_entry_cannot_be_read(self) -> None:
+        written = Store(self.opened())
+        elsewhere = container("asked")
+        elsewhere.pod_meta.uid = "uid-other"
+        written.put_container("c-other", "p1", elsewhere, container("given"))
+        written.put_pod("p1", pod("asked"), pod("given"))
+        with open(os.path.join(self.directory, "pods", "p1"), "ab") as extended:
+            extended.write(b"\xf8\x07\x01")  # field 127, which no hook request has
+        os.rename(os.path.join(self.directory, "containers", "c-other"), os.path.join(self.directory, "containers", "c1"))
+        restarted = Store(self.opened())
+        events = self.observed()
+        restarted.learn(
+            [("p1", StoredPod.read_back(pod("given"), False))],
+            [("c1", StoredContainer.read_back("p1", container("given"), ContainerState.RUNNING))],
+        )
+        self.assertEqual([event["kind"] for event in events], ["pod", "container"])
+        self.assertIn("not a PodSandboxHookRequest as koordrp writes it", events[0]["error"])
+        self.assertIn("about pod uid 'uid-other', not ''", events[1]["error"])
+
+    def test_a_file_that_cannot_be_opened_cannot_be_read(self) -> None:
+        self.opened()
+        os.mkdir(os.path.join(self.directory, "pods", "p1"))
+        store = Store(self.opened())
+        events = self.observed()
+        store.learn([("p1", StoredPod.read_back(pod("given"), False))], [])
+        self.assertIn("Is a directory", events[0]["error"])
+        self.assertTrue(store.pod("p1").asked_lost)  # type: ignore[union-attr]
+
+    def test_the_state_files_are_counted(self) -> None:
+        store = Store(self.opened())
+        store.put_pod("p1", pod("asked"), pod("given"))
+        store.put_container("c1", "p1", container("asked"), container("given"))
+        store.put_container("c2", "p1", container("same"), container("same"))
+        self.assertEqual(store.state_files(), 2)
+        store.forget_pod("p1")
+        self.assertEqual((store.state_files(), Store().state_files()), (0, 0))
+
+    def observed(self) -> list[LogEvent]:
+        """The warnings about state files from now on."""
+        events: list[LogEvent] = []
+
+        def observe(event: LogEvent) -> None:
+            if "cannot read what kubelet asked" in event.get("log_format", ""):
+                events.append(event)
+
+        observer = cast(ILogObserver, observe)
+        globalLogPublisher.addObserver(observer)
+        self.addCleanup(globalLogPublisher.removeObserver, observer)
+        return events
 
     def test_a_resync_reads_nothing_kept_for_what_the_store_has(self) -> None:
         reads: list[str] = []
 
         class Counting(DirectoryCheckpoint):
-            def read(self, kind: Kind, identifier: str) -> bytes | None:
+            def read(self, kind: Kind, identifier: str, parse: Callable[[bytes], Parsed]) -> Parsed | None:
                 reads.append(identifier)
-                return super().read(kind, identifier)
+                return super().read(kind, identifier, parse)
 
         checkpoint = Counting(self.directory)
         checkpoint.open()
         store = Store(checkpoint)
         store.put_container("c1", "p1", container("asked"), container("given"))
         listed = [(cid, StoredContainer.read_back("p1", container("given"), ContainerState.RUNNING)) for cid in ("c1", "c2")]
-        store.reconcile([], listed, store.ids())
+        store.reconcile((set(), {"c1", "c2"}), [], listed, store.ids())
         self.assertEqual(reads, ["c2"])
         self.assertEqual(store.container("c1").asked, container("asked"))  # type: ignore[union-attr]
 

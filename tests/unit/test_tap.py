@@ -6,7 +6,9 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from koordrp import tap
 from koordrp.checkpoint import DirectoryCheckpoint
+from koordrp.cri.listing import CRIListing
 from koordrp.cri.server import CRIProxyService
+from koordrp.docker.service import DockerProxyService
 from koordrp.hooks.client import HookClients
 from koordrp.hooks.dispatcher import Dispatcher
 from koordrp.hooks.registry import HookRegistry
@@ -69,6 +71,8 @@ class OptionsTests(SynchronousTestCase):
             "--nri-plugin-index=1": "--nri-plugin-index",
             "--nri-plugin-index=ab": "--nri-plugin-index",
             "--nri-plugin-name=a/b": "--nri-plugin-name",
+            "--reconcile-interval=-1": "--reconcile-interval",
+            "--reconcile-interval=inf": "--reconcile-interval",
         }
         for argument, flag in cases.items():
             with self.assertRaises(usage.UsageError) as error:
@@ -108,6 +112,23 @@ class MakeServiceTests(SynchronousTestCase):
         top = tap.Koordrp(DirectoryCheckpoint(self.mktemp()), Dispatcher(clients, reactor))
         self.successResultOf(top.stopService())
         self.assertIsNot(clients.get("/run/koordlet.sock"), client)
+
+    def test_nri_mode_reconciles_the_store_with_containerds_cri_listing_unless_told_not_to(self) -> None:
+        argv = ("--backend-runtime-mode=NRI", "--remote-runtime-service-endpoint=/run/c.sock", "--reconcile-interval=5")
+        services = list(IServiceCollection(tap.makeService(parse(*argv), reactor=InlineThreadsReactor())))
+        listing = services[2]
+        assert isinstance(listing, CRIListing)
+        self.assertEqual((listing.path, listing.running), ("/run/c.sock", False))
+        off = tap.makeService(parse("--backend-runtime-mode=NRI", "--reconcile-interval=0"), reactor=InlineThreadsReactor())
+        self.assertNotIn(CRIListing, [type(s) for s in IServiceCollection(off)])
+
+    def test_the_interval_reaches_the_front_end(self) -> None:
+        self.assertEqual(parse()["reconcile-interval"], 60.0)
+        for mode, kind in (("Containerd", CRIProxyService), ("Docker", DockerProxyService)):
+            options = parse(f"--backend-runtime-mode={mode}", "--reconcile-interval=7.5")
+            proxy = list(IServiceCollection(tap.makeService(options, reactor=InlineThreadsReactor())))[1]
+            assert isinstance(proxy, (CRIProxyService, DockerProxyService))
+            self.assertEqual((type(proxy), proxy.settings.reconcile_interval), (kind, 7.5))
 
     def test_builds_a_cri_proxy_without_starting_grpc(self) -> None:
         top = tap.makeService(parse("--koord-runtimeproxy-endpoint=/run/p.sock"), reactor=InlineThreadsReactor())

@@ -8,7 +8,9 @@ from twisted.internet.defer import inlineCallbacks, succeed
 from twisted.internet.threads import deferToThread
 from twisted.trial.unittest import TestCase
 
+from koordrp.hooks.messages import PodHookRequest
 from koordrp.metrics import Metrics
+from koordrp.store import Store
 from koordrp.web import metrics_service
 from tests.support.tempdirs import short_tempdir
 
@@ -30,11 +32,17 @@ class UnixEndpointTests(TestCase):
         path = os.path.join(short_tempdir(self), "metrics.sock")
         metrics = Metrics()
         metrics.cri_call("StartContainer", "OK", 0.002)
+        store = Store()
+        metrics.watch_store(store)
+        store.put_pod("p1", PodHookRequest(), PodHookRequest())
         served = metrics_service(f"unix:{path}", metrics, lambda: succeed(None), reactor)
         served.startService()
         self.addCleanup(served.stopService)
         scraped = yield deferToThread(get, path, "/metrics")
         self.assertTrue(scraped.startswith(b"HTTP/1.0 200 OK"), scraped[:200])
         self.assertIn(b'koordrp_cri_calls_total{code="OK",method="StartContainer"} 1.0', scraped)
+        for sample in (b"koordrp_store_pods 1.0", b"koordrp_store_containers 0.0", b"koordrp_state_files 0.0"):
+            self.assertIn(b"\n" + sample + b"\n", scraped)
+        self.assertIn(b"\nkoordrp_state_files_unreadable_total 0.0\n", scraped)
         health = yield deferToThread(get, path, "/healthz")
         self.assertTrue(health.startswith(b"HTTP/1.0 200 OK") and health.endswith(b"ok: the backend answers\n"), health)

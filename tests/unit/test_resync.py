@@ -1,0 +1,297 @@
+"""Keeping the store in agreement with the runtime (koordrp.resync.StoreSync), on a Clock: when it reads,
+what it forgets and learns, what it asks the runtime, and what it logs."""
+
+import os
+from typing import cast
+
+from twisted.internet import reactor
+from twisted.internet.defer import Deferred, inlineCallbacks
+from twisted.internet.interfaces import IReactorFromThreads
+from twisted.internet.task import Clock
+from twisted.logger import ILogObserver, LogEvent, globalLogPublisher
+from twisted.trial.unittest import SynchronousTestCase, TestCase
+
+from koordrp import adapters
+from koordrp.cri.listing import CRIListing
+from koordrp.hooks.messages import ContainerHookRequest, PodHookRequest
+from koordrp.resync import RETRY_SECONDS, StoreSync
+from koordrp.store import ContainerState, Store, StoredContainer, StoredPod
+from tests.fake.cri_backend import RUNTIME, FakeCRIBackend
+from tests.fake.flows import RecordingRuntime
+from tests.support.tempdirs import short_tempdir
+from tests.support.waiting import until
+
+INTERVAL = 5.0
+
+
+def pod(name: str) -> PodHookRequest:
+    request = PodHookRequest(cgroup_parent=f"/{name}")
+    request.pod_meta.name = name
+    return request
+
+
+class HeldRuntime(RecordingRuntime):
+    """A runtime whose listings wait, while ``held``, for the test to fire them (``listings``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held = False
+        self.listings: list[Deferred[None]] = []
+        self.listed_times = 0
+
+    async def listed(self, timeout: float | None) -> tuple[list[str], list[str]]:
+        self.listed_times += 1
+        if self.held:
+            waiting: Deferred[None] = Deferred()
+            self.listings.append(waiting)
+            await waiting
+        return await super().listed(timeout)
+
+    def add(self, sandbox_id: str, *container_ids: str) -> None:
+        self.pods[sandbox_id] = pod(sandbox_id)
+        for container_id in container_ids:
+            self.containers[container_id] = StoredContainer.read_back(
+                sandbox_id, ContainerHookRequest(), ContainerState.RUNNING
+            )
+
+    def remove(self, sandbox_id: str) -> None:
+        """Gone behind koordrp's back (crictl rmp on containerd itself)."""
+        del self.pods[sandbox_id]
+        for container_id in [cid for cid, stored in self.containers.items() if stored.sandbox_id == sandbox_id]:
+            del self.containers[container_id]
+
+
+class StoreSyncTestCase(SynchronousTestCase):
+    learns = True
+
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.store = Store()
+        self.runtime = HeldRuntime()
+        self.sync = StoreSync(self.store, self.runtime, self.clock, "the runtime", INTERVAL, learns=self.learns)
+        self.addCleanup(self.sync.stop)
+        self.events: list[LogEvent] = []
+        observer = cast(ILogObserver, self.events.append)
+        globalLogPublisher.addObserver(observer)
+        self.addCleanup(globalLogPublisher.removeObserver, observer)
+
+    def lines(self, start: str) -> list[LogEvent]:
+        return [event for event in self.events if event.get("log_format", "").startswith(start)]
+
+    def put(self, sandbox_id: str, *container_ids: str) -> None:
+        """What a call through koordrp does: the runtime has it, and so has the store."""
+        self.runtime.add(sandbox_id, *container_ids)
+        self.store.put_pod(sandbox_id, pod(sandbox_id), pod(sandbox_id))
+        for container_id in container_ids:
+            self.store.put_container(container_id, sandbox_id, ContainerHookRequest(), ContainerHookRequest())
+
+
+class PeriodicTests(StoreSyncTestCase):
+    def test_the_runtime_is_read_at_start_and_every_interval(self) -> None:
+        self.sync.start()
+        self.assertEqual(self.runtime.listed_times, 1)
+        self.clock.advance(INTERVAL - 0.1)
+        self.assertEqual(self.runtime.listed_times, 1)
+        self.clock.advance(0.1)
+        self.clock.advance(INTERVAL)
+        self.assertEqual(self.runtime.listed_times, 3)
+        self.assertEqual(len(self.clock.getDelayedCalls()), 1)
+
+    def test_what_is_removed_behind_koordrps_back_is_forgotten_with_one_line(self) -> None:
+        for index in range(5):
+            self.put(f"pod-{index}", f"container-{index}")
+        self.sync.start()
+        self.clock.advance(INTERVAL)
+        self.assertEqual(self.store.sizes(), (5, 5))
+        for index in range(3):
+            self.runtime.remove(f"pod-{index}")
+        self.clock.advance(INTERVAL)
+        self.assertEqual(self.store.sizes(), (2, 2))
+        self.clock.advance(INTERVAL * 3)
+        told = [(line["done"], line["forgotten"], line["pods"], line["containers"]) for line in self.lines("store {done}")]
+        self.assertEqual(told, [("rebuilt from", 0, 5, 5), ("reconciled with", 6, 2, 2)])
+
+    def test_a_reading_that_changes_nothing_says_nothing_and_asks_only_for_the_listing(self) -> None:
+        self.put("kept", "kept-c")
+        self.sync.start()
+        self.runtime.read_back.clear()
+        for _ in range(10):
+            self.clock.advance(INTERVAL)
+        self.assertEqual(self.runtime.read_back, [])
+        self.assertEqual([line["done"] for line in self.lines("store {done}")], ["rebuilt from"])
+
+    def test_what_appears_behind_koordrps_back_is_read_once_and_learnt(self) -> None:
+        self.put("known")
+        self.sync.start()
+        self.runtime.add("appeared", "appeared-c")
+        self.runtime.add("known")
+        self.runtime.containers["new-in-known"] = StoredContainer.read_back(
+            "known", ContainerHookRequest(), ContainerState.CREATED
+        )
+        self.runtime.read_back.clear()
+        self.clock.advance(INTERVAL)
+        self.assertEqual(sorted(self.runtime.read_back), ["appeared", "appeared-c", "new-in-known"])
+        self.assertEqual(self.store.sizes(), (2, 2))
+        stored = self.store.container("new-in-known")
+        assert stored is not None
+        self.assertEqual(stored.given.pod_cgroup_parent, "/known")  # placed in its pod as the store has it
+        self.runtime.read_back.clear()
+        self.clock.advance(INTERVAL)
+        self.assertEqual(self.runtime.read_back, [])
+
+    def test_a_pod_removed_right_after_a_call_made_it_is_forgotten_at_the_next_reading(self) -> None:
+        """The proxies hear of a pod only once the runtime lists it."""
+        self.sync.start()
+        self.put("short-lived")
+        self.runtime.remove("short-lived")
+        self.clock.advance(INTERVAL)
+        self.assertFalse(self.store.has_pod("short-lived"))
+
+    def test_a_call_in_flight_keeps_what_it_creates(self) -> None:
+        self.put("old")
+        self.sync.start()
+        self.clock.advance(INTERVAL)
+        self.runtime.held = True
+        self.clock.advance(INTERVAL)  # a reading begins, and waits for the runtime's listing
+        self.runtime.remove("old")
+        self.store.put_pod("created-meanwhile", pod("new"), pod("new"))  # the listing may have missed it
+        self.runtime.listings.pop().callback(None)
+        self.assertEqual((self.store.has_pod("old"), self.store.has_pod("created-meanwhile")), (False, True))
+
+    def test_an_answer_that_cannot_be_read_is_told_once_and_not_asked_again(self) -> None:
+        class HalfReadable(HeldRuntime):
+            async def read_pod(self, sandbox_id: str, timeout: float | None) -> StoredPod | None:
+                self.read_back.append(sandbox_id)
+                raise adapters.Unreadable("verbose info is not JSON")
+
+        self.runtime = HalfReadable()
+        self.runtime.add("odd")
+        self.sync = StoreSync(self.store, self.runtime, self.clock, "the runtime", INTERVAL)
+        self.addCleanup(self.sync.stop)
+        self.sync.start()
+        for _ in range(5):
+            self.clock.advance(INTERVAL)
+        self.assertEqual((self.runtime.read_back, len(self.lines("{kind} {id} cannot be read"))), (["odd"], 1))
+
+    def test_told_to_read_while_reading_it_reads_once_and_keeps_its_pace(self) -> None:
+        self.runtime.held = True
+        self.sync.start()
+        self.sync.sync()  # the runtime is back: a reading under way stands for it
+        self.assertEqual(self.runtime.listed_times, 1)
+        self.runtime.listings.pop().callback(None)
+        self.assertEqual([call.getTime() for call in self.clock.getDelayedCalls()], [INTERVAL])
+
+    def test_told_to_read_it_reads_at_once_and_the_next_reading_is_an_interval_later(self) -> None:
+        self.sync.start()
+        self.clock.advance(INTERVAL / 2)
+        self.sync.sync()
+        self.assertEqual(self.runtime.listed_times, 2)
+        self.assertEqual([call.getTime() for call in self.clock.getDelayedCalls()], [INTERVAL / 2 + INTERVAL])
+
+    def test_stopping_ends_the_readings(self) -> None:
+        self.runtime.held = True
+        self.sync.start()
+        self.sync.stop()
+        self.assertTrue(self.runtime.listings[0].called)  # cancelled
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+
+
+class FailureTests(StoreSyncTestCase):
+    def test_failures_are_told_once_per_reason_and_retried_less_often_until_the_runtime_answers(self) -> None:
+        self.runtime.broken = "GET /containers/json: no answer within 10s"
+        self.sync.start()
+        self.clock.advance(RETRY_SECONDS)
+        self.assertEqual(self.runtime.listed_times, 2)
+        self.runtime.broken = "GET /containers/json: connection refused"
+        self.clock.advance(RETRY_SECONDS)
+        self.assertEqual(self.runtime.listed_times, 2)  # the second wait is longer
+        self.clock.advance(RETRY_SECONDS)
+        self.assertEqual([event["problem"] for event in self.lines("cannot read")], [
+            "GET /containers/json: no answer within 10s",
+            "GET /containers/json: connection refused",
+        ])
+        self.runtime.broken = None
+        self.clock.advance(4 * RETRY_SECONDS)
+        self.assertEqual(self.runtime.listed_times, 4)
+        self.assertEqual([line["done"] for line in self.lines("store {done}")], ["rebuilt from"])
+        [over] = self.lines("read {runtime}'s pods and containers again")
+        self.assertEqual((over["runtime"], over["failures"]), ("the runtime", 3))
+        self.assertEqual([call.getTime() for call in self.clock.getDelayedCalls()], [7 * RETRY_SECONDS + INTERVAL])
+
+    def test_without_an_interval_the_store_is_read_until_it_agrees_and_then_left(self) -> None:
+        self.sync = StoreSync(self.store, self.runtime, self.clock, "the runtime")
+        self.runtime.broken = "UNAVAILABLE"
+        self.sync.start()
+        self.runtime.broken = None
+        self.clock.advance(RETRY_SECONDS)
+        self.assertEqual((self.runtime.listed_times, self.clock.getDelayedCalls()), (2, []))
+
+    def test_a_failing_periodic_reading_is_retried_and_its_end_told(self) -> None:
+        self.put("gone")
+        self.sync.start()
+        self.clock.advance(INTERVAL)
+        self.runtime.broken = "UNAVAILABLE"
+        self.clock.advance(INTERVAL)
+        self.runtime.remove("gone")
+        self.runtime.broken = None
+        self.clock.advance(RETRY_SECONDS)
+        self.assertFalse(self.store.has_pod("gone"))
+        self.assertEqual([line["done"] for line in self.lines("store {done}")], ["rebuilt from", "rebuilt from"])
+
+
+class ForgetOnlyTests(StoreSyncTestCase):
+    """NRI mode: containerd's CRI listing says what is gone; what appears, NRI tells of."""
+
+    learns = False
+
+    def test_it_forgets_by_the_listing_and_reads_nothing_back(self) -> None:
+        self.put("kept")
+        self.put("gone", "gone-c")
+        self.runtime.add("only-in-the-runtime", "its-container")
+        self.sync.start()
+        self.clock.advance(INTERVAL)
+        self.runtime.remove("gone")
+        self.clock.advance(INTERVAL)
+        self.assertEqual((self.runtime.read_back, self.store.sizes()), ([], (1, 0)))
+        [line] = self.lines("store {done}")
+        self.assertEqual((line["done"], line["forgotten"]), ("reconciled with", 2))
+
+    def test_a_pod_younger_than_the_previous_reading_is_not_taken_for_gone(self) -> None:
+        """NRI tells of a pod sandbox just before containerd lists it: it must survive a listing without it."""
+        self.sync.start()
+        self.store.put_pod("told-first", pod("told-first"), pod("told-first"))  # containerd lists it a moment later
+        self.clock.advance(INTERVAL)
+        self.assertTrue(self.store.has_pod("told-first"))
+        self.clock.advance(INTERVAL)  # known before the previous reading began, and still not listed: gone
+        self.assertFalse(self.store.has_pod("told-first"))
+
+    def test_its_trouble_is_told_when_it_starts_and_when_it_ends(self) -> None:
+        self.runtime.broken = "UNAVAILABLE: no such socket"
+        self.sync.start()
+        self.runtime.broken = None
+        self.clock.advance(RETRY_SECONDS)
+        self.assertEqual(len(self.lines("cannot read")), 1)
+        self.assertEqual(len(self.lines("read {runtime}'s pods and containers again")), 1)
+        self.assertEqual(self.lines("store {done}"), [])
+
+
+class CRIListingTests(TestCase):
+    """NRI mode's reconcile, against a CRI runtime on a real socket."""
+
+    @inlineCallbacks
+    def test_what_containerd_no_longer_lists_is_forgotten_and_nothing_is_read_back(self):  # type: ignore[no-untyped-def]
+        path = os.path.join(short_tempdir(self), "containerd.sock")
+        backend = FakeCRIBackend(path, sandboxes=["s-1"], containers=["c-1", "not-in-the-store"]).start()
+        self.addCleanup(backend.stop)
+        store = Store()
+        for sandbox_id in ("s-1", "s-gone"):
+            store.put_pod(sandbox_id, pod(sandbox_id), pod(sandbox_id))
+        for container_id, sandbox_id in (("c-1", "s-1"), ("c-gone", "s-gone")):
+            store.put_container(container_id, sandbox_id, ContainerHookRequest(), ContainerHookRequest())
+        listing = CRIListing(path, cast(IReactorFromThreads, reactor), store, interval=0.05)
+        listing.startService()
+        self.addCleanup(listing.stopService)
+        yield Deferred.fromCoroutine(until(lambda: store.sizes() == (1, 1), timeout=30))
+        self.assertEqual((store.has_pod("s-1"), store.has_container("c-1")), (True, True))
+        asked = {call.method.removeprefix(RUNTIME) for call in backend.calls}
+        self.assertEqual(asked, {"ListPodSandbox", "ListContainers"})
