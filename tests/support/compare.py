@@ -5,7 +5,8 @@ from typing import Any, Mapping
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
-# Fields that differ between two otherwise identical calls: when and how much, not what.
+# Fields that differ between two otherwise identical calls: when and how much, not what. They are left
+# out, not blanked: protobuf leaves a zero out, and one measure may still be zero when the other is not.
 VOLATILE_KEYS = frozenset(
     {
         "created_at",
@@ -27,7 +28,7 @@ VOLATILE_KEYS = frozenset(
 
 
 def normalized(message: Message, replacements: Mapping[str, str] = {}) -> Any:
-    """``message`` as plain data with ids and names replaced by placeholders and volatile values blanked."""
+    """``message`` as plain data with ids and names replaced by placeholders and volatile values left out."""
     data = MessageToDict(message, preserving_proto_field_name=True)
     return _normalize(data, replacements)
 
@@ -35,8 +36,9 @@ def normalized(message: Message, replacements: Mapping[str, str] = {}) -> Any:
 def _normalize(value: Any, replacements: Mapping[str, str]) -> Any:
     if isinstance(value, dict):
         return {
-            _replace(key, replacements): "<volatile>" if key in VOLATILE_KEYS else _normalize(item, replacements)
+            _replace(key, replacements): _normalize(item, replacements)
             for key, item in value.items()
+            if key not in VOLATILE_KEYS
         }
     if isinstance(value, list):
         return [_normalize(item, replacements) for item in value]
