@@ -3,6 +3,7 @@ scripts/package built in the suite's own root, its control file, and dpkg-deb.""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import os
 import shutil
@@ -160,9 +161,20 @@ def clamp_mtimes(root: Path, epoch: int) -> None:
             os.utime(path, (epoch, epoch), follow_symlinks=False)
 
 
+def md5sums(staging: Path) -> str:
+    """DEBIAN/md5sums: what `dpkg --verify` checks the installed files against (the conffile has its own)."""
+    lines = []
+    for path in sorted(staging.rglob("*")):
+        name = str(path.relative_to(staging))
+        if path.is_file() and not path.is_symlink() and name.split("/")[0] != "DEBIAN" and name != CONFFILE:
+            lines.append(f"{hashlib.md5(path.read_bytes()).hexdigest()}  {name}\n")
+    return "".join(lines)
+
+
 def build(staging: Path, control: Control, out_dir: Path, epoch: int) -> Path:
-    """Write the control file into the laid-out ``staging`` and make the .deb in ``out_dir``."""
+    """Write the control files into the laid-out ``staging`` and make the .deb in ``out_dir``."""
     (staging / "DEBIAN" / "control").write_text(control.text())
+    (staging / "DEBIAN" / "md5sums").write_text(md5sums(staging))
     clamp_mtimes(staging, epoch)
     deb = out_dir / f"koordrp_{control.version}_{control.architecture}.deb"
     subprocess.run(

@@ -173,7 +173,8 @@ def build_venv(suite: Suite, wheel: Path, work: Path, epoch: int, rootfs: Path |
     hooks = [
         f"copy-in {shlex.quote(str(build))} /tmp",
         # A clean environment: the host's pip settings name files the root does not have.
-        f'env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin chroot "$1" sh /tmp/koordrp-build/build-venv {suite.interpreter}',
+        f'env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin SOURCE_DATE_EPOCH={epoch} chroot "$1"'
+        f" sh /tmp/koordrp-build/build-venv {suite.interpreter}",
         f"sync-out /opt/koordrp {shlex.quote(str(staging / 'opt/koordrp'))}",
         f"copy-out /tmp/koordrp-build/depends {shlex.quote(str(work))}",
     ]

@@ -118,6 +118,15 @@ class DebianPackageTests(SynchronousTestCase):
         for script in debian_package.MAINTAINER_SCRIPTS:
             self.assertEqual((staging / "DEBIAN" / script).stat().st_mode & 0o777, 0o755)
 
+    def test_md5sums_lists_every_file_but_the_conffile_and_the_control_files(self) -> None:
+        staging = Path(short_tempdir(self))
+        for name in ("DEBIAN/control", "etc/default/koordrp", "opt/koordrp/venv/bin/twistd"):
+            (staging / name).parent.mkdir(parents=True, exist_ok=True)
+            (staging / name).write_text("x")
+        (staging / "usr/bin").mkdir(parents=True)
+        (staging / "usr/bin/koordrp").symlink_to("/opt/koordrp/venv/bin/koordrp")
+        self.assertEqual(debian_package.md5sums(staging), f"{hashlib.md5(b'x').hexdigest()}  opt/koordrp/venv/bin/twistd\n")
+
     def test_the_unit_runs_the_twistd_the_package_ships(self) -> None:
         unit = (debian_package.TAP / "koordrp.service").read_text()
         self.assertIn(f"\nExecStart=/{debian_package.VENV}/bin/twistd ", unit)
