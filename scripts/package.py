@@ -19,12 +19,14 @@ the same mirror give the same packages.
 from __future__ import annotations
 
 import configparser
+import gzip
 import hashlib
 import os
 import shlex
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from collections.abc import Sequence
@@ -134,8 +136,24 @@ def mirrors(suite: Suite) -> list[str]:
 def build_python(out: Path, epoch: int) -> Path:
     """The sdist, and the wheel built from it, in ``out``: the wheel."""
     run([PYTHON, "-m", "build", "--outdir", out, ROOT], quiet=True, env={**os.environ, "SOURCE_DATE_EPOCH": str(epoch)})
+    clamp_tarball(out / f"koordrp-{project_version()}.tar.gz", epoch)
     [wheel] = out.glob(f"koordrp-{project_version()}-*.whl")
     return wheel
+
+
+def clamp_tarball(path: Path, epoch: int) -> None:
+    """No member of the .tar.gz dated after ``epoch``, nor the gzip: setuptools dates what it makes for the
+    sdist (PKG-INFO, its directories) at the time of the build. The same bytes from the same commit."""
+    clamped = path.with_name(path.name + ".partial")
+    with tarfile.open(path) as source, clamped.open("wb") as raw:
+        with gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=epoch) as packed, tarfile.open(
+            fileobj=packed, mode="w", format=tarfile.PAX_FORMAT
+        ) as target:
+            for member in source.getmembers():
+                member.mtime = min(int(member.mtime), epoch)
+                member.pax_headers = {k: v for k, v in member.pax_headers.items() if k not in ("mtime", "atime", "ctime")}
+                target.addfile(member, source.extractfile(member) if member.isfile() else None)
+    clamped.replace(path)
 
 
 def download_wheels(wheel: Path, suite: Suite, dest: Path) -> None:

@@ -132,6 +132,25 @@ class DebianPackageTests(SynchronousTestCase):
         self.assertIn(f"\nExecStart=/{debian_package.VENV}/bin/twistd ", unit)
 
 
+class SdistTests(SynchronousTestCase):
+    def sdist(self, path: Path, mtime: int) -> Path:
+        with tarfile.open(path, "w:gz") as tar:
+            info = tarfile.TarInfo("koordrp-1.2.3/PKG-INFO")
+            info.size, info.mtime = 3, mtime
+            tar.addfile(info, io.BytesIO(b"x=1"))
+        return path
+
+    def test_what_setuptools_dated_at_build_time_is_dated_at_the_commit(self) -> None:
+        directory = Path(short_tempdir(self))
+        built = [self.sdist(directory / f"{name}.tar.gz", mtime) for name, mtime in (("one", 2000000000), ("two", 2100000000))]
+        for path in built:
+            package.clamp_tarball(path, 1900000000)
+        self.assertEqual(built[0].read_bytes(), built[1].read_bytes())
+        with tarfile.open(built[0]) as tar:
+            [member] = tar.getmembers()
+            self.assertEqual((member.mtime, tar.extractfile(member).read()), (1900000000, b"x=1"))  # type: ignore[union-attr]
+
+
 class VersionTests(SynchronousTestCase):
     def test_setup_cfg_names_the_version_koordrp_says(self) -> None:
         self.assertEqual(koordrp_version(), package.project_version())
