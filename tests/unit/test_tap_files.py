@@ -22,13 +22,20 @@ NRI_DROP_IN = TAP / "nri" / "10-nri-mode.conf"
 
 class TapFilesTests(SynchronousTestCase):
     def options_of(self, unit: Path) -> tap.Options:
-        """The options the unit's (last) ExecStart= gives koordrp."""
+        """The options the unit's (last) ExecStart= gives koordrp, the node's own (KOORDRP_ARGS) last."""
         command = unit.read_text().rsplit("ExecStart=", 1)[1].split("\n#", 1)[0].replace("\\\n", " ")
         argv = shlex.split(command)
         self.assertEqual(argv[1:4], ["-n", "--pidfile=", "--logfile=-"])
+        self.assertEqual(argv[-1], "$KOORDRP_ARGS")
         options = tap.Options()
-        options.parseOptions(argv[argv.index("koordrp") + 1 :])
+        options.parseOptions(argv[argv.index("koordrp") + 1 : -1])
         return options
+
+    def test_the_nodes_own_options_come_from_the_packages_conffile_if_there_is_one(self) -> None:
+        self.assertIn("\nEnvironmentFile=-/etc/default/koordrp\n", (TAP / "koordrp.service").read_text())
+        conffile = (ROOT / "packaging" / "deb" / "default").read_text()
+        [setting] = [line for line in conffile.splitlines() if not line.startswith("#")]
+        self.assertEqual(setting, 'KOORDRP_ARGS=""')
 
     def test_the_unit_runs_options_koordrp_accepts(self) -> None:
         options = self.options_of(TAP / "koordrp.service")

@@ -1,0 +1,95 @@
+"""deploy/: what `kubectl apply -f deploy/` makes is valid Kubernetes for every version koordrp claims,
+and runs the image scripts/package builds as koordrp's NRI mode needs it."""
+
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+from twisted.trial.unittest import SynchronousTestCase
+
+from koordrp import tap
+from scripts import package
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+
+KOORDLET = json.loads((ROOT / "tap" / "hookserver.d" / "koordlet.json").read_text())
+
+# The Kubernetes versions README.md claims for deploy/.
+KUBERNETES_VERSIONS = ("1.30", "1.31", "1.32", "1.33", "1.34")
+
+
+def documents() -> list[dict[str, Any]]:
+    found = []
+    for path in sorted(DEPLOY.glob("*.yaml")):
+        found += [document for document in yaml.safe_load_all(path.read_text()) if document]
+    return found
+
+
+def daemonset() -> dict[str, Any]:
+    [found] = [document for document in documents() if document["kind"] == "DaemonSet"]
+    return found
+
+
+class DeployTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.pod = daemonset()["spec"]["template"]["spec"]
+        [self.container] = self.pod["containers"]
+        self.options = tap.Options()
+        self.options.parseOptions(self.container["args"])
+
+    def test_every_file_passes_kubernetes_validate_strict_for_each_version_claimed(self) -> None:
+        validate = Path(sys.executable).with_name("kubernetes-validate")
+        files = sorted(str(path) for path in DEPLOY.glob("*.yaml"))
+        for version in KUBERNETES_VERSIONS:
+            command = [str(validate), "--strict", f"--kubernetes-version={version}.0", *files]
+            result = subprocess.run(command, capture_output=True, text=True)
+            said = result.stdout + result.stderr
+            self.assertEqual(result.returncode, 0, f"{shlex.join(command)}:\n{said}")
+            self.assertEqual(said.count(" passed for resource "), len(documents()), said)
+
+    def test_the_daemonset_runs_koordrp_in_nri_mode_as_containerds_plugin(self) -> None:
+        self.assertEqual(self.options["backend-runtime-mode"], "NRI")
+        self.assertEqual(self.options["nri-socket"], tap.DEFAULT_NRI_SOCKET)
+        self.assertNotIn("command", self.container)  # the image's entrypoint runs koordrp: args are its options
+
+    def test_what_koordrp_reads_and_writes_is_the_nodes_own(self) -> None:
+        mounts = {mount["mountPath"]: mount for mount in self.container["volumeMounts"]}
+        volumes = {volume["name"]: volume["hostPath"]["path"] for volume in self.pod["volumes"]}
+        for path in (
+            str(Path(self.options["nri-socket"]).parent),
+            self.options["hook-config-dir"],
+            self.options["state-dir"],
+            str(Path(KOORDLET["remote-endpoint"]).parent),  # koordlet's socket, as its registration names it
+        ):
+            self.assertIn(path, mounts)
+            self.assertEqual(volumes[mounts[path]["name"]], path)
+        self.assertTrue(mounts[self.options["hook-config-dir"]]["readOnly"])
+        self.assertEqual(
+            (self.options["hook-config-dir"], self.options["state-dir"]), (tap.DEFAULT_HOOK_CONFIG_DIR, tap.DEFAULT_STATE_DIR)
+        )
+
+    def test_probes_ask_healthz_on_the_metrics_endpoint(self) -> None:
+        [port] = self.container["ports"]
+        self.assertEqual(self.options["metrics-endpoint"], f"tcp:{port['containerPort']}")
+        for probe in ("readinessProbe", "livenessProbe"):
+            self.assertEqual(self.container[probe]["httpGet"], {"path": "/healthz", "port": port["name"]})
+
+    def test_it_runs_the_image_scripts_package_builds_on_every_labelled_node(self) -> None:
+        self.assertEqual(self.container["image"], f"{package.IMAGE_NAME}:{package.project_version()}")
+        self.assertEqual(self.pod["priorityClassName"], "system-node-critical")
+        self.assertEqual(self.pod["tolerations"], [{"operator": "Exists"}])
+        self.assertEqual(list(self.pod["nodeSelector"]), ["koordrp/nri"])
+        requests = self.container["resources"]["requests"]
+        self.assertEqual(set(requests), {"cpu", "memory"})
+
+    def test_root_without_privileges(self) -> None:
+        security = self.container["securityContext"]
+        self.assertEqual((security["runAsUser"], security["privileged"], security["allowPrivilegeEscalation"]), (0, False, False))
+        self.assertEqual((security["readOnlyRootFilesystem"], security["capabilities"]), (True, {"drop": ["ALL"]}))
+        [namespace] = [document for document in documents() if document["kind"] == "Namespace"]
+        self.assertEqual(daemonset()["metadata"]["namespace"], namespace["metadata"]["name"])
