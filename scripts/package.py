@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from koordrp.tap import RUNTIME_MODES
 from scripts import debian_package
 from scripts.oci_archive import Image, write_oci_archive
 
@@ -54,6 +55,12 @@ SLIM = tuple(f"--dpkgopt=path-{rule}" for rule in (
     "exclude=/usr/share/info/*",
     "exclude=/usr/share/locale/*",
 ))
+# ctr runs what follows a container's id in place of the image's entrypoint, its first word as a command:
+# koordrp's mode flags are commands on the image's PATH (packaging/image/koordrp-options), so that
+# `ctr run IMAGE ID --backend-runtime-mode=NRI ...` is koordrp with those options, as elsewhere.
+OPTIONS_COMMAND = "/usr/local/bin/koordrp-options"
+MODE_FLAGS = tuple(f"--backend-runtime-mode={mode}" for mode in RUNTIME_MODES)
+
 # And once the virtualenv is out for the .deb: Twisted's own tests (20 MB), and whatever is apt's or the
 # build machine's (no apt runs in the image).
 IMAGE_TIDY = " ".join((
@@ -199,6 +206,12 @@ def build_venv(suite: Suite, wheel: Path, work: Path, epoch: int, rootfs: Path |
     options = [f"--include={suite.interpreter},libstdc++6"]  # grpcio's compiled module links to libstdc++
     if rootfs is not None:
         hooks.append(IMAGE_TIDY)
+        hooks.append(f"copy-in {shlex.quote(str(PACKAGING / 'image' / 'koordrp-options'))} /usr/local/bin")
+        flags = " ".join(shlex.quote(flag) for flag in MODE_FLAGS)
+        hooks.append(
+            f'chmod 0755 "$1"{OPTIONS_COMMAND} && for flag in {flags}; do ln -s koordrp-options "$1/usr/local/bin/$flag"; done'
+            f' && touch -h -d @{epoch} "$1"{OPTIONS_COMMAND} "$1"/usr/local/bin/--*'
+        )
         options += ["--skip=cleanup/apt,cleanup/mmdebstrap,output/dev", *SLIM]
     run(
         ["mmdebstrap", "--quiet", "--variant=essential", *options, *(f"--customize-hook={hook}" for hook in hooks),

@@ -255,16 +255,15 @@ def test_the_image_run_with_ctr_is_containerds_nri_plugin_and_its_hooks_change_c
     register(hooks, "injector", injector.path, ["PreCreateContainer"])
     sockets = Path(injector.path).parent
     name = f"koordrp-{uuid.uuid4().hex[:8]}"
-    # ctr runs what follows the container's id instead of the image's entrypoint and command (Docker and
-    # Kubernetes append their arguments to the entrypoint): give it the entrypoint, then koordrp's options.
-    entrypoint = image.config["config"]["Entrypoint"]
-    assert entrypoint == list(package.ENTRYPOINT)
+    assert image.config["config"]["Entrypoint"] == list(package.ENTRYPOINT)
+    # ctr runs what follows the container's id in place of the image's entrypoint (Docker and Kubernetes
+    # append it): koordrp's options after the id all the same, the mode flag first.
     argv = ctr(
         containerd, "run", "--rm",
         "--mount", f"type=bind,src={containerd.paths.nri_socket.parent},dst=/var/run/nri,options=rbind:rw",
         "--mount", f"type=bind,src={hooks},dst=/etc/runtime/hookserver.d,options=rbind:ro",
         "--mount", f"type=bind,src={sockets},dst={sockets},options=rbind:rw",
-        image.reference, name, *entrypoint,
+        image.reference, name,
         "--backend-runtime-mode=NRI", "--nri-socket=/var/run/nri/nri.sock", "--hook-config-dir=/etc/runtime/hookserver.d",
     )
     log = workdir / "koordrp.log"
