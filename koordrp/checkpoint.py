@@ -83,7 +83,8 @@ class DirectoryCheckpoint:
     def __init__(self, directory: str) -> None:
         self.directory = directory
         self._kept: dict[Kind, set[str]] = {kind: set() for kind in KINDS}
-        self._failing: str | None = None
+        self._failing: tuple[str, str] | None = None
+        """What failed last (the warning's format, the reason), while it keeps failing."""
 
     def open(self) -> None:
         """Create the directory or check it, 0700 (it holds environment values); learn what is kept there.
@@ -115,7 +116,10 @@ class DirectoryCheckpoint:
         if data is None:
             if identifier in kept:
                 kept.discard(identifier)
-                _remove(path)
+                try:
+                    _remove(path)
+                except OSError as error:
+                    self._failed(error, "cannot remove what was kept for a pod or container gone from {directory}: {reason}")
             return
         temporary = os.path.join(self.directory, kind, f".{identifier}.new")
         try:
@@ -126,16 +130,21 @@ class DirectoryCheckpoint:
                 os.close(descriptor)
             os.replace(temporary, path)
         except OSError as error:
-            if error.strerror != self._failing:
-                self._failing = error.strerror
-                self.log.warn(
-                    "cannot keep what kubelet asked in {directory}: {reason}; it is kept in memory only",
-                    directory=self.directory,
-                    reason=error.strerror,
-                )
+            self._failed(error, "cannot keep what kubelet asked in {directory}: {reason}; it is kept in memory only")
+            try:
+                _remove(temporary)
+            except OSError:
+                pass  # the reason is said already
             return
         self._failing = None
         kept.add(identifier)
+
+    def _failed(self, error: OSError, format: str) -> None:
+        """One warning for each thing that fails and why, for as long as it keeps failing."""
+        reason = error.strerror or str(error)
+        if (format, reason) != self._failing:
+            self._failing = (format, reason)
+            self.log.warn(format, directory=self.directory, reason=reason)
 
     def read(self, kind: Kind, identifier: str, parse: Callable[[bytes], Parsed]) -> Parsed | None:
         path = self._path(kind, identifier)

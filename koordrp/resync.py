@@ -212,7 +212,9 @@ class StoreSync:
         known_before = known_now if self._learns else self._known_earlier
         self._known_earlier = known_now
         reading = ensureDeferred(self._snapshot())
-        self._reading = agreed = reading.addCallbacks(lambda found: self._agree(found, known_before, periodic), self._failed)
+        # What goes wrong in agreeing with a reading is a failure too: said, and retried.
+        agreed = reading.addCallback(lambda found: self._agree(found, known_before, periodic)).addErrback(self._failed)
+        self._reading = agreed
         agreed.addBoth(self._read_done)
 
     async def _snapshot(self) -> Snapshot:
@@ -229,9 +231,9 @@ class StoreSync:
 
     def _agree(self, found: Snapshot, known_before: tuple[AbstractSet[str], AbstractSet[str]], periodic: bool) -> None:
         self._unreadable = (self._unreadable & (found.pod_ids | found.container_ids)) | found.unreadable
-        self._retrying.succeeded(runtime=self._runtime)
         # Only a rebuild (at start, after trouble) is told when nothing changed.
         agree(self._store, found, known_before, self._runtime, quiet=periodic or not self._learns)
+        self._retrying.succeeded(runtime=self._runtime)
 
     def _failed(self, failure: Failure) -> None:
         if isinstance(failure.value, CancelledError) and not self._running:

@@ -123,7 +123,8 @@ class Options(usage.Options):
             None,
             DEFAULT_INTERVAL,
             "seconds between readings of the runtime that make koordrp forget the pods and containers removed "
-            "behind its back (and learn those made behind it); 0: only at start and after an outage",
+            "behind its back (and learn those made behind it); 0: only at start (CRI mode: and when the runtime is "
+            "back after an outage; NRI mode: and at each synchronization)",
             float,
         ],
         ["max-workers", None, 64, "CRI worker threads (streams hold one each)", int],

@@ -1,4 +1,5 @@
-"""``--metrics-endpoint``: Prometheus metrics at /metrics and a health check at /healthz."""
+"""``--metrics-endpoint``: Prometheus metrics at /metrics, a health check at /healthz (koordrp serves
+calls: the runtime answers, or koordrp is containerd's NRI plugin) and /livez (koordrp's reactor turns)."""
 
 from typing import Callable
 
@@ -67,10 +68,24 @@ class HealthResource(Resource):
         return NOT_DONE_YET
 
 
+class LiveResource(Resource):
+    """200 from the reactor: a koordrp whose reactor stalls (a deadlock) answers nothing, which restarts it.
+
+    Nothing else is asked: a koordrp whose runtime is away is alive, retrying by itself, and a
+    restart would not bring the runtime back (that is /healthz's to say).
+    """
+
+    isLeaf = True
+
+    def render_GET(self, request: Request) -> bytes:
+        return b"ok: koordrp's reactor answers\n"
+
+
 def metrics_service(endpoint: str, metrics: Metrics, probe: Probe, reactor: IReactorTime) -> service.Service:
     root = Resource()  # type: ignore[no-untyped-call]
     root.putChild(b"metrics", MetricsResource(metrics.registry))
     root.putChild(b"healthz", HealthResource(probe, reactor))
+    root.putChild(b"livez", LiveResource())  # type: ignore[no-untyped-call]
     site = Site(root)  # type: ignore[no-untyped-call]
     site.noisy = False
     served: service.Service = strports.service(endpoint, site, reactor=IReactorCore(reactor))

@@ -289,9 +289,9 @@ def free_port() -> int:
         return port
 
 
-def healthz(port: int) -> tuple[int, str]:
+def healthz(port: int, path: str = "healthz") -> tuple[int, str]:
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as answer:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/{path}", timeout=5) as answer:
             return answer.status, answer.read().decode()
     except urllib.error.HTTPError as error:
         return error.code, error.read().decode()
@@ -308,8 +308,12 @@ def test_the_image_runs_as_the_daemonset_runs_it(image: Image, injector: FakeHoo
     assert spec["image"] == image.reference
     # Host networking here (the machine has no CNI): koordrp's metrics on a free port of loopback.
     port = free_port()
-    args = [arg for arg in spec["args"] if not arg.startswith("--metrics-endpoint=")]
+    args = [arg for arg in spec["args"] if not arg.startswith(("--metrics-endpoint=", "--remote-runtime-service-endpoint="))]
     args.append(f"--metrics-endpoint=tcp:{port}:interface=127.0.0.1")
+    # The test's containerd names its socket otherwise: the directory is mounted where the DaemonSet mounts it.
+    runtime_socket = next(arg for arg in spec["args"] if arg.startswith("--remote-runtime-service-endpoint="))
+    runtime_dir = str(Path(runtime_socket.partition("=")[2]).parent)
+    args.append(f"--remote-runtime-service-endpoint={runtime_dir}/{containerd.paths.socket.name}")
     koordlet_dir = next(mount["mountPath"] for mount in spec["volumeMounts"] if mount["name"] == "koordlet")
     register(workdir / "hookserver.d", "injector", f"{koordlet_dir}/injector.sock", ["PreCreateContainer"])
     host_paths = {
@@ -317,6 +321,7 @@ def test_the_image_runs_as_the_daemonset_runs_it(image: Image, injector: FakeHoo
         "hookserver-d": workdir / "hookserver.d",
         "state": workdir / "state",
         "koordlet": Path(injector.path).parent,
+        "containerd": containerd.paths.socket.parent,
     }
     (workdir / "state").mkdir()
     config = container_config("koordrp", image=image.reference, args=args, log_path="koordrp.log")
@@ -338,8 +343,10 @@ def test_the_image_runs_as_the_daemonset_runs_it(image: Image, injector: FakeHoo
         while (answer := healthz(port))[0] != 200 and time.monotonic() < deadline:
             time.sleep(0.2)
         assert answer[0] == 200, answer
+        assert healthz(port, "livez")[0] == 200
         assert_containers_get_the_hooks_env(containerd, workdir, "from-daemonset")
     finally:
         remove_pod(runtime, sandbox_id)
     said = (workdir / "pod/koordrp.log").read_text()
     assert "Traceback" not in said and "plugin cache" not in said, said
+    assert "cannot read containerd's CRI" not in said, said  # the reconcile's listing reaches containerd

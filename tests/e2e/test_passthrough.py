@@ -298,10 +298,7 @@ def test_started_before_containerd_serves_once_it_is_up(images: ImageSet, workdi
                 assert error.value.code() == grpc.StatusCode.UNAVAILABLE
                 assert runtime.endpoint in (error.value.details() or "")
             runtime.start()
-            came_up = time.monotonic()
-            while not proxy.answers(channel):
-                assert time.monotonic() - came_up < 30, proxy.log()
-                time.sleep(0.05)
+            proxy.wait_answering(channel)
 
             runtime.kill()
             with pytest.raises(grpc.RpcError) as error:
@@ -311,10 +308,7 @@ def test_started_before_containerd_serves_once_it_is_up(images: ImageSet, workdi
                 with pytest.raises(grpc.RpcError):
                     stub.Version(api_pb2.VersionRequest(), timeout=5)
             runtime.start()
-            came_up = time.monotonic()
-            while not proxy.answers(channel):
-                assert time.monotonic() - came_up < 30, proxy.log()
-                time.sleep(0.05)
+            proxy.wait_answering(channel)
         log = proxy.log()
         assert log.count("is unreachable") == 2, log
         assert log.count("is reachable again") == 2, log

@@ -100,6 +100,14 @@ class KoordrpProcess:
             return False
         return True
 
+    def wait_answering(self, channel: grpc.Channel, timeout: float = 60.0) -> None:
+        """Once koordrp answers a CRI call on ``channel`` (its runtime back): a generous bound, not a measure."""
+        deadline = time.monotonic() + timeout
+        while not self.answers(channel):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"koordrp did not answer within {timeout:g}s:\n{self.log()}")
+            time.sleep(0.05)
+
     def log(self) -> str:
         """Everything koordrp has logged so far."""
         return self.logfile.read_text(errors="replace") if self.logfile.exists() else ""

@@ -64,6 +64,7 @@ class DeployTests(SynchronousTestCase):
             str(Path(self.options["nri-socket"]).parent),
             self.options["hook-config-dir"],
             self.options["state-dir"],
+            str(Path(self.options["remote-runtime-service-endpoint"]).parent),  # the reconcile's listing
             str(Path(KOORDLET["remote-endpoint"]).parent),  # koordlet's socket, as its registration names it
         ):
             self.assertIn(path, mounts)
@@ -73,11 +74,11 @@ class DeployTests(SynchronousTestCase):
             (self.options["hook-config-dir"], self.options["state-dir"]), (tap.DEFAULT_HOOK_CONFIG_DIR, tap.DEFAULT_STATE_DIR)
         )
 
-    def test_probes_ask_healthz_on_the_metrics_endpoint(self) -> None:
+    def test_ready_when_registered_alive_while_the_reactor_answers(self) -> None:
         [port] = self.container["ports"]
         self.assertEqual(self.options["metrics-endpoint"], f"tcp:{port['containerPort']}")
-        for probe in ("readinessProbe", "livenessProbe"):
-            self.assertEqual(self.container[probe]["httpGet"], {"path": "/healthz", "port": port["name"]})
+        for probe, path in (("readinessProbe", "/healthz"), ("livenessProbe", "/livez")):
+            self.assertEqual(self.container[probe]["httpGet"], {"path": path, "port": port["name"]})
 
     def test_it_runs_the_image_scripts_package_builds_on_every_labelled_node(self) -> None:
         self.assertEqual(self.container["image"], f"{package.IMAGE_NAME}:{package.project_version()}")

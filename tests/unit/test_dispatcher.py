@@ -6,7 +6,6 @@ from typing import cast
 import grpc
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred, fail, inlineCallbacks
-from twisted.internet.task import deferLater
 from twisted.logger import ILogObserver, LogEvent, LogLevel, globalLogPublisher
 from twisted.trial.unittest import TestCase
 
@@ -115,16 +114,17 @@ class DispatcherTests(TestCase):
     @inlineCallbacks
     def test_one_calls_post_stages_reach_a_server_one_after_another(self):  # type: ignore[no-untyped-def]
         server = self.server("post")
-        server.delays["PostStopContainerHook"] = 0.3
-        subscribers = (self.config("post", server),)
+        server.delays["PostStopContainerHook"] = 3600
+        subscribers = (self.config("post", server, timeout=3600),)
         self.dispatcher.announce(
             [
                 PostStage(HookType.POST_STOP_CONTAINER, subscribers, hook.ContainerResourceHookRequest()),
                 PostStage(HookType.POST_STOP_POD_SANDBOX, subscribers, hook.PodSandboxHookRequest()),
             ]
         )
-        yield deferLater(reactor, 0.15, lambda: None)
-        self.assertEqual(server.rpcs(), ["PostStopContainerHook"])
+        yield Deferred.fromCoroutine(until(lambda: server.rpcs()))
+        self.assertEqual(server.rpcs(), ["PostStopContainerHook"])  # the pod's waits for its containers' answer
+        server.unwedge()
         yield self.dispatcher.drain(30)
         self.assertEqual(server.rpcs(), ["PostStopContainerHook", "PostStopPodSandboxHook"])
 

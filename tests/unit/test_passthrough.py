@@ -185,6 +185,7 @@ class BackendOutageTests(SynchronousTestCase):
                 self.stub.Version(api_pb2.VersionRequest(), timeout=5)
             self.assertEqual(error.exception.code(), grpc.StatusCode.UNAVAILABLE)
             self.assertIn(f"unix://{self.backend_path}", error.exception.details())
+        self.assertTrue(wait_until(lambda: bool(self.reports), timeout=30))  # told from grpc's own thread
         self.assertEqual(self.reports, [(Reachability.UNREACHABLE, self.backend_path)])
 
         backend = FakeCRIBackend(self.backend_path, name="late").start()

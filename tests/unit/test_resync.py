@@ -239,6 +239,17 @@ class FailureTests(StoreSyncTestCase):
         self.assertEqual([line["done"] for line in self.lines("store {done}")], ["rebuilt from", "rebuilt from"])
 
 
+    def test_a_failure_in_agreeing_with_a_reading_is_said_and_retried(self) -> None:
+        def broken(*args: object) -> tuple[int, int]:
+            raise OSError(30, "Read-only file system")
+
+        self.patch(self.store, "reconcile", broken)
+        self.sync.start()
+        self.assertEqual(len(self.flushLoggedErrors(OSError)), 1)
+        self.assertEqual([event["problem"] for event in self.lines("cannot read")], ["OSError: [Errno 30] Read-only file system"])
+        self.assertEqual([call.getTime() for call in self.clock.getDelayedCalls()], [RETRY_SECONDS])
+
+
 class ForgetOnlyTests(StoreSyncTestCase):
     """NRI mode: containerd's CRI listing says what is gone; what appears, NRI tells of."""
 

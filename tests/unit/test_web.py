@@ -4,7 +4,7 @@ import os
 import socket
 
 from twisted.internet import reactor
-from twisted.internet.defer import inlineCallbacks, succeed
+from twisted.internet.defer import fail, inlineCallbacks, succeed
 from twisted.internet.threads import deferToThread
 from twisted.trial.unittest import TestCase
 
@@ -46,3 +46,14 @@ class UnixEndpointTests(TestCase):
         self.assertIn(b"\nkoordrp_state_files_unreadable_total 0.0\n", scraped)
         health = yield deferToThread(get, path, "/healthz")
         self.assertTrue(health.startswith(b"HTTP/1.0 200 OK") and health.endswith(b"ok: the backend answers\n"), health)
+
+    @inlineCallbacks
+    def test_alive_while_the_runtime_is_away(self):  # type: ignore[no-untyped-def]
+        path = os.path.join(short_tempdir(self), "metrics.sock")
+        served = metrics_service(f"unix:{path}", Metrics(), lambda: fail(RuntimeError("containerd is away")), reactor)
+        served.startService()
+        self.addCleanup(served.stopService)
+        health = yield deferToThread(get, path, "/healthz")
+        self.assertTrue(health.startswith(b"HTTP/1.0 503") and health.endswith(b"unhealthy: containerd is away\n"), health)
+        live = yield deferToThread(get, path, "/livez")
+        self.assertTrue(live.startswith(b"HTTP/1.0 200 OK") and live.endswith(b"ok: koordrp's reactor answers\n"), live)
