@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from benchmarks.echo_hook_server import HookServerProcess
-from benchmarks.soak import Calls, koordrp_warnings, print_koordrp_warnings
+from benchmarks.soak import Calls, Memory, koordrp_warnings, print_koordrp_warnings
 from benchmarks.soak_figures import (
     Checkpoint,
     hook_calls,
@@ -280,6 +280,7 @@ class Soak:
     churn: Churn
     servers: HookServers
     calls: Calls
+    memory: Memory
     settle_limit: float
     churned_seconds: float = 0.0
     """Of churn since the start checkpoint."""
@@ -289,7 +290,8 @@ class Soak:
         """Churn for ``seconds`` with the disturbances, then pause with the node full."""
         began = time.monotonic()
         events: list[tuple[float, str]] = []
-        restart_at = began + self.args.restart_every
+        # Half a period in first: a stretch as short as one period still has its restart.
+        restart_at = began + self.args.restart_every / 2
         while restart_at < began + seconds:
             events.append((restart_at, "restart"))
             restart_at += self.args.restart_every
@@ -333,6 +335,7 @@ class Soak:
             label=label,
             minutes=self.churned_seconds / 60,
             process=process,
+            peak_rss=self.memory.peak,
             store=store_figures(metrics, state_files(self.base / "state")),
             held=self.node.held(),
             hook_calls=hook_calls(metrics),
@@ -384,7 +387,10 @@ def soak_mode(mode: str, args: argparse.Namespace) -> tuple[str, bool]:
         log(f"{mode} mode: {node.runtime_name}; filling the node to {args.pods} pods with {args.workers} workers")
         churn = Churn(node, calls, args.pods, args.workers, args.behind_every)
         stack.callback(churn.stop)
-        soak = Soak(args, base, node, churn, servers, calls, settle_limit)
+        memory = Memory(node.proxy.pid)
+        memory.begin()
+        stack.callback(memory.end)
+        soak = Soak(args, base, node, churn, servers, calls, memory, settle_limit)
         stack.enter_context(relisting(node, calls, args.relist_every))
         if not churn.pause(QUIESCE_LIMIT + args.pods * 10):
             log("the node did not fill: figures taken all the same")

@@ -50,6 +50,8 @@ class Checkpoint:
     minutes: float
     """Of churn, since the start checkpoint."""
     process: Process
+    peak_rss: int
+    """The most koordrp's RSS was so far (sampled twice a second), filling and warming up included."""
     store: dict[str, int | None]
     """Every figure of koordrp's store, by row name (``STORE_GAUGES``, ``STORE_ENTRIES`` by kind,
     ``ON_DISK``); None where this koordrp has no such gauge."""
@@ -205,6 +207,7 @@ def shown_rows(checkpoints: Sequence[Checkpoint]) -> list[Row]:
         return Row(figure, tuple(str(value) for value in values), "", "")
 
     return [
+        row("koordrp RSS peak so far (MiB)", (f"{point.peak_rss / 2**20:.1f}" for point in checkpoints)),
         row("threads", (point.process.threads for point in checkpoints)),
         row("koordrp CPU (s)", (f"{point.process.cpu_seconds:.0f}" for point in checkpoints)),
         row("runtime holds pods", (point.held[0] for point in checkpoints)),
