@@ -35,7 +35,6 @@ Exits 1 if a mode was not flat or a call failed.
 import argparse
 import contextlib
 import itertools
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -67,7 +66,7 @@ from benchmarks.soak_nodes import MODES, NODES, Node, Pod
 from benchmarks.stats import quantile
 from koordrp.hooks.types import HookType
 from tests.support.hook_registration import register
-from tests.support.koordrp_process import twistd_path
+from tests.support.koordrp_process import log_files, twistd_path
 
 WEDGED_TIMEOUT = 2
 SETTLE_MARGIN = 15.0
@@ -356,9 +355,12 @@ class Soak:
         return point
 
 
-def keep_log(log: Path, kept: Path) -> None:
+def keep_log(logfile: Path, kept: Path) -> None:
+    """koordrp's whole log in one file, what twistd rotated out included."""
     kept.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copy(log, kept)
+    with open(kept, "wb") as copy:
+        for path in log_files(logfile):
+            copy.write(path.read_bytes())
     print(f"koordrp's log kept in {kept}")
 
 
@@ -427,7 +429,7 @@ def report(mode: str, node: Node, soak: Soak, reconciling: list[str], filled: fl
     print("\nhook calls so far (koordrp's count by server and result, and what each server received):")
     print(table(points, hook_rows(points)))
     print_calls(soak.calls)
-    print_koordrp_warnings(koordrp_warnings(node.proxy.log()))
+    print_koordrp_warnings(koordrp_warnings(node.proxy.whole_log()))
     said = verdict(rows)
     print(f"\nverdict ({mode}: RSS within 10 %, file descriptors and store figures back to the start): {said}")
     print(f"{mode} mode took {seconds / 60:.1f} min")
@@ -471,7 +473,8 @@ def main() -> int:
     if len(results) > 1:
         print("\nnode soak, every mode:")
         for mode, said, passed, seconds in results:
-            print(f"  {mode:<7} {said}{'' if passed else ' (calls failed)' if said == 'flat' else ''}; {seconds / 60:.1f} min")
+            failed = " (calls failed)" if said == "flat" and not passed else ""
+            print(f"  {mode:<7} {said}{failed}; {seconds / 60:.1f} min")
     return 0 if all(passed for _, _, passed, _ in results) else 1
 
 

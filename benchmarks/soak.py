@@ -450,7 +450,7 @@ def conclude(
     outcome.left_in_containerd = left_behind(containerd.runtime(), outcome.calls, "in containerd")
     outcome.cpu_seconds = cpu_seconds(proxy.pid) - cpu_start
     memory.end()
-    outcome.koordrp_warnings = koordrp_warnings(proxy.log())
+    outcome.koordrp_warnings = koordrp_warnings(proxy.whole_log())
 
 
 # -- the figures ------------------------------------------------------------------------------------
