@@ -24,7 +24,7 @@ later) and end (``--minutes`` after the start). At each, the churn is paused wit
 again, and koordrp's store is given up to three reconcile intervals (plus 15 s) to agree with the
 runtime; then koordrp's RSS, open file descriptors, threads and CPU, its store gauges
 (``koordrp_store_pods``, ``koordrp_store_containers``, ``koordrp_state_files``: "n/a" where this
-koordrp has none; the older ``koordrp_store_entries``; the state files on disk) and its hook calls
+koordrp has none; the older ``koordrp_store_entries`` where it has it; the state files on disk) and its hook calls
 by server and result are read. ``--reconcile-interval`` is passed to koordrp only if it takes it.
 
 It prints the figures as a table, with issue 24's verdict: flat when RSS is within 10 % of the start

@@ -25,7 +25,7 @@ RSS_TOLERANCE = 0.10
 STORE_GAUGES = ("koordrp_store_pods", "koordrp_store_containers", "koordrp_state_files")
 """Issue 24's gauges: absent from a koordrp that predates them (then "n/a")."""
 STORE_ENTRIES = "koordrp_store_entries"
-"""The older gauge of the store's size, by ``kind``: pods, containers."""
+"""The older gauge of the store's size, by ``kind``: pods, containers (shown only by a koordrp that has it)."""
 ON_DISK = "state files on disk"
 FD_SAMPLES = 5
 FD_SAMPLE_PAUSE = 0.2
@@ -112,9 +112,11 @@ def state_files(directory: Path) -> int:
 
 
 def store_figures(metrics: Metrics, on_disk: int) -> dict[str, int | None]:
+    """Issue 24's gauges (None where absent), the older gauge where present, and the files on disk."""
     figures: dict[str, int | None] = {name: _single(metrics, name) for name in STORE_GAUGES}
-    for kind in ("pods", "containers"):
-        figures[f"{STORE_ENTRIES}{{kind={kind}}}"] = _single(metrics, STORE_ENTRIES, kind=kind)
+    if STORE_ENTRIES in metrics:
+        for kind in ("pods", "containers"):
+            figures[f"{STORE_ENTRIES}{{kind={kind}}}"] = _single(metrics, STORE_ENTRIES, kind=kind)
     figures[ON_DISK] = on_disk
     return figures
 

@@ -78,9 +78,11 @@ class MetricsTests(SynchronousTestCase):
         self.assertEqual(store["state files on disk"], 21)
         self.assertEqual(store_size(store), (7, 14))
 
-    def test_the_new_gauges_say_the_store_size_when_present(self) -> None:
-        metrics: Metrics = {**self.METRICS, "koordrp_store_pods": [({}, 6.0)], "koordrp_store_containers": [({}, 12.0)]}
-        self.assertEqual(store_size(store_figures(metrics, on_disk=0)), (6, 12))
+    def test_the_new_gauges_say_the_store_size_when_present_and_the_older_one_is_left_out_when_absent(self) -> None:
+        metrics: Metrics = {"koordrp_store_pods": [({}, 6.0)], "koordrp_store_containers": [({}, 12.0)]}
+        store = store_figures(metrics, on_disk=0)
+        self.assertEqual(store_size(store), (6, 12))
+        self.assertEqual(list(store), ["koordrp_store_pods", "koordrp_store_containers", "koordrp_state_files", "state files on disk"])
 
     def test_hook_calls_are_summed_over_hooks_by_server_and_result(self) -> None:
         self.assertEqual(hook_calls(self.METRICS), {"a.json": {"ok": 9, "timeout": 1}})
