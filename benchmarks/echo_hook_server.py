@@ -101,10 +101,12 @@ def main() -> None:
         if received == UNWEDGE:
             server.unwedge()
             continue
-        print(json.dumps(server.snapshot(), sort_keys=True), flush=True)
         if received != REPORT:
             break
+        print(json.dumps(server.snapshot(), sort_keys=True), flush=True)
+    # Stopped before the last count: a call answered meanwhile is in it.
     server.stop()
+    print(json.dumps(server.snapshot(), sort_keys=True), flush=True)
 
 
 class HookServerProcess:
