@@ -114,9 +114,12 @@ def describe_error(error: Exception) -> str:
 
 
 class Calls:
-    """Latency, successes and errors of every CRI call the soak makes, from any thread."""
+    """Latency, successes and errors of every CRI call the soak makes, from any thread.
 
-    def __init__(self) -> None:
+    ``failures``: the exceptions a failed call raises (gRPC's; a Docker client's are its own)."""
+
+    def __init__(self, failures: tuple[type[Exception], ...] = (grpc.RpcError,)) -> None:
+        self._failures = failures
         self._lock = threading.Lock()
         self.seconds: dict[str, list[float]] = defaultdict(list)
         self.ok: Counter[str] = Counter()
@@ -128,7 +131,7 @@ class Calls:
         started = time.perf_counter()
         try:
             answer = call()
-        except grpc.RpcError as error:
+        except self._failures as error:
             self.fail(method, error)
             return None
         elapsed = time.perf_counter() - started
@@ -147,14 +150,22 @@ class Calls:
 
 
 def walk_pod(runtime: Any, calls: Calls, name: str, logs: Path) -> None:
-    """One pod's whole life through koordrp. What was made is stopped and removed even after a failure,
-    through koordrp too, so that its store forgets it and the hook counts stay computable."""
+    """One pod's whole life through koordrp."""
+    started = start_pod(runtime, calls, name, logs)
+    if started is not None:
+        remove_pod(runtime, calls, *started)
+
+
+def start_pod(runtime: Any, calls: Calls, name: str, logs: Path) -> tuple[str, list[str]] | None:
+    """A pod and its CONTAINERS_PER_POD containers made and started as kubelet does: the sandbox's and
+    the containers' ids. None if a call failed: what was made is then stopped and removed, the same
+    way, so that a store in its path forgets it and the hook counts stay computable."""
     pod = pod_sandbox_config(name, log_directory=logs / name)
     sandbox = calls.make(
         "RunPodSandbox", lambda: runtime.RunPodSandbox(api_pb2.RunPodSandboxRequest(config=pod), timeout=TIMEOUT)
     )
     if sandbox is None:
-        return
+        return None
     sandbox_id = sandbox.pod_sandbox_id
     containers: list[str] = []
     try:
@@ -170,8 +181,13 @@ def walk_pod(runtime: Any, calls: Calls, name: str, logs: Path) -> None:
             start = api_pb2.StartContainerRequest(container_id=created.container_id)
             if calls.make("StartContainer", lambda: runtime.StartContainer(start, timeout=TIMEOUT)) is None:
                 break
-    finally:
+        else:
+            return sandbox_id, containers
+    except BaseException:
         remove_pod(runtime, calls, sandbox_id, containers)
+        raise
+    remove_pod(runtime, calls, sandbox_id, containers)
+    return None
 
 
 def remove_pod(runtime: Any, calls: Calls, sandbox_id: str, containers: list[str]) -> None:
@@ -434,7 +450,7 @@ def conclude(
     outcome.left_in_containerd = left_behind(containerd.runtime(), outcome.calls, "in containerd")
     outcome.cpu_seconds = cpu_seconds(proxy.pid) - cpu_start
     memory.end()
-    outcome.koordrp_warnings = koordrp_warnings(proxy.log())
+    outcome.koordrp_warnings = koordrp_warnings(proxy.whole_log())
 
 
 # -- the figures ------------------------------------------------------------------------------------

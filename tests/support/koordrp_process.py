@@ -109,12 +109,16 @@ class KoordrpProcess:
             time.sleep(0.05)
 
     def log(self) -> str:
-        """Everything koordrp has logged so far."""
+        """Everything koordrp has logged so far (since twistd last rotated the file: see ``whole_log``)."""
         return self.logfile.read_text(errors="replace") if self.logfile.exists() else ""
 
     def warnings(self) -> list[str]:
         """Every warn, error and critical line koordrp has logged so far."""
         return [line for line in self.log().splitlines() if re.search(r"#(warn|error|critical)\] ", line)]
+
+    def whole_log(self) -> str:
+        """Everything koordrp has logged, what twistd rotated out included."""
+        return "".join(path.read_text(errors="replace") for path in log_files(self.logfile))
 
     def log_lines(self, containing: str, count: int = 1, timeout: float = 5.0) -> list[str]:
         """The log lines with ``containing`` in them, once there are ``count`` (or ``timeout`` is up).
@@ -178,6 +182,14 @@ class KoordrpProcess:
                 self.terminate(timeout=15)
             except subprocess.TimeoutExpired:
                 self.kill()
+
+
+def log_files(logfile: Path) -> list[Path]:
+    """``logfile`` and the files twistd rotated it to, oldest first: twistd rotates it every megabyte
+    (``.1`` is the latest rotated out, the highest number the oldest)."""
+    rotated = [path for path in logfile.parent.glob(logfile.name + ".*") if path.suffix[1:].isdigit()]
+    rotated.sort(key=lambda path: int(path.suffix[1:]), reverse=True)
+    return [*rotated, *([logfile] if logfile.exists() else [])]
 
 
 def _status_bytes(pid: int, name: str) -> int:
