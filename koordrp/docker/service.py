@@ -39,7 +39,7 @@ class DockerProxyService(service.Service):
         self.settings = settings
         self._reactor = reactor
         self._parts = parts
-        self._dockerd = dockerd if dockerd is not None else Dockerd(reactor, settings.backend_path)
+        self._dockerd = dockerd if dockerd is not None else Dockerd(reactor, settings.backend_path, metrics=parts.metrics)
         clock = IReactorTime(reactor)
         self._interceptor = DockerInterceptor(self._dockerd, parts)
         # Each question to dockerd has koordrp's own bound (koordrp.docker.dockerd).

@@ -22,6 +22,7 @@ from koordrp.docker import proxy as proxy_module
 from koordrp.docker.http import MAX_BODY_BYTES, MAX_HEAD_BYTES
 from koordrp.hooks.types import FailurePolicy, HookServerConfig, HookServers, HookType
 from koordrp.store import Store
+from koordrp.trouble import Backoff
 from tests.fake.dockerd import WEDGED, ScriptedDockerd, answer
 from tests.fake.flows import ScriptedStages
 from tests.support.waiting import until
@@ -76,7 +77,7 @@ class DockerModeOnRealSockets(DockerModeTestCase):
         self.stages = ScriptedStages()
         self.servers = HookServers()
         parts = Parts(Store(), self.stages, lambda: self.servers, SkipLabel("skip", "true"), reactor)
-        self.serve(self.dockerd, parts, question_seconds=QUESTION_SECONDS)
+        self.serve(self.dockerd, parts, driver_backoff=Backoff(0.05, 0.2), question_seconds=QUESTION_SECONDS)
 
     def lines(self, containing: str) -> list[str]:
         texts = [formatEvent(event) for event in self.events]
@@ -192,7 +193,6 @@ class DockerModeOnRealSockets(DockerModeTestCase):
 
     @inlineCallbacks
     def test_a_failed_answer_leaves_cgroup_parents_alone_and_is_asked_again_until_it_names_it(self):  # type: ignore[no-untyped-def]
-        self.patch(dockerd_module, "DRIVER_RETRY_SECONDS", 0.05)
         self.dockerd.answers["GET /info"] = answer(500, {"message": "info is broken"}, "Internal Server Error")
         self.subscribe_a_mover()
         self.start()
