@@ -145,6 +145,7 @@ class Dockerd:
         path: str,
         question_seconds: float = QUESTION_SECONDS,
         probe_seconds: float = PROBE_SECONDS,
+        *,
         metrics: "Metrics | None" = None,
         driver_backoff: Backoff | None = None,
     ) -> None:

@@ -519,6 +519,53 @@ def test_a_stop_the_client_gives_up_on_drops_koordrps_exchange_with_dockerd_and_
             dockerd.docker("rm", "-f", *ids)
 
 
+def read_to_the_end(client: socket.socket) -> bytes:
+    received = b""
+    while data := client.recv(65536):
+        received += data
+    return received
+
+
+def test_sigterm_answers_a_stop_in_flight_and_its_post_stop_then_closes_streams(
+    dockerd: Dockerd, servers: dict[str, FakeHookServer], workdir: Path
+) -> None:
+    relay = UnixRelay(str(workdir / "dockerd.sock"), str(dockerd.socket)).start()
+    proxy = KoordrpProcess(workdir, f"unix://{relay.listen_path}", ["--backend-runtime-mode=Docker"])
+    proxy.start()
+    ids: tuple[str, ...] = ()
+    clients: list[socket.socket] = []
+    try:
+        server = hook_server(servers, workdir, "watcher")
+        register(workdir / "hookserver.d", "watcher", server.path, ["PostStopContainer"])
+        wait_registered(proxy, 1)
+        ids = sandbox_id, container_id = kubernetes_pod(proxy.socket, "draining")
+        events, stop = clients[:] = [socket.socket(socket.AF_UNIX), socket.socket(socket.AF_UNIX)]
+        for client in clients:
+            client.settimeout(60)  # a hang fails the test instead of holding it
+            client.connect(str(proxy.socket))
+        # A stream dockerd begins at once and never ends.
+        events.sendall(f"GET {API}/events HTTP/1.1\r\nHost: docker\r\n\r\n".encode())
+        assert events.recv(65536).startswith(b"HTTP/1.1 200 OK")
+        # A bare sleep as PID 1 ignores SIGTERM: dockerd takes the stop's 3 s, within koordrp's grace of 10 s.
+        stop.sendall(f"POST {API}/containers/{container_id}/stop?t=3 HTTP/1.1\r\nHost: docker\r\n\r\n".encode())
+        relay.relayed_with(f"/containers/{container_id}/stop".encode())
+        assert proxy.terminate() == 0
+        assert read_to_the_end(stop).startswith(b"HTTP/1.1 204")
+        # Drained before koordrp exited.
+        assert server.rpcs() == ["PostStopContainerHook"]
+        [waited] = proxy.log_lines("Docker call(s) in flight")
+        assert "stopping: 1 Docker call(s) in flight get up to" in waited, waited  # the stream is none
+        assert "cut at the stop's bound" not in proxy.log()
+        read_to_the_end(events)  # closed once the stop was over
+    finally:
+        for client in clients:
+            client.close()
+        proxy.stop()
+        relay.cut()
+        if ids:
+            dockerd.docker("rm", "-f", *ids)
+
+
 def open_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 

@@ -20,6 +20,7 @@ from twisted.web.test.requesthelper import DummyRequest
 
 from koordrp import adapters
 from koordrp.call import Parts, SkipLabel
+from koordrp.docker import dockerd
 from koordrp.docker.dockerd import DRIVER_RETRY_CAP_SECONDS, DRIVER_RETRY_SECONDS, CgroupDriver, Dockerd
 from koordrp.docker.service import DockerProxyService, DockerProxySettings
 from koordrp.hooks.client import HookClients
@@ -83,18 +84,24 @@ class DockerModeTestCase(TestCase):
     """koordrp's Docker mode service on the real reactor, in front of a dockerd on a real unix socket."""
 
     def serve(
-        self, backend: Factory, parts: Parts, driver_backoff: Backoff | None = None, grace_period: float = 10.0, **bounds: float
+        self,
+        backend: Factory,
+        parts: Parts,
+        question_seconds: float = dockerd.QUESTION_SECONDS,
+        probe_seconds: float = dockerd.PROBE_SECONDS,
+        driver_backoff: Backoff | None = None,
+        grace_period: float = 10.0,
     ) -> None:
-        """``backend`` plays dockerd; ``bounds`` are Dockerd's own (question_seconds, probe_seconds)."""
+        """``backend`` plays dockerd; the bounds and back-off are Dockerd's own, the grace the service's."""
         directory = short_tempdir(self)
         path = os.path.join(directory, "docker.sock")
         unix = IReactorUNIX(reactor)
         self.port = unix.listenUNIX(path, backend)
         self.addCleanup(self.port.stopListening)
         self.listen = os.path.join(directory, "koordrp", "koordrp.sock")
-        dockerd = Dockerd(unix, path, driver_backoff=driver_backoff, **bounds)
+        asked = Dockerd(unix, path, question_seconds, probe_seconds, driver_backoff=driver_backoff)
         settings = DockerProxySettings(self.listen, path, grace_period=grace_period)
-        self.service = DockerProxyService(settings, unix, parts, dockerd)
+        self.service = DockerProxyService(settings, unix, parts, asked)
         self.events: list[LogEvent] = []
         observer = cast(ILogObserver, self.events.append)
         globalLogPublisher.addObserver(observer)
