@@ -15,6 +15,7 @@ import grpc
 import pytest
 
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
+from koordrp.docker.dockerd import DRIVER_RETRY_CAP_SECONDS
 from tests.e2e.conftest import hook_server, require, wait_registered
 from tests.fake.hook_server import FakeHookServer, koordlet_cpuset_rule
 from tests.support.dockerd import Dockerd, remove_cgroup, require_binaries, unix_http
@@ -432,7 +433,8 @@ def test_a_failing_info_leaves_cgroup_parents_alone_until_dockerd_names_its_driv
         ), line
 
         info_fails[0] = False
-        assert proxy.log_lines("dockerd's cgroup driver is cgroupfs again")
+        # Asked again as the back-off says: within its cap.
+        assert proxy.log_lines("dockerd's cgroup driver is cgroupfs again", timeout=DRIVER_RETRY_CAP_SECONDS + 10)
         status, created = create(proxy.socket, "k8s_POD_second_default_uid-second_0", sandbox_body("second"))
         assert status == 201, created
         ids.append(created["Id"])
