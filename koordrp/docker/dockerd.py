@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from twisted.internet import protocol
 from twisted.internet.defer import CancelledError, Deferred, ensureDeferred, maybeDeferred, succeed
-from twisted.internet.interfaces import IAddress, IConnector, IDelayedCall, IReactorTime, IReactorUNIX, ITCPTransport
+from twisted.internet.interfaces import IAddress, IConnector, IReactorTime, IReactorUNIX, ITCPTransport
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
