@@ -186,7 +186,7 @@ class Call(Generic[AnyReply]):
         """
         running = ensureDeferred(flow)
         self._running = running
-        running.addCallbacks(self._answered, self._stopped).addBoth(self._over)
+        running.addBoth(self._over)
         return self._answer
 
     def cancel(self) -> None:
@@ -229,13 +229,20 @@ class Call(Generic[AnyReply]):
             self.log.failure("{method} failed inside koordrp", failure, method=self.record.method)
             self._answered(Refusal(RefusalKind.INTERNAL, f"koordrp: {shortened(failure.getErrorMessage())}"))
 
-    def _over(self, _: object) -> None:
+    def _over(self, result: "AnyReply | Failure") -> None:
         if self._late is not None:  # the flow ended without a container to apply it to
             ended, self._late = self._late.ended, None
             ended.addErrback(_cancelled)
             ended.cancel()
+        # Over before it answers: a front end that says ``ended`` as the answer leaves has the call's post stages
+        # announced then, so that a stop that waited for the call drains them next.
         self._flow_over = True
-        self._finish_if_over()
+        if self._answer.called:  # the caller went away first
+            self._finish_if_over()
+        elif isinstance(result, Failure):
+            self._stopped(result)
+        else:
+            self._answered(result)
 
     def _finish_if_over(self) -> None:
         if self._outcome is None or not self._ended or not self._flow_over or self._applying_late is not None:

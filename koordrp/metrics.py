@@ -49,8 +49,8 @@ class Metrics:
         self.hook_servers = Gauge("koordrp_hook_servers", "registered hook servers", registry=self.registry)
         self.failed_attempts = Counter(
             "koordrp_failed_attempts",
-            "failed attempts at what koordrp retries until it works, by activity (nri-registration, store-resync); "
-            "the log says when such a trouble starts and ends",
+            "failed attempts at what koordrp retries until it works, by activity (nri-registration, store-resync, "
+            "docker-cgroup-driver); the log says when such a trouble starts and ends",
             ["activity"],
             registry=self.registry,
         )

@@ -8,15 +8,15 @@ bounded by that client, who may wait as long as dockerd takes (a stop with a lon
 Every answer is bounded in size (``MAX_ANSWER_BYTES``, a listing ``MAX_LISTING_BYTES``).
 
 dockerd's cgroup driver (``CgroupDriver``) is asked of ``GET /info`` at start, and again after
-every failure, until dockerd names it; meanwhile creates are read without it and leave hooks'
-cgroup parents alone.
+every failure (``koordrp.trouble``'s rule: backing off, said when it starts and when it ends), until
+dockerd names it; meanwhile creates are read without it and leave hooks' cgroup parents alone.
 """
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from twisted.internet import protocol
 from twisted.internet.defer import CancelledError, Deferred, ensureDeferred, maybeDeferred, succeed
-from twisted.internet.interfaces import IAddress, IConnector, IDelayedCall, IReactorTime, IReactorUNIX, ITCPTransport
+from twisted.internet.interfaces import IAddress, IConnector, IReactorTime, IReactorUNIX, ITCPTransport
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
@@ -25,6 +25,11 @@ from koordrp.docker.http import HTTPError, Response, in_units, json_response, pa
 from koordrp.adapters import LookupFailed, PodSource, Unreadable
 from koordrp.store import ContainerState, StoredContainer, StoredPod, runtime_state
 from koordrp.text import shortened
+from koordrp.trouble import Backoff, Retrying, Trouble
+
+if TYPE_CHECKING:
+    # Only --metrics-endpoint loads prometheus_client: it costs a node daemon ~6 MB of RSS.
+    from koordrp.metrics import Metrics
 
 CONNECT_SECONDS = 10.0
 QUESTION_SECONDS = 10.0
@@ -32,7 +37,10 @@ QUESTION_SECONDS = 10.0
 PROBE_SECONDS = 2.0
 """How long /_ping may take before /healthz says dockerd does not answer (as CRI mode's probe)."""
 DRIVER_RETRY_SECONDS = 1.0
-"""How soon koordrp asks /info again after it could not read dockerd's cgroup driver."""
+"""How soon koordrp asks /info again after it first could not read dockerd's cgroup driver; the wait
+doubles after each next failure, up to DRIVER_RETRY_CAP_SECONDS."""
+DRIVER_RETRY_CAP_SECONDS = 30.0
+"""The longest wait between two questions while the driver is unknown (as the store's resync)."""
 
 MAX_ANSWER_BYTES = 4 << 20
 """The most koordrp reads of one answer about one thing (an inspect, /info, an intercepted call's
@@ -137,13 +145,19 @@ class Dockerd:
         path: str,
         question_seconds: float = QUESTION_SECONDS,
         probe_seconds: float = PROBE_SECONDS,
+        *,
+        metrics: "Metrics | None" = None,
+        driver_backoff: Backoff | None = None,
     ) -> None:
-        """``reactor`` also provides IReactorTime."""
+        """``reactor`` also provides IReactorTime; ``driver_backoff`` spaces the questions for the cgroup driver
+        while they fail (CgroupDriver's default if None)."""
         self._reactor = reactor
         self.path = path
         self._question_seconds = question_seconds
         self._probe_seconds = probe_seconds
-        self.cgroup_driver = CgroupDriver(lambda: ensureDeferred(self._read_cgroup_driver()), IReactorTime(reactor))
+        self.cgroup_driver = CgroupDriver(
+            lambda: ensureDeferred(self._read_cgroup_driver()), IReactorTime(reactor), driver_backoff, metrics
+        )
 
     def exchange(self, request: bytes, timeout: float | None = None, limit: int = MAX_ANSWER_BYTES) -> "Deferred[bytes]":
         return exchange(self._reactor, self.path, request, timeout, limit)
@@ -273,44 +287,59 @@ class CgroupDriver:
     """dockerd's cgroup driver, as ``GET /info`` names it.
 
     Asked at start; kept once dockerd named it (it changes only when dockerd restarts with other
-    settings, and kubelet's must change with it). A question that fails is asked again after
-    DRIVER_RETRY_SECONDS, in the background, until dockerd answers: a failed answer is never kept.
-    One warning says when the driver cannot be read (again when the reason changes), one info line
-    when it is.
+    settings, and kubelet's must change with it). A question that fails is never taken for an answer:
+    it is asked again in the background, by ``koordrp.trouble``'s rule (DRIVER_RETRY_SECONDS, doubled
+    after each failure up to DRIVER_RETRY_CAP_SECONDS; one warning when it starts and one for each new
+    reason, one info line when dockerd names it, each failure counted as ``docker-cgroup-driver`` on
+    /metrics). Until then creates go on without it at once, except while a question is out: they
+    wait for its answer (itself bounded).
     """
 
     log = Logger()
 
-    def __init__(self, read: Callable[[], "Deferred[str]"], clock: IReactorTime) -> None:
+    def __init__(
+        self,
+        read: Callable[[], "Deferred[str]"],
+        clock: IReactorTime,
+        backoff: Backoff | None = None,
+        metrics: "Metrics | None" = None,
+    ) -> None:
         """``read`` asks dockerd; LookupFailed says why it could not."""
         self._read = read
-        self._clock = clock
         self._driver: str | None = None
         self._asking: Deferred[None] | None = None
         self._waiting: list[Deferred[str | None]] = []
-        self._retry: IDelayedCall | None = None
-        self._failing: str | None = None
         self._running = False
+        self._retrying = Retrying(
+            clock,
+            self.log,
+            Trouble(
+                "dockerd's cgroup driver is {driver} again, after {failures} failed attempts to read it",
+                started="cannot read dockerd's cgroup driver: {problem}; until it can, creates leave hooks' cgroup "
+                "parents alone; asking again in {retry:g}s, then less often (at most every {cap:g}s)",
+            ),
+            backoff if backoff is not None else Backoff(DRIVER_RETRY_SECONDS, DRIVER_RETRY_CAP_SECONDS),
+            "docker-cgroup-driver",
+            metrics,
+        )
 
     def start(self) -> None:
         self._running = True
-        if self._driver is None:
+        if self._driver is None and self._asking is None:
             self._ask()
 
     def stop(self) -> None:
         self._running = False
-        if self._retry is not None and self._retry.active():
-            self._retry.cancel()
-        self._retry = None
+        self._retrying.cancel()
         if self._asking is not None:
             self._asking.cancel()
 
     def current(self) -> "Deferred[str | None]":
-        """The driver; while koordrp asks, once dockerd answers; None when the last question failed.
+        """The driver; while koordrp asks, once dockerd answers; None while the questions fail.
 
         Cancelling it cancels only this wait, not the question.
         """
-        if self._driver is not None or self._retry is not None:
+        if self._driver is not None or (self._asking is None and self._retrying.failing is not None):
             return succeed(self._driver)
         if self._asking is None:
             self._ask()
@@ -321,7 +350,6 @@ class CgroupDriver:
         return waiting
 
     def _ask(self) -> None:
-        self._retry = None
         asking = maybeDeferred(self._read).addCallbacks(self._named, self._failed)
         if not asking.called:
             self._asking = asking
@@ -336,10 +364,9 @@ class CgroupDriver:
 
     def _named(self, driver: str) -> None:
         self._driver = driver
-        self.log.info(
-            "dockerd's cgroup driver is {driver}{again}", driver=driver, again=" again" if self._failing else ""
-        )
-        self._failing = None
+        if self._retrying.failing is None:
+            self.log.info("dockerd's cgroup driver is {driver}", driver=driver)
+        self._retrying.succeeded(driver=driver)
 
     def _failed(self, failure: Failure) -> None:
         if isinstance(failure.value, CancelledError) and not self._running:
@@ -349,13 +376,5 @@ class CgroupDriver:
         else:
             reason = f"{type(failure.value).__name__}: {shortened(str(failure.value))}"
             self.log.failure("reading dockerd's cgroup driver failed unexpectedly", failure)
-        if reason != self._failing:
-            self.log.warn(
-                "cannot read dockerd's cgroup driver: {reason}; until it can, creates leave hooks' cgroup parents "
-                "alone; asking again every {retry:g}s",
-                reason=reason,
-                retry=DRIVER_RETRY_SECONDS,
-            )
-        self._failing = reason
         if self._running:
-            self._retry = self._clock.callLater(DRIVER_RETRY_SECONDS, self._ask)
+            self._retrying.failed(reason, self._ask)

@@ -218,7 +218,7 @@ class ChunkedBody:
                 raise HTTPError("chunk data longer than its size says")
             self._state = _SIZE
         elif self._state == _SIZE:
-            size = _chunkin_units(line)
+            size = _chunk_size(line)
             if size == 0:
                 self._state = _TRAILER
             elif len(self._body) + size > self._limit:
@@ -234,7 +234,8 @@ class ChunkedBody:
                 raise HTTPError(f"trailers larger than {in_units(MAX_HEAD_BYTES)}")
 
 
-def _chunkin_units(line: bytes) -> int:
+def _chunk_size(line: bytes) -> int:
+    """The size a chunk size line gives (hexadecimal; chunk extensions after ``;`` are ignored)."""
     text = line.split(b";", 1)[0].strip(b" \t")
     if not text or len(text) > 16 or text.strip(b"0123456789abcdefABCDEF"):
         raise HTTPError(f"bad chunk size {line[:20]!r}")

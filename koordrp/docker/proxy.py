@@ -5,6 +5,12 @@ calls with hooks, handed whole to an interceptor.
 dockerd is asked to close each connection after its answer, so a splice ends when the exchange
 does and the next request on a client's keep-alive connection never slips past the head parser:
 the client reconnects for it, as HTTP/1.1 clients do when told ``Connection: close``.
+
+A stop waits, within its bound, for the calls in flight (``DockerProxyFactory.quiet``): each
+intercepted call until it is answered and its post stages are announced, each request passed to
+dockerd until dockerd begins its answer. Once an answer has begun koordrp cannot tell one that is
+about to end from a stream that never does (events, a followed log, stats, an attach, an exec, a
+wait: dockerd begins each at once), so those are closed at the end of the stop (``let_go``).
 """
 
 import select
@@ -43,7 +49,8 @@ from koordrp.docker.http import (
 )
 
 CLOSE_SECONDS = 1.0
-"""How long a stop waits for the client connections it closed to be gone."""
+"""How long a stop lets the client connections it closes flush what they were sent; those still open then are
+dropped."""
 
 LINGER_SECONDS = 10.0
 """How long koordrp reads (and drops) what a client still sends after answering its request early."""
@@ -82,7 +89,7 @@ class _Upstream(protocol.Protocol):
         self.client.upstream_ready(self)
 
     def dataReceived(self, data: bytes) -> None:
-        self.client.transport.write(data)  # type: ignore[union-attr]
+        self.client.from_dockerd(data)
 
     def connectionLost(self, reason: Failure = protocol.connectionDone) -> None:
         self.client.upstream_gone()
@@ -123,12 +130,40 @@ class DockerClientConnection(protocol.Protocol):
         """What came with the head, for dockerd once connected."""
         self._upstream: _Upstream | None = None
         self._handling: Deferred[Intercepted] | None = None
+        self._awaiting_dockerd = False
+        """A request passed to dockerd whose answer has not begun."""
         self._connecting: IConnector | None = None
         self._lingering: IDelayedCall | None = None
         self._gone = False
 
     def connectionMade(self) -> None:
         self.proxy.clients.add(self)
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether koordrp still owes this connection's request its answer: an intercepted call under way, or a
+        request passed to dockerd whose answer has not begun."""
+        return self._handling is not None or self._awaiting_dockerd
+
+    def cut(self) -> None:
+        """The stop's bound passed with this request in flight: it is dropped, as koordrp's going away would."""
+        head = self._head
+        self.log.warn(
+            "stopping: {method} {path} cut at the stop's bound, still waiting for {what}",
+            method=head.method if head is not None else "?",
+            path=head.path if head is not None else "?",
+            what="its hooks or dockerd" if self._handling is not None else "dockerd's answer",
+        )
+        self.transport.abortConnection()  # type: ignore[union-attr]
+
+    def let_go(self) -> None:
+        """koordrp stops: what the client was sent is flushed, then its connection closed; dockerd's side of a
+        splice (a stream) is dropped at once."""
+        if self._upstream is not None:
+            self._upstream.transport.unregisterProducer()  # type: ignore[union-attr]
+            self._upstream.transport.abortConnection()  # type: ignore[union-attr]
+        self.transport.unregisterProducer()  # type: ignore[union-attr]
+        self.transport.loseConnection()  # type: ignore[union-attr]
 
     def dataReceived(self, data: bytes) -> None:
         if self._upstream is not None:
@@ -157,6 +192,7 @@ class DockerClientConnection(protocol.Protocol):
             self._read_body(self._body, read[1])
         else:
             self._after_head = read[1]
+            self._awaiting_dockerd = True
             # Until dockerd is connected there is nowhere to put what the client sends (a 200 MB image).
             self.transport.pauseProducing()  # type: ignore[union-attr]
             self._connecting = self.proxy.connect_upstream(_UpstreamFactory(self))
@@ -179,7 +215,8 @@ class DockerClientConnection(protocol.Protocol):
         self._handling = None
         if intercepted.response is not None:
             self._answer(intercepted.response)
-        intercepted.delivered()
+        intercepted.delivered()  # the call's post stages are announced: a stop that waited for it drains them next
+        self.proxy.settled()
 
     def _interceptor_failed(self, failure: Failure) -> None:
         self._handling = None
@@ -187,6 +224,7 @@ class DockerClientConnection(protocol.Protocol):
         assert head is not None
         self.log.failure("intercepting {method} {path} failed", failure, method=head.method, path=head.path)
         self._answer(json_response(500, "Internal Server Error", f"koordrp: {failure.getErrorMessage()}"))
+        self.proxy.settled()
 
     def _answer(self, response: bytes) -> None:
         if self._gone:
@@ -226,18 +264,30 @@ class DockerClientConnection(protocol.Protocol):
         self.transport.registerProducer(upstream.transport, True)  # type: ignore[union-attr]
         self.transport.resumeProducing()  # type: ignore[union-attr]
 
+    def from_dockerd(self, data: bytes) -> None:
+        self.transport.write(data)  # type: ignore[union-attr]
+        if self._awaiting_dockerd:
+            self._answer_begun()
+
+    def _answer_begun(self) -> None:
+        self._awaiting_dockerd = False
+        self.proxy.settled()
+
     def upstream_failed(self, reason: Failure) -> None:
         self._connecting = None
         self._after_head = b""
         if not self._gone:
             self.transport.resumeProducing()  # type: ignore[union-attr]
         self._answer_early(self.proxy.unavailable(reason.getErrorMessage()))
+        self._answer_begun()
 
     def upstream_gone(self) -> None:
         self._upstream = None
         if self.transport is not None:
             self.transport.unregisterProducer()  # type: ignore[attr-defined]
             self.transport.loseConnection()
+        if self._awaiting_dockerd:
+            self._answer_begun()  # dockerd closed without a word: the client sees the close
 
     def readConnectionLost(self) -> None:
         if _hung_up(self.transport):
@@ -276,6 +326,7 @@ class DockerClientConnection(protocol.Protocol):
 
 class DockerProxyFactory(protocol.Factory):
     noisy = False
+    log = Logger()
 
     def __init__(
         self,
@@ -291,6 +342,7 @@ class DockerProxyFactory(protocol.Factory):
         self.unavailable = unavailable
         self.clients: set[DockerClientConnection] = set()
         self._all_gone = Drain(self.clock)
+        self._calls_over = Drain(self.clock)
 
     def buildProtocol(self, addr: IAddress | None) -> DockerClientConnection:
         return DockerClientConnection(self)
@@ -299,14 +351,45 @@ class DockerProxyFactory(protocol.Factory):
         self.clients.discard(client)
         if not self.clients:
             self._all_gone.idle()
+        self.settled()
+
+    def in_flight(self) -> list[DockerClientConnection]:
+        """The client connections whose request koordrp still owes its answer (``DockerClientConnection.in_flight``)."""
+        return [client for client in self.clients if client.in_flight]
+
+    def settled(self) -> None:
+        """A request may no longer be in flight: a stop that waits for the last one goes on once it is not."""
+        if self._calls_over.waiting and not self.in_flight():
+            self._calls_over.idle()
+
+    def quiet(self, timeout: float) -> "Deferred[None]":
+        """Fires once no call is in flight (those that come meanwhile on connections already open included), or
+        after ``timeout`` seconds, when those still in flight are cut, one warning each."""
+        in_flight = self.in_flight()
+        if in_flight and not self._calls_over.waiting:
+            self.log.info(
+                "stopping: {count} Docker call(s) in flight get up to {timeout:.3g}s",
+                count=len(in_flight),
+                timeout=timeout,
+            )
+        return self._calls_over.wait(bool(in_flight), timeout, self._cut)
+
+    def _cut(self) -> None:
+        for client in self.in_flight():
+            client.cut()
 
     def let_go(self) -> "Deferred[None]":
-        """koordrp stops: every client connection still open (a stream, a lingering refusal) is closed, and
-        the Deferred fires once they are gone."""
-        gone = self._all_gone.wait(bool(self.clients), CLOSE_SECONDS)
+        """koordrp stops: every client connection still open (an answer still being sent, a stream, a lingering
+        refusal) is closed, and the Deferred fires once they are gone (those that did not take what they were
+        sent within CLOSE_SECONDS are dropped)."""
+        gone = self._all_gone.wait(bool(self.clients), CLOSE_SECONDS, self._drop_all)
+        for client in list(self.clients):
+            client.let_go()
+        return gone
+
+    def _drop_all(self) -> None:
         for client in list(self.clients):
             client.transport.abortConnection()  # type: ignore[union-attr]
-        return gone
 
     def connect_upstream(self, factory: protocol.ClientFactory) -> IConnector:
         return self.reactor.connectUNIX(self.backend_path, factory, timeout=10)

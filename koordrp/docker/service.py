@@ -3,7 +3,7 @@
 from dataclasses import dataclass
 
 from twisted.application import service
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, ensureDeferred, maybeDeferred
 from twisted.internet.interfaces import IListeningPort, IReactorTime, IReactorUNIX
 from twisted.logger import Logger
 from zope.interface import implementer
@@ -23,7 +23,7 @@ class DockerProxySettings:
     backend_path: str
     socket_gid: int | None = None
     grace_period: float = 10.0
-    """The stop's bound: how long post hooks still running get."""
+    """The stop's bound: how long calls in flight and post hooks still running get, in all."""
     reconcile_interval: float = 0.0
     """Seconds between readings of dockerd for the store (0: at start only)."""
 
@@ -39,7 +39,7 @@ class DockerProxyService(service.Service):
         self.settings = settings
         self._reactor = reactor
         self._parts = parts
-        self._dockerd = dockerd if dockerd is not None else Dockerd(reactor, settings.backend_path)
+        self._dockerd = dockerd if dockerd is not None else Dockerd(reactor, settings.backend_path, metrics=parts.metrics)
         clock = IReactorTime(reactor)
         self._interceptor = DockerInterceptor(self._dockerd, parts)
         # Each question to dockerd has koordrp's own bound (koordrp.docker.dockerd).
@@ -74,15 +74,19 @@ class DockerProxyService(service.Service):
         self._sync.stop()
         self._dockerd.cgroup_driver.stop()
         port, self._port = self._port, None
-        if port is None:
+        factory = self._factory
+        if port is None or factory is None:
             return None
-        stopped: Deferred[None] = port.stopListening()  # type: ignore[assignment]
-        # Post hooks of calls that were answered are still owed to their servers, within the stop's bound.
-        stopped.addCallback(lambda _: self._parts.dispatcher.drain(self.settings.grace_period))
-        stopped.addCallback(lambda _: self._factory.let_go() if self._factory is not None else None)
+        return ensureDeferred(self._drain(port, factory))
 
-        def release(_: object) -> None:
-            remove_socket(self.settings.listen_path)
-            self.log.info("stopped; removed unix://{listen}", listen=self.settings.listen_path)
-
-        return stopped.addCallback(release)
+    async def _drain(self, port: IListeningPort, factory: DockerProxyFactory) -> None:
+        """No new connections; calls in flight, then post hooks, within the stop's bound; then whatever is still
+        open (streams, lingering refusals) is closed."""
+        clock = IReactorTime(self._reactor)
+        deadline = clock.seconds() + self.settings.grace_period
+        await maybeDeferred(port.stopListening)
+        await factory.quiet(deadline - clock.seconds())
+        await self._parts.dispatcher.drain(deadline - clock.seconds())
+        await factory.let_go()
+        remove_socket(self.settings.listen_path)
+        self.log.info("stopped; removed unix://{listen}", listen=self.settings.listen_path)

@@ -555,7 +555,14 @@ class SandboxCreate:
         return self._pod
 
     def rewritten(self, before: PodHookRequest, after: PodHookRequest) -> Written:
-        return _written(self._body, apply_to_sandbox_create(self._body, before, after, self._driver), self._left_alone)
+        """The body with what the hooks changed. While dockerd's cgroup driver is not known, ``after`` (the pod as
+        koordrp keeps it) gets back the cgroup parent dockerd is given: the pod is kept where its sandbox is, so
+        its containers join it once the driver is known (NRI mode, which cannot change a sandbox at all, keeps
+        the pod as answered)."""
+        written = _written(self._body, apply_to_sandbox_create(self._body, before, after, self._driver), self._left_alone)
+        if self._driver is None:
+            after.cgroup_parent = before.cgroup_parent
+        return written
 
 
 class ContainerCreate:

@@ -8,6 +8,8 @@ import socket
 import tarfile
 import tempfile
 import time
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -15,6 +17,7 @@ import grpc
 import pytest
 
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
+from koordrp.docker.dockerd import DRIVER_RETRY_CAP_SECONDS
 from tests.e2e.conftest import hook_server, require, wait_registered
 from tests.fake.hook_server import FakeHookServer, koordlet_cpuset_rule
 from tests.support.dockerd import Dockerd, remove_cgroup, require_binaries, unix_http
@@ -432,7 +435,8 @@ def test_a_failing_info_leaves_cgroup_parents_alone_until_dockerd_names_its_driv
         ), line
 
         info_fails[0] = False
-        assert proxy.log_lines("dockerd's cgroup driver is cgroupfs again")
+        # Asked again as the back-off says: within its cap.
+        assert proxy.log_lines("dockerd's cgroup driver is cgroupfs again", timeout=DRIVER_RETRY_CAP_SECONDS + 10)
         status, created = create(proxy.socket, "k8s_POD_second_default_uid-second_0", sandbox_body("second"))
         assert status == 201, created
         ids.append(created["Id"])
@@ -482,23 +486,45 @@ def test_attach_through_koordrp_matches_dockerd(dockerd: Dockerd, proxy: Koordrp
     assert outputs[0] == outputs[1] == (3, "attached\n")
 
 
-def test_a_stop_the_client_gives_up_on_drops_koordrps_exchange_with_dockerd_and_owes_no_post_stop(
-    dockerd: Dockerd, servers: dict[str, FakeHookServer], workdir: Path
-) -> None:
+@dataclass
+class WatchedPod:
+    """koordrp in front of dockerd through a relay, a PostStopContainer watcher registered, one pod made."""
+
+    relay: UnixRelay
+    proxy: KoordrpProcess
+    watcher: FakeHookServer
+    container_id: str
+
+
+@contextmanager
+def watched_pod(dockerd: Dockerd, servers: dict[str, FakeHookServer], workdir: Path, pod: str) -> Iterator[WatchedPod]:
     relay = UnixRelay(str(workdir / "dockerd.sock"), str(dockerd.socket)).start()
     proxy = KoordrpProcess(workdir, f"unix://{relay.listen_path}", ["--backend-runtime-mode=Docker"])
     proxy.start()
     ids: tuple[str, ...] = ()
     try:
-        server = hook_server(servers, workdir, "watcher")
-        register(workdir / "hookserver.d", "watcher", server.path, ["PostStopContainer"])
+        watcher = hook_server(servers, workdir, "watcher")
+        register(workdir / "hookserver.d", "watcher", watcher.path, ["PostStopContainer"])
         wait_registered(proxy, 1)
-        ids = sandbox_id, container_id = kubernetes_pod(proxy.socket, "stubborn")
+        ids = _, container_id = kubernetes_pod(proxy.socket, pod)
+        yield WatchedPod(relay, proxy, watcher, container_id)
+    finally:
+        proxy.stop()
+        relay.cut()
+        if ids:
+            dockerd.docker("rm", "-f", *ids)
+
+
+def test_a_stop_the_client_gives_up_on_drops_koordrps_exchange_with_dockerd_and_owes_no_post_stop(
+    dockerd: Dockerd, servers: dict[str, FakeHookServer], workdir: Path
+) -> None:
+    with watched_pod(dockerd, servers, workdir, "stubborn") as watched:
+        proxy, container_id = watched.proxy, watched.container_id
         # A bare sleep as PID 1 ignores SIGTERM: dockerd waits 3 s before SIGKILL.
         client = socket.socket(socket.AF_UNIX)
         client.connect(str(proxy.socket))
         client.sendall(f"POST {API}/containers/{container_id}/stop?t=3 HTTP/1.1\r\nHost: docker\r\n\r\n".encode())
-        stopping = relay.relayed_with(f"/containers/{container_id}/stop".encode())
+        stopping = watched.relay.relayed_with(f"/containers/{container_id}/stop".encode())
         client.close()
         # Closed before dockerd answered: dockerd takes its 3 s over the stop.
         assert stopping.closed.wait(30)
@@ -506,17 +532,44 @@ def test_a_stop_the_client_gives_up_on_drops_koordrps_exchange_with_dockerd_and_
         [line] = proxy.log_lines(f"/containers/{container_id}/stop pod default/stubborn (uid-stubborn) container app: CANCELLED")
         assert "hooks: none" in line, line
         # dockerd 20.10 stops it all the same, after its 3 s; koordrp's question came before: nothing owed yet.
-        assert server.rpcs() == []
+        assert watched.watcher.rpcs() == []
         dockerd.docker("wait", container_id, check=True)
         # cri-dockerd's next stop finds it stopped (304): that one owes the PostStopContainer, once.
         assert post(proxy.socket, f"/containers/{container_id}/stop?t=0") == 304
         assert post(proxy.socket, f"/containers/{container_id}/stop?t=0") == 304
-        assert server.rpcs_once(1) == ["PostStopContainerHook"]
-    finally:
-        proxy.stop()
-        relay.cut()
-        if ids:
-            dockerd.docker("rm", "-f", *ids)
+        assert watched.watcher.rpcs_once(1) == ["PostStopContainerHook"]
+
+
+def read_to_the_end(client: socket.socket) -> bytes:
+    received = b""
+    while data := client.recv(65536):
+        received += data
+    return received
+
+
+def test_sigterm_answers_a_stop_in_flight_and_its_post_stop_then_closes_streams(
+    dockerd: Dockerd, servers: dict[str, FakeHookServer], workdir: Path
+) -> None:
+    clients = socket.socket(socket.AF_UNIX), socket.socket(socket.AF_UNIX)
+    with watched_pod(dockerd, servers, workdir, "draining") as watched, clients[0] as events, clients[1] as stop:
+        proxy, container_id = watched.proxy, watched.container_id
+        for client in (events, stop):
+            client.settimeout(60)  # a hang fails the test instead of holding it
+            client.connect(str(proxy.socket))
+        # A stream dockerd begins at once and never ends.
+        events.sendall(f"GET {API}/events HTTP/1.1\r\nHost: docker\r\n\r\n".encode())
+        assert events.recv(65536).startswith(b"HTTP/1.1 200 OK")
+        # A bare sleep as PID 1 ignores SIGTERM: dockerd takes the stop's 3 s, within koordrp's grace of 10 s.
+        stop.sendall(f"POST {API}/containers/{container_id}/stop?t=3 HTTP/1.1\r\nHost: docker\r\n\r\n".encode())
+        watched.relay.relayed_with(f"/containers/{container_id}/stop".encode())
+        assert proxy.terminate() == 0
+        assert read_to_the_end(stop).startswith(b"HTTP/1.1 204")
+        # Drained before koordrp exited.
+        assert watched.watcher.rpcs() == ["PostStopContainerHook"]
+        [waited] = proxy.log_lines("Docker call(s) in flight")
+        assert "stopping: 1 Docker call(s) in flight get up to" in waited, waited  # the stream is none
+        assert "cut at the stop's bound" not in proxy.log()
+        read_to_the_end(events)  # closed once the stop was over
 
 
 def open_fds(pid: int) -> int:

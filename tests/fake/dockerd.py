@@ -1,7 +1,8 @@
 """A dockerd that answers as a test scripts it, on a real unix socket: one request per connection, as koordrp asks."""
 
 import json
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Union
 
 from twisted.internet.protocol import Factory, Protocol
 from twisted.python.failure import Failure
@@ -10,6 +11,29 @@ from koordrp.docker.http import HEAD_END, parse_request_head
 
 WEDGED = None
 """An answer that never comes."""
+
+
+@dataclass
+class Held:
+    """An answer dockerd gives only when the test says so (``release``): a dockerd that takes its time."""
+
+    response: bytes
+    waiting: list["_Exchange"] = field(default_factory=list)
+
+    def release(self) -> None:
+        waiting, self.waiting = self.waiting, []
+        for exchange in waiting:
+            exchange.answer(self.response)
+
+
+@dataclass(frozen=True)
+class Endless:
+    """An answer that begins with ``start`` and never ends: a stream (events, a followed log)."""
+
+    start: bytes
+
+
+Scripted = Union[bytes, Held, Endless, None]
 
 
 def answer(status: int, document: object = None, reason: str = "Scripted") -> bytes:
@@ -36,9 +60,16 @@ class _Exchange(Protocol):
         self.answered = True
         self.dockerd.requests.append(self.received)
         response = self.dockerd.answer_for(f"{head.method} {head.path}")
-        if response is not WEDGED:
-            self.transport.write(response)  # type: ignore[union-attr]
-            self.transport.loseConnection()  # type: ignore[union-attr]
+        if isinstance(response, Held):
+            response.waiting.append(self)
+        elif isinstance(response, Endless):
+            self.transport.write(response.start)  # type: ignore[union-attr]
+        elif response is not WEDGED:
+            self.answer(response)
+
+    def answer(self, response: bytes) -> None:
+        self.transport.write(response)  # type: ignore[union-attr]
+        self.transport.loseConnection()  # type: ignore[union-attr]
 
     def connectionLost(self, reason: Failure = Failure(Exception())) -> None:
         self.dockerd.open -= 1
@@ -47,7 +78,7 @@ class _Exchange(Protocol):
 class ScriptedDockerd(Factory):
     """``answers`` maps "METHOD /path" prefixes (the API version stripped) to answers; the longest match wins."""
 
-    def __init__(self, answers: dict[str, bytes | None]) -> None:
+    def __init__(self, answers: dict[str, Scripted]) -> None:
         self.answers = answers
         self.requests: list[bytes] = []
         self.open = 0
@@ -56,7 +87,7 @@ class ScriptedDockerd(Factory):
         self.open += 1
         return _Exchange(self)
 
-    def answer_for(self, request: str) -> bytes | None:
+    def answer_for(self, request: str) -> Scripted:
         method, _, path = request.partition(" ")
         if path.startswith("/v1."):
             path = "/" + path.split("/", 2)[2]

@@ -22,6 +22,7 @@ from koordrp.docker import proxy as proxy_module
 from koordrp.docker.http import MAX_BODY_BYTES, MAX_HEAD_BYTES
 from koordrp.hooks.types import FailurePolicy, HookServerConfig, HookServers, HookType
 from koordrp.store import Store
+from koordrp.trouble import Backoff
 from tests.fake.dockerd import WEDGED, ScriptedDockerd, answer
 from tests.fake.flows import ScriptedStages
 from tests.support.waiting import until
@@ -75,8 +76,9 @@ class DockerModeOnRealSockets(DockerModeTestCase):
         })
         self.stages = ScriptedStages()
         self.servers = HookServers()
-        parts = Parts(Store(), self.stages, lambda: self.servers, SkipLabel("skip", "true"), reactor)
-        self.serve(self.dockerd, parts, question_seconds=QUESTION_SECONDS)
+        self.store = Store()
+        parts = Parts(self.store, self.stages, lambda: self.servers, SkipLabel("skip", "true"), reactor)
+        self.serve(self.dockerd, parts, driver_backoff=Backoff(0.05, 0.2), question_seconds=QUESTION_SECONDS)
 
     def lines(self, containing: str) -> list[str]:
         texts = [formatEvent(event) for event in self.events]
@@ -192,7 +194,6 @@ class DockerModeOnRealSockets(DockerModeTestCase):
 
     @inlineCallbacks
     def test_a_failed_answer_leaves_cgroup_parents_alone_and_is_asked_again_until_it_names_it(self):  # type: ignore[no-untyped-def]
-        self.patch(dockerd_module, "DRIVER_RETRY_SECONDS", 0.05)
         self.dockerd.answers["GET /info"] = answer(500, {"message": "info is broken"}, "Internal Server Error")
         self.subscribe_a_mover()
         self.start()
@@ -216,6 +217,30 @@ class DockerModeOnRealSockets(DockerModeTestCase):
         response = yield self.create_sandbox()
         self.assertEqual(self.created()["HostConfig"]["CgroupParent"], "moved.slice")
         self.assertEqual(self.lines("failed inside koordrp"), [])
+
+    @inlineCallbacks
+    def test_a_pod_whose_sandbox_kept_its_cgroup_parent_keeps_its_containers_with_it(self):  # type: ignore[no-untyped-def]
+        self.dockerd.answers["GET /info"] = answer(500, {"message": "info is broken"}, "Internal Server Error")
+        self.subscribe_a_mover()
+        self.start()
+        yield self.create_sandbox()
+        self.assertEqual(self.created()["HostConfig"]["CgroupParent"], "kubepods-besteffort-pod1.slice")
+        self.dockerd.answers["GET /info"] = answer(200, {"CgroupDriver": "systemd"})
+        yield Deferred.fromCoroutine(until(lambda: self.lines("dockerd's cgroup driver is systemd again")))
+        # The pod is kept as dockerd got it: hooks see where it is, and its containers join its sandbox.
+        pod = self.store.pod("created-1")
+        assert pod is not None
+        self.assertEqual(pod.given.cgroup_parent, "/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod1.slice")
+        self.dockerd.answers["POST /containers/create"] = answer(201, {"Id": "container-1", "Warnings": []}, "Created")
+        body = json.dumps({
+            "Image": "busybox",
+            "Labels": {"io.kubernetes.docker.type": "container", "io.kubernetes.sandbox.id": "created-1"},
+            "HostConfig": {"CgroupParent": "kubepods-besteffort-pod1.slice"},
+        }).encode()
+        name = b"POST /v1.41/containers/create?name=k8s_app_web_default_uid-1_0 HTTP/1.1\r\nHost: docker\r\n"
+        response = yield self.ask(name + b"Content-Length: %d\r\n\r\n" % len(body), body)
+        self.assertEqual(status_and_message(response)[0], 201)
+        self.assertEqual(self.created()["HostConfig"]["CgroupParent"], "kubepods-besteffort-pod1.slice")
 
     @inlineCallbacks
     def test_an_info_that_does_not_answer_holds_a_create_no_longer_than_koordrps_bound(self):  # type: ignore[no-untyped-def]

@@ -20,13 +20,16 @@ from twisted.web.test.requesthelper import DummyRequest
 
 from koordrp import adapters
 from koordrp.call import Parts, SkipLabel
-from koordrp.docker.dockerd import DRIVER_RETRY_SECONDS, CgroupDriver, Dockerd
+from koordrp.docker import dockerd
+from koordrp.docker.dockerd import DRIVER_RETRY_CAP_SECONDS, DRIVER_RETRY_SECONDS, CgroupDriver, Dockerd
 from koordrp.docker.service import DockerProxyService, DockerProxySettings
 from koordrp.hooks.client import HookClients
 from koordrp.hooks.dispatcher import Dispatcher
 from koordrp.hooks.types import HookServers
+from koordrp.metrics import Metrics
 from koordrp.resync import RETRY_SECONDS
 from koordrp.store import Store
+from koordrp.trouble import Backoff
 from koordrp.web import HealthResource
 from tests.support.tempdirs import short_tempdir
 from tests.support.waiting import until
@@ -80,16 +83,25 @@ def open_sockets() -> int:
 class DockerModeTestCase(TestCase):
     """koordrp's Docker mode service on the real reactor, in front of a dockerd on a real unix socket."""
 
-    def serve(self, backend: Factory, parts: Parts, **bounds: float) -> None:
-        """``backend`` plays dockerd; ``bounds`` are Dockerd's own (question_seconds, probe_seconds)."""
+    def serve(
+        self,
+        backend: Factory,
+        parts: Parts,
+        question_seconds: float = dockerd.QUESTION_SECONDS,
+        probe_seconds: float = dockerd.PROBE_SECONDS,
+        driver_backoff: Backoff | None = None,
+        grace_period: float = 10.0,
+    ) -> None:
+        """``backend`` plays dockerd; the bounds and back-off are Dockerd's own, the grace the service's."""
         directory = short_tempdir(self)
         path = os.path.join(directory, "docker.sock")
         unix = IReactorUNIX(reactor)
         self.port = unix.listenUNIX(path, backend)
         self.addCleanup(self.port.stopListening)
         self.listen = os.path.join(directory, "koordrp", "koordrp.sock")
-        dockerd = Dockerd(unix, path, **bounds)
-        self.service = DockerProxyService(DockerProxySettings(self.listen, path), unix, parts, dockerd)
+        asked = Dockerd(unix, path, question_seconds, probe_seconds, driver_backoff=driver_backoff)
+        settings = DockerProxySettings(self.listen, path, grace_period=grace_period)
+        self.service = DockerProxyService(settings, unix, parts, asked)
         self.events: list[LogEvent] = []
         observer = cast(ILogObserver, self.events.append)
         globalLogPublisher.addObserver(observer)
@@ -163,6 +175,7 @@ class CgroupDriverTests(SynchronousTestCase):
         self.clock = Clock()
         self.questions: list[Deferred[str]] = []
         self.cancelled = 0
+        self.metrics = Metrics()
         self.driver = CgroupDriver(self.ask, self.clock)
         self.events: list[LogEvent] = []
         observer = cast(ILogObserver, self.events.append)
@@ -176,6 +189,9 @@ class CgroupDriverTests(SynchronousTestCase):
 
     def cancel(self) -> None:
         self.cancelled += 1
+
+    def failed_attempts(self) -> float | None:
+        return self.metrics.registry.get_sample_value("koordrp_failed_attempts_total", {"activity": "docker-cgroup-driver"})
 
     def lines(self, start: str) -> list[LogEvent]:
         return [event for event in self.events if event.get("log_format", "").startswith(start)]
@@ -198,18 +214,43 @@ class CgroupDriverTests(SynchronousTestCase):
         # Until the next question, calls go on at once without it.
         self.assertIsNone(self.successResultOf(self.driver.current()))
         self.clock.advance(DRIVER_RETRY_SECONDS)
+        # While a question is out, calls wait for its answer.
+        waiting = self.driver.current()
         self.questions[1].errback(adapters.LookupFailed("GET /info: dockerd answered 500"))
-        self.clock.advance(DRIVER_RETRY_SECONDS)
+        self.assertIsNone(self.successResultOf(waiting))
+        self.clock.advance(2 * DRIVER_RETRY_SECONDS)
         self.questions[2].errback(adapters.LookupFailed("GET /info: no answer within 10s"))
-        self.assertEqual([event["reason"] for event in self.lines("cannot read dockerd's cgroup driver")], [
-            "GET /info: dockerd answered 500",
-            "GET /info: no answer within 10s",
-        ])
-        self.clock.advance(DRIVER_RETRY_SECONDS)
+        self.clock.advance(4 * DRIVER_RETRY_SECONDS)
         waiting = self.driver.current()
         self.questions[3].callback("cgroupfs")
         self.assertEqual(self.successResultOf(waiting), "cgroupfs")
-        self.assertEqual([event["again"] for event in self.lines("dockerd's cgroup driver is")], [" again"])
+        self.assertEqual([event["problem"] for event in self.lines("cannot read dockerd's cgroup driver")], [
+            "GET /info: dockerd answered 500",
+            "GET /info: no answer within 10s",
+        ])
+        [again] = self.lines("dockerd's cgroup driver is {driver} again")
+        self.assertEqual((again["driver"], again["failures"]), ("cgroupfs", 3))
+        # The line for a driver named at once is not written as well.
+        self.assertEqual([event for event in self.events if event.get("log_format") == "dockerd's cgroup driver is {driver}"], [])
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+
+    def test_retries_back_off_to_a_cap_and_alternating_reasons_are_each_said_once(self) -> None:
+        self.driver = CgroupDriver(self.ask, self.clock, metrics=self.metrics)
+        self.driver.start()
+        reasons = ["GET /info: dockerd answered 500", "GET /info: no answer within 10s"]
+        waits = []
+        for attempt in range(12):
+            self.questions[-1].errback(adapters.LookupFailed(reasons[attempt % 2]))
+            [retry] = self.clock.getDelayedCalls()
+            waits.append(retry.getTime() - self.clock.seconds())
+            self.clock.advance(waits[-1])
+        self.assertEqual(waits[:6], [1.0, 2.0, 4.0, 8.0, 16.0, DRIVER_RETRY_CAP_SECONDS])
+        self.assertEqual(set(waits[5:]), {DRIVER_RETRY_CAP_SECONDS})
+        self.assertEqual([event["problem"] for event in self.lines("cannot read dockerd's cgroup driver")], reasons)
+        self.assertEqual(self.failed_attempts(), 12)
+        self.questions[-1].callback("systemd")
+        self.assertEqual(len(self.lines("dockerd's cgroup driver is {driver} again")), 1)
+        self.assertEqual(self.successResultOf(self.driver.current()), "systemd")
         self.assertEqual(self.clock.getDelayedCalls(), [])
 
     def test_callers_share_one_question_and_leave_it_alone_when_they_give_up(self) -> None:

@@ -821,6 +821,21 @@ class CancellationTests(FlowTestCase):
         [line] = self.call_lines()
         self.assertEqual(line["outcome"], "CANCELLED")
 
+    def test_a_call_ended_as_its_answer_arrives_has_announced_what_it_owes(self) -> None:
+        # Docker mode ends a call as it answers; a stop that waited for the call drains its post stages next.
+        self.put_container()
+        self.subscribe(POST_STOP)
+        self.runtime.answering = Deferred()
+        announced_when_answered: list[list[HookType]] = []
+
+        def answered(outcome: object) -> None:
+            self.calls[-1].ended()
+            announced_when_answered.append([stage.hook for stage in self.stages.announced])
+
+        self.start(flows.stop_container, "c-1").addCallback(answered)
+        self.runtime.answering.callback(None)
+        self.assertEqual(announced_when_answered, [[POST_STOP]])
+
     def test_each_question_gets_what_is_left_of_the_callers_deadline(self) -> None:
         self.runtime.containers["c-1"] = StoredContainer.read_back("s-1", ContainerHookRequest(), ContainerState.CREATED)
         self.runtime.pods["s-1"] = PodHookRequest()
