@@ -35,6 +35,7 @@ from koordrp.adapters import (
 )
 from koordrp.calllog import CallRecord
 from koordrp.hooks.messages import (
+    Change,
     ContainerHookRequest,
     HookRequest,
     PodHookRequest,
@@ -324,10 +325,10 @@ class Call(Generic[AnyReply]):
             self.record.leave_alone(hook, left.path_prefix, left.why)
         return written.request
 
-    def apply_late(self, container_id: str, applied: Callable[[ContainerHookRequest], None]) -> None:
+    def apply_late(self, container_id: str, applied: Callable[[ContainerHookRequest, Sequence[Change]], None]) -> None:
         """The container exists now: the answer of a pre-create call that missed its budget, once it comes, is
         applied to it (what cannot change after create is left alone), and ``applied`` is told the container
-        as answered. The call's line waits for it, and tells it."""
+        as answered and what of it was applied. The call's line waits for it, and tells it."""
         late, self._late = self._late, None
         if late is None or self._late_updates is None:
             return
@@ -341,7 +342,11 @@ class Call(Generic[AnyReply]):
         applying.addErrback(self._late_failed).addBoth(done)
 
     async def _apply_late(
-        self, updates: LateUpdates, late: LateCall, container_id: str, applied: Callable[[ContainerHookRequest], None]
+        self,
+        updates: LateUpdates,
+        late: LateCall,
+        container_id: str,
+        applied: Callable[[ContainerHookRequest, Sequence[Change]], None],
     ) -> None:
         answer = await late.ended
         call = answer.call
@@ -356,7 +361,7 @@ class Call(Generic[AnyReply]):
             except LateNotApplied as error:
                 changes = left_alone(changes, "", f"late, and not applied: {shortened(str(error))}")
             if any(change.applied for change in changes):
-                applied(answered)
+                applied(answered, changes)
             call = replace(call, changes=changes)
         self.record.calls[self._late_at] = call
 
