@@ -45,9 +45,11 @@ from koordrp.hooks.messages import (
     placed_in_pod,
 )
 from koordrp.hooks.types import (
+    NOT_ANSWERING,
     SENT,
     SKIPPED,
     HookCall,
+    HookServerConfig,
     HookServers,
     HookType,
     LateCall,
@@ -88,6 +90,9 @@ class Stages(Protocol):
     def count_not_made(self, calls: Iterable[HookCall]) -> None:
         """Count the hook calls a call spared."""
 
+    def skips_post(self, server: HookServerConfig) -> str | None:
+        """Why a post hook call to ``server`` would be skipped now (None: it would be made)."""
+
     def drain(self, timeout: float) -> Deferred[None]:
         """Fires once no post stage runs, or after ``timeout`` seconds, when those still running are cut."""
 
@@ -122,11 +127,6 @@ class Refused(Exception):
     def __init__(self, refusal: Refusal) -> None:
         super().__init__(refusal.message)
         self.refusal = refusal
-
-
-def _cancelled(failure: Failure) -> Failure | None:
-    """Consumes the CancelledError of what was cancelled on purpose; any other failure goes on."""
-    return None if isinstance(failure.value, CancelledError) else failure
 
 
 class Call(Generic[AnyReply]):
@@ -232,9 +232,8 @@ class Call(Generic[AnyReply]):
 
     def _over(self, _: object) -> None:
         if self._late is not None:  # the flow ended without a container to apply it to
-            ended, self._late = self._late.ended, None
-            ended.addErrback(_cancelled)
-            ended.cancel()
+            late, self._late = self._late, None
+            late.drop()
         self._flow_over = True
         self._finish_if_over()
 
@@ -370,10 +369,16 @@ class Call(Generic[AnyReply]):
             self.log.failure("applying a late hook answer to {method} failed inside koordrp", failure, method=self.record.method)
 
     def post(self, hook: HookType, request: HookRequest) -> None:
+        """Owe a post stage, run once the call has answered: its line names each call ``sent``, or ``not-answering``
+        for a server whose post hooks are skipped then (it let a call pass its own timeout)."""
         callees = self._callees(hook)
         if callees:
             self.posts.append(PostStage(hook, callees, request))
-            self.record.add(HookCall(server, hook, SENT) for server in callees)
+            self.record.add(self._sent(server, hook) for server in callees)
+
+    def _sent(self, server: HookServerConfig, hook: HookType) -> HookCall:
+        skipped = self._parts.dispatcher.skips_post(server)
+        return HookCall(server, hook, SENT) if skipped is None else HookCall(server, hook, NOT_ANSWERING, reason=skipped)
 
     async def forward(self, rewritten: bytes | None = None) -> AnyReply:
         return await self.backend.forward(rewritten, self.remaining())

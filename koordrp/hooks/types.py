@@ -3,7 +3,8 @@
 from dataclasses import dataclass, field
 from enum import Enum
 
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import CancelledError, Deferred
+from twisted.python.failure import Failure
 
 from koordrp.hooks.messages import Change, HookRequest, HookResponse
 
@@ -156,6 +157,16 @@ class LateCall:
     """The request as the server was sent it (a copy)."""
     ended: "Deferred[LateAnswer]"
     """Fires once the call ends; cancelling it cancels the call."""
+
+    def drop(self) -> None:
+        """Nothing is left to apply its answer to: the call is cancelled, and nobody waits for its end."""
+        self.ended.addErrback(_cancelled)
+        self.ended.cancel()
+
+
+def _cancelled(failure: Failure) -> Failure | None:
+    """Consumes the CancelledError of what was cancelled on purpose; any other failure goes on."""
+    return None if isinstance(failure.value, CancelledError) else failure
 
 
 @dataclass
