@@ -365,6 +365,14 @@ class PluginTests(LogCapture):
         self.assertIsNone(self.store.pod("gone"))
         self.assertIsNotNone(self.store.container("c-1"))
 
+    def test_a_synchronization_whose_last_part_comes_after_the_first_parts_deadline_names_that_deadline(self) -> None:
+        self.containerd.call("Synchronize", nri.SynchronizeRequest(pods=[nri_pod()], more=True), timeout=2.0)
+        self.clock.advance(2.5)
+        last = self.containerd.call("Synchronize", nri.SynchronizeRequest(), timeout=None)  # a part without a deadline
+        answer = self.containerd.answers()[last]
+        self.assertEqual(answer.status.message, "koordrp cannot synchronize: koordrp synchronized after containerd's deadline (2s from its first part)")
+        self.assertEqual(self.synchronized, 0)
+
     def test_shutdown_is_answered(self) -> None:
         stream = self.containerd.call("Shutdown", nri.Empty())
         self.assertEqual(self.containerd.answers()[stream].status.code, 0)
