@@ -25,7 +25,7 @@ from koordrp.docker.service import DockerProxyService, DockerProxySettings
 from koordrp.hooks.client import HookClients
 from koordrp.hooks.dispatcher import Dispatcher
 from koordrp.hooks.types import HookServers
-from koordrp.resync import RETRY_SECONDS
+from koordrp.trouble import RETRY_SECONDS
 from koordrp.store import Store
 from koordrp.web import HealthResource
 from tests.support.tempdirs import short_tempdir

@@ -35,7 +35,7 @@ from koordrp.nri.plugin import (
     PluginIdentity,
 )
 from koordrp.metrics import Metrics
-from koordrp.nri.service import CONNECT_RETRY_CAP_SECONDS, RETRY_CAP_SECONDS, RETRY_SECONDS, NRIService, NRISettings
+from koordrp.nri.service import CONNECT_RETRY_CAP_SECONDS, NRIService, NRISettings
 from koordrp.nri.wire import (
     MAX_MUX_FRAME_SENT,
     MAX_TTRPC_MESSAGE,
@@ -52,6 +52,7 @@ from koordrp.nri.wire import (
     ttrpc_message,
 )
 from koordrp.store import ContainerState, Store
+from koordrp.trouble import RETRY_CAP_SECONDS, RETRY_SECONDS
 from tests.fake.flows import ScriptedStages
 from tests.fake.hook_clients import PendingCall, calls_to, scripted_clients
 from tests.fake.nri import FakeContainerd
