@@ -17,11 +17,11 @@ After a pause (``FIRST_PAUSE_SECONDS``), the next call the silence would skip is
 trial, with that call's own budget, while other such calls go on skipping it: an answer within the
 budget (an error the server sends back included) brings it back; no answer within it silences it
 again, for twice as long (up to ``LONGEST_PAUSE_SECONDS``). Only an answer to a call the silence
-skips ends it, so a slow server is brought back only by a call with as little time as the one it
-missed: a post hook's answer within the server's own timeout, or a late answer, says nothing of
-whether it answers a pre hook in time (koordlet answers its post hooks at once and writes cgroups in
-its PreCreateContainer). A call that gets no answer within the server's own timeout makes any silence
-skip every call. Nothing is ever asked twice: the server sees each call at most once, and a trial is
+skips ends it, so a slow server is brought back only by a call with less than its own timeout to give
+(in NRI mode, containerd's budget again): a post hook's answer within the server's own timeout, or a
+late answer, says nothing of whether it answers a pre hook in time (a server may answer a post hook
+at once and take seconds over a PreCreateContainer). A call that gets no answer within the server's
+own timeout makes any silence skip every call. Nothing is ever asked twice: the server sees each call at most once, and a trial is
 a real call whose answer is used like any other.
 
 A trial that ends without an answer and without waiting (the server is not there, or the call was
@@ -166,6 +166,9 @@ class Answering:
                 posts=posts,
             )
             return
+        # A trial that gets no answer doubles the pause; another call (a post hook the silence does not skip, one
+        # made before the silence began) is no trial, but one that waited the server's own timeout in vain shows
+        # it wedged.
         wedged = silence.missed < server.timeout <= call.limit
         silence.missed = max(silence.missed, call.limit)
         if call.trial and silence.trying:
@@ -179,7 +182,6 @@ class Answering:
                 reason=reason,
                 pause=silence.pause,
             )
-        # Otherwise a call the silence does not skip (a post hook), or one made before the silence began: no trial.
         if wedged:
             silence.reason = reason
             self.log.warn(
