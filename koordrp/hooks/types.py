@@ -121,9 +121,10 @@ class HookCall:
     hook: HookType
     result: str
     """OK, ERROR, TIMEOUT; LATE (answered after its call went on without it, and applied where the front
-    end still could); NOT_ANSWERING (skipped: the server let an earlier call pass its budget and has not
-    answered one in time since); or, for calls not made: SENT (a post hook, not waited for), SKIPPED (by
-    the pod's label), UNREADABLE (the CRI request could not be read)."""
+    end still could); NOT_ANSWERING (skipped: the server let an earlier call that could wait no longer pass
+    its budget and has not answered one in time since; for a post hook, one its stage would skip as the
+    call's line is written); or, for calls not made: SENT (a post hook, not waited for), SKIPPED (by the
+    pod's label), UNREADABLE (the CRI request could not be read)."""
     seconds: float | None = None
     changes: tuple[Change, ...] = ()
     reason: str = ""

@@ -1,6 +1,6 @@
 """Which servers answer in time (koordrp.hooks.answering), and the dispatcher's stages on the test's clock: a
 server silenced by its budget, tried again by a real call after a pause that doubles, never asked twice;
-a call kept past the budget for a late answer."""
+its post hooks, skipped only once it let its own timeout pass; a call kept past the budget for a late answer."""
 
 from typing import cast
 
