@@ -35,6 +35,7 @@ from koordrp.adapters import (
 )
 from koordrp.calllog import CallRecord
 from koordrp.hooks.messages import (
+    Change,
     ContainerHookRequest,
     HookRequest,
     PodHookRequest,
@@ -44,9 +45,11 @@ from koordrp.hooks.messages import (
     placed_in_pod,
 )
 from koordrp.hooks.types import (
+    NOT_ANSWERING,
     SENT,
     SKIPPED,
     HookCall,
+    HookServerConfig,
     HookServers,
     HookType,
     LateCall,
@@ -87,6 +90,9 @@ class Stages(Protocol):
     def count_not_made(self, calls: Iterable[HookCall]) -> None:
         """Count the hook calls a call spared."""
 
+    def skips_post(self, server: HookServerConfig) -> str | None:
+        """Why a post hook call to ``server`` would be skipped now (None: it would be made)."""
+
     def drain(self, timeout: float) -> Deferred[None]:
         """Fires once no post stage runs, or after ``timeout`` seconds, when those still running are cut."""
 
@@ -121,11 +127,6 @@ class Refused(Exception):
     def __init__(self, refusal: Refusal) -> None:
         super().__init__(refusal.message)
         self.refusal = refusal
-
-
-def _cancelled(failure: Failure) -> Failure | None:
-    """Consumes the CancelledError of what was cancelled on purpose; any other failure goes on."""
-    return None if isinstance(failure.value, CancelledError) else failure
 
 
 class Call(Generic[AnyReply]):
@@ -231,9 +232,8 @@ class Call(Generic[AnyReply]):
 
     def _over(self, result: "AnyReply | Failure") -> None:
         if self._late is not None:  # the flow ended without a container to apply it to
-            ended, self._late = self._late.ended, None
-            ended.addErrback(_cancelled)
-            ended.cancel()
+            late, self._late = self._late, None
+            late.drop()
         # Over before it answers: a front end that says ``ended`` as the answer leaves has the call's post stages
         # announced then, so that a stop that waited for the call drains them next.
         self._flow_over = True
@@ -331,10 +331,10 @@ class Call(Generic[AnyReply]):
             self.record.leave_alone(hook, left.path_prefix, left.why)
         return written.request
 
-    def apply_late(self, container_id: str, applied: Callable[[ContainerHookRequest], None]) -> None:
+    def apply_late(self, container_id: str, applied: Callable[[ContainerHookRequest, Sequence[Change]], None]) -> None:
         """The container exists now: the answer of a pre-create call that missed its budget, once it comes, is
         applied to it (what cannot change after create is left alone), and ``applied`` is told the container
-        as answered. The call's line waits for it, and tells it."""
+        as answered and what of it was applied. The call's line waits for it, and tells it."""
         late, self._late = self._late, None
         if late is None or self._late_updates is None:
             return
@@ -348,7 +348,11 @@ class Call(Generic[AnyReply]):
         applying.addErrback(self._late_failed).addBoth(done)
 
     async def _apply_late(
-        self, updates: LateUpdates, late: LateCall, container_id: str, applied: Callable[[ContainerHookRequest], None]
+        self,
+        updates: LateUpdates,
+        late: LateCall,
+        container_id: str,
+        applied: Callable[[ContainerHookRequest, Sequence[Change]], None],
     ) -> None:
         answer = await late.ended
         call = answer.call
@@ -363,7 +367,7 @@ class Call(Generic[AnyReply]):
             except LateNotApplied as error:
                 changes = left_alone(changes, "", f"late, and not applied: {shortened(str(error))}")
             if any(change.applied for change in changes):
-                applied(answered)
+                applied(answered, changes)
             call = replace(call, changes=changes)
         self.record.calls[self._late_at] = call
 
@@ -372,10 +376,16 @@ class Call(Generic[AnyReply]):
             self.log.failure("applying a late hook answer to {method} failed inside koordrp", failure, method=self.record.method)
 
     def post(self, hook: HookType, request: HookRequest) -> None:
+        """Owe a post stage, run once the call has answered: its line names each call ``sent``, or ``not-answering``
+        for a server whose post hooks are skipped then (it let a call pass its own timeout)."""
         callees = self._callees(hook)
         if callees:
             self.posts.append(PostStage(hook, callees, request))
-            self.record.add(HookCall(server, hook, SENT) for server in callees)
+            self.record.add(self._sent(server, hook) for server in callees)
+
+    def _sent(self, server: HookServerConfig, hook: HookType) -> HookCall:
+        skipped = self._parts.dispatcher.skips_post(server)
+        return HookCall(server, hook, SENT) if skipped is None else HookCall(server, hook, NOT_ANSWERING, reason=skipped)
 
     async def forward(self, rewritten: bytes | None = None) -> AnyReply:
         return await self.backend.forward(rewritten, self.remaining())

@@ -33,7 +33,7 @@ either, the call goes to the runtime unchanged and without hooks, for the runtim
 
 from __future__ import annotations
 
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Sequence
 
 from twisted.internet.defer import CancelledError
 
@@ -49,7 +49,7 @@ from koordrp.adapters import (
     Written,
 )
 from koordrp.call import Call, Refused
-from koordrp.hooks.messages import ContainerHookRequest, copied, folded_update, placed_in_pod
+from koordrp.hooks.messages import Change, ContainerHookRequest, copied, copy_changed, folded_update, placed_in_pod
 from koordrp.hooks.types import UNREADABLE, HookType
 from koordrp.store import ContainerState
 from koordrp.text import shortened
@@ -144,11 +144,12 @@ async def create_container(call: Call[AnyReply], request: CreateContainer) -> An
         given = created_container(container, container_id, request.envs_sent())
         call.store.put_container(container_id, request.sandbox_id, asked, given)
 
-        def applied_late(answered: ContainerHookRequest) -> None:
-            # The runtime has the late answer's resources now; kubelet's values stay what hooks are shown.
-            revised = copied(given)
-            revised.container_resources.CopyFrom(answered.container_resources)
-            call.store.revise_container(container_id, asked, revised)
+        def applied_late(answered: ContainerHookRequest, changes: Sequence[Change]) -> None:
+            # The runtime has what the late update sent, over the container as it was then (an update kubelet
+            # made meanwhile included); kubelet's values stay what hooks are shown.
+            stored = call.store.container(container_id)
+            if stored is not None:
+                call.store.revise_container(container_id, stored.asked, copy_changed(stored.given, answered, changes))
 
         call.apply_late(container_id, applied_late)
     return reply

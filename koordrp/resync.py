@@ -22,17 +22,12 @@ from koordrp.adapters import LookupFailed, RuntimeInventory, Unreadable
 from koordrp.hooks.messages import PodHookRequest
 from koordrp.store import Store, StoredContainer, StoredPod
 from koordrp.text import shortened
-from koordrp.trouble import Backoff, Retrying, Trouble
+from koordrp.trouble import RETRY_CAP_SECONDS, RETRY_SECONDS, Backoff, Retrying, Trouble
 
 if TYPE_CHECKING:
     # Only --metrics-endpoint loads prometheus_client: it costs a node daemon ~6 MB of RSS.
     from koordrp.metrics import Metrics
 
-RETRY_SECONDS = 1.0
-"""The wait after a first failure; it doubles after each next one, up to RETRY_CAP_SECONDS."""
-RETRY_CAP_SECONDS = 30.0
-"""A CRI front end reads the runtime again as soon as it is reachable again, whatever the wait; a call
-about what the store lacks reads it back itself."""
 DEFAULT_INTERVAL = 60.0
 """How often the store is reconciled with the runtime by default: two listings (or one) a minute."""
 

@@ -58,6 +58,14 @@ class Trouble:
         return Notice(level, self._started, {"problem": problem, **fields})
 
 
+RETRY_SECONDS = 1.0
+"""The wait after a first failure of what koordrp keeps retrying; it doubles after each next one, up to RETRY_CAP_SECONDS."""
+RETRY_CAP_SECONDS = 30.0
+"""The longest wait between attempts. containerd that refuses koordrp logs each attempt and does the same work
+each time; a CRI front end reads the runtime again as soon as it is reachable again, whatever the wait, and a
+call about what the store lacks reads it back itself."""
+
+
 class Backoff:
     """The wait before each next attempt: ``first`` seconds, doubled after each failure, at most ``cap``."""
 

@@ -11,7 +11,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from koordrp.drain import Drain
-from koordrp.hooks.answering import Answering, Silence
+from koordrp.hooks.answering import Admitted, Answering, Silence
 from koordrp.hooks.client import HookCallError, HookClients, HookTimedOut, no_answer_within
 from koordrp.hooks.messages import HookRequest, HookResponse, copied, merge_response, subject_text
 from koordrp.hooks.types import (
@@ -125,6 +125,12 @@ class Dispatcher:
                 if call.result in NOT_MADE:
                     self._metrics.hook_call(call.server.name, call.hook.value, call.result, None)
 
+    def skips_post(self, server: HookServerConfig) -> str | None:
+        """Why a post hook call to ``server`` would be skipped now (None: it would be made): a post hook may wait
+        the server's own timeout, so only a server that let that pass is skipped."""
+        silence = self._answering.skipping(server, server.timeout)
+        return None if silence is None else silence.describe(self._reactor.seconds())
+
     def _count(self, server: HookServerConfig, hook: HookType, result: str, started: float) -> float:
         seconds = self._reactor.seconds() - started
         if self._metrics is not None:
@@ -154,9 +160,11 @@ class Dispatcher:
         deadline = None if budget is None else self._reactor.seconds() + budget
         changed_by: dict[str, str] = {}
         for server in servers:
-            admitted = self._answering.admit(server)
+            # What the call may wait: the server's own timeout, or less when the stage has less to give.
+            timeout = server.timeout if deadline is None else min(server.timeout, deadline - self._reactor.seconds())
+            admitted = self._answering.admit(server, timeout)
             if isinstance(admitted, Silence):
-                # It let an earlier call pass its budget: skipped at once until its trial answers in time.
+                # It let an earlier call that could wait no longer pass: skipped at once until its trial answers in time.
                 reason = admitted.describe(self._reactor.seconds())
                 if self._metrics is not None:  # counted, but no call was made: no duration
                     self._metrics.hook_call(server.name, hook.value, NOT_ANSWERING, None)
@@ -165,9 +173,6 @@ class Dispatcher:
                     outcome.failure = HookFailure(server, hook, reason)
                     return outcome
                 continue
-            timeout = server.timeout
-            if deadline is not None:
-                timeout = min(timeout, deadline - self._reactor.seconds())
             # Kept: the server is given its own timeout, and the stage goes on without it at the budget (a server
             # that must be heard fails the call then: nothing would be left to apply its answer to).
             kept = keep_late and outcome.late is None and not server.must_be_heard(hook) and 0 < timeout < server.timeout
@@ -179,8 +184,12 @@ class Dispatcher:
                 call = self._clients.get(server.endpoint).call(hook, request, server.timeout if kept else timeout)
                 response = await (_within(call, timeout, self._reactor) if kept else call)
             except CancelledError:
-                self._answering.unheard(server)
-                raise  # the call itself was given up (its client went away): not the server's failure
+                # The stage was given up (its caller went away): not the server's failure. A call kept past the
+                # budget goes with it, since nothing is left to apply its answer to.
+                self._answering.unheard(server, admitted)
+                if outcome.late is not None:
+                    outcome.late.drop()
+                raise
             except Exception as error:
                 timed_out = isinstance(error, HookTimedOut)
                 result = TIMEOUT if timed_out else ERROR
@@ -188,13 +197,8 @@ class Dispatcher:
                 seconds = self._reactor.seconds() - started
                 recorded = HookCall(server, hook, result, seconds, reason=reason, trial=admitted.trial)
                 outcome.calls.append(recorded)
-                if timed_out and timeout > 0:
-                    self._answering.timed_out(server, hook, reason)
-                elif isinstance(error, HookCallError) and error.sent_back:
-                    self._answering.answered(server, hook, timeout)
-                else:
-                    self._answering.unheard(server)
-                if kept and timed_out and call is not None:
+                self._heard(server, hook, error, reason, admitted)
+                if kept and timed_out and call is not None and not call.called:  # still running past the budget
                     outcome.late = LateCall(recorded, copied(request), self._late(server, hook, call, recorded, started))
                 else:
                     self._count(server, hook, result, started)
@@ -215,7 +219,7 @@ class Dispatcher:
                     later=f" (its answer, if it comes within {server.timeout:g}s, is applied later)" if outcome.late and outcome.late.call is recorded else "",
                 )
                 continue
-            self._answering.answered(server, hook, timeout)
+            self._answering.answered(server, hook, admitted)
             seconds = self._count(server, hook, OK, started)
             changes = merge_response(request, response, server.apply_pod_resources) if hook.is_pre else []
             outcome.calls.append(HookCall(server, hook, OK, seconds, tuple(changes), trial=admitted.trial))
@@ -234,20 +238,38 @@ class Dispatcher:
                 changed_by[change.path] = server.name
         return outcome
 
+    def _heard(self, server: HookServerConfig, hook: HookType, error: Exception, reason: str, call: Admitted) -> None:
+        """What a call that got no answer says of its server: it let its limit pass, it sent an error back (an
+        answer), or neither (it was not there)."""
+        if isinstance(error, HookTimedOut) and call.limit > 0:
+            self._answering.timed_out(server, hook, reason, call)
+        elif isinstance(error, HookCallError) and error.sent_back:
+            self._answering.answered(server, hook, call)
+        else:
+            self._answering.unheard(server, call)
+
     def _late(
         self, server: HookServerConfig, hook: HookType, call: "Deferred[HookResponse]", recorded: HookCall, started: float
     ) -> "Deferred[LateAnswer]":
-        """How a call left running past its stage's budget ends (counted then, with its own result)."""
+        """How a call left running past its stage's budget ends (counted then, with its own result; a call cut
+        with its stage, as the stage recorded it). It may wait the server's own timeout: its answer does not end
+        a silence the budget began, and no answer within that timeout silences every call to the server."""
         ended: Deferred[LateAnswer] = Deferred(lambda _: call.cancel())
+        own = Admitted(server.timeout)
 
         def answered(response: HookResponse) -> LateAnswer:
+            self._answering.answered(server, hook, own)
             seconds = self._count(server, hook, LATE, started)
             return LateAnswer(replace(recorded, result=LATE, seconds=seconds), response)
 
         def failed(failure: Failure) -> LateAnswer | Failure:
             if isinstance(failure.value, CancelledError):
+                self._count(server, hook, recorded.result, started)
                 return failure
-            result = TIMEOUT if isinstance(failure.value, HookTimedOut) else ERROR
+            error = failure.value
+            result = TIMEOUT if isinstance(error, HookTimedOut) else ERROR
+            if isinstance(error, Exception):
+                self._heard(server, hook, error, failure.getErrorMessage(), own)
             seconds = self._count(server, hook, result, started)
             reason = f"{recorded.reason}, nor later: {failure.getErrorMessage()}"
             return LateAnswer(replace(recorded, result=result, seconds=seconds, reason=reason))

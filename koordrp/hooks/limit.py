@@ -37,6 +37,7 @@ class PreHookLimit:
             f"hook server {server.name} ({server.endpoint}) may take {server.timeout:g}s to answer (its timeout-seconds, "
             f"or --hook-timeout), but its pre hooks get {self.seconds:g}s: {self.source}. An answer later than that "
             f"comes after the call went on without it (a PreCreateContainer answer's resources are still applied to "
-            f"the created container), and the server is skipped until a call to it answers in time; set "
+            f"the created container), and later pre hook calls skip it until one answers in time (its post hooks still "
+            f"get {server.timeout:g}s); set "
             f"{SHORTEN} to {self.seconds:g} or less, or {self.remedy}"
         )

@@ -7,7 +7,7 @@ grpc, the reactor or a wire format other than the hook API's.
 """
 
 from dataclasses import dataclass, replace
-from typing import Callable, Mapping, MutableMapping, Sequence, TypeAlias, TypeVar
+from typing import Callable, Iterable, Mapping, MutableMapping, Sequence, TypeAlias, TypeVar
 
 from google.protobuf.message import Message
 
@@ -192,6 +192,29 @@ def left_alone(changes: Sequence[Change], path_prefix: str, why: str) -> tuple[C
         replace(change, applied=False, why=why) if change.applied and change.path.startswith(path_prefix) else change
         for change in changes
     )
+
+
+def copy_changed(target: AnyRequest, source: AnyRequest, changes: Iterable[Change]) -> AnyRequest:
+    """``target`` (changed in place) with the fields ``changes`` applied set as ``source`` has them; the fields
+    changes left alone, and every other, stay ``target``'s."""
+    for change in changes:
+        if not change.applied:
+            continue
+        path, _, key = change.path.partition("[")
+        *outer, name = path.split(".")
+        into: Message = target
+        out_of: Message = source
+        for part in outer:
+            into, out_of = getattr(into, part), getattr(out_of, part)
+        value = getattr(out_of, name)
+        if key:  # a map entry, by its key
+            getattr(into, name)[key[:-1]] = value[key[:-1]]
+        elif isinstance(value, (bool, int, float, str)):
+            setattr(into, name, value)
+        else:  # a repeated field, as a whole (hugepage limits)
+            del getattr(into, name)[:]
+            getattr(into, name).extend(value)
+    return target
 
 
 def merge_response(request: HookRequest, response: HookResponse, apply_pod_resources: bool = False) -> Changes:

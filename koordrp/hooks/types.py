@@ -3,7 +3,8 @@
 from dataclasses import dataclass, field
 from enum import Enum
 
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import CancelledError, Deferred
+from twisted.python.failure import Failure
 
 from koordrp.hooks.messages import Change, HookRequest, HookResponse
 
@@ -120,9 +121,10 @@ class HookCall:
     hook: HookType
     result: str
     """OK, ERROR, TIMEOUT; LATE (answered after its call went on without it, and applied where the front
-    end still could); NOT_ANSWERING (skipped: the server let an earlier call pass its budget and has not
-    answered one in time since); or, for calls not made: SENT (a post hook, not waited for), SKIPPED (by
-    the pod's label), UNREADABLE (the CRI request could not be read)."""
+    end still could); NOT_ANSWERING (skipped: the server let an earlier call that could wait no longer pass
+    its budget and has not answered one in time since; for a post hook, one its stage would skip as the
+    call's line is written); or, for calls not made: SENT (a post hook, not waited for), SKIPPED (by the
+    pod's label), UNREADABLE (the CRI request could not be read)."""
     seconds: float | None = None
     changes: tuple[Change, ...] = ()
     reason: str = ""
@@ -156,6 +158,16 @@ class LateCall:
     """The request as the server was sent it (a copy)."""
     ended: "Deferred[LateAnswer]"
     """Fires once the call ends; cancelling it cancels the call."""
+
+    def drop(self) -> None:
+        """Nothing is left to apply its answer to: the call is cancelled, and nobody waits for its end."""
+        self.ended.addErrback(_cancelled)
+        self.ended.cancel()
+
+
+def _cancelled(failure: Failure) -> Failure | None:
+    """Consumes the CancelledError of what was cancelled on purpose; any other failure goes on."""
+    return None if isinstance(failure.value, CancelledError) else failure
 
 
 @dataclass

@@ -33,7 +33,6 @@ from koordrp.hooks.messages import ContainerHookRequest, HookRequest, placed_in_
 from koordrp.nri import translate
 from koordrp.nri.connection import UNKNOWN, UNIMPLEMENTED, NRIConnection, NRIConnectionLost, NRIError
 from koordrp.nri.wire import MAX_TTRPC_MESSAGE
-from koordrp.resync import agree
 from koordrp.store import StoredContainer, StoredPod
 from koordrp.text import shortened
 
@@ -266,9 +265,14 @@ class _Synchronization:
 
     known_before: tuple[set[str], set[str]]
     """The store's ids when it began: what the runtime no longer has among them is forgotten."""
-    deadline: float | None
-    """containerd's, for all of its parts."""
+    began: float
+    timeout: float | None
+    """What containerd gave its first part: the time for all of them."""
     parts: list[nri.SynchronizeRequest] = field(default_factory=list)
+
+    def late(self, now: float) -> bool:
+        """Whether an answer now comes too late for containerd's deadline (koordrp keeps ANSWER_MARGIN of it)."""
+        return self.timeout is not None and now > self.began + self.timeout - ANSWER_MARGIN
 
 
 @dataclass(frozen=True)
@@ -432,8 +436,7 @@ class NRIPlugin:
         """Collect containerd's synchronization (in parts, NRI 0.8: each answered at once); the store agrees
         with the whole of it once the last part has come, within the deadline the first part gave."""
         if self._synchronizing is None:
-            now = self._parts.clock.seconds()
-            self._synchronizing = _Synchronization(self._parts.store.ids(), None if timeout is None else now + timeout)
+            self._synchronizing = _Synchronization(self._parts.store.ids(), self._parts.clock.seconds(), timeout)
         synchronizing = self._synchronizing
 
         async def collected(part: nri.SynchronizeRequest) -> resync.Snapshot | None:
@@ -447,10 +450,9 @@ class NRIPlugin:
         def agreed(found: resync.Snapshot | None) -> bytes:
             if found is None:
                 return nri.SynchronizeResponse(more=True).SerializeToString()
-            agree(self._parts.store, found, synchronizing.known_before, "containerd's NRI")
-            deadline = synchronizing.deadline
-            if deadline is not None and self._parts.clock.seconds() > deadline - ANSWER_MARGIN:
-                raise NRIError(UNKNOWN, f"koordrp synchronized after containerd's {timeout:g}s")
+            resync.agree(self._parts.store, found, synchronizing.known_before, "containerd's NRI")
+            if synchronizing.late(self._parts.clock.seconds()):
+                raise NRIError(UNKNOWN, f"koordrp synchronized after containerd's deadline ({synchronizing.timeout:g}s from its first part)")
             self._synchronized = True
             self._on_synchronized(self._runtime, self._deadline)
             return nri.SynchronizeResponse().SerializeToString()

@@ -33,12 +33,8 @@ from koordrp.nri import registration
 from koordrp.nri.connection import NRIConnection
 from koordrp.nri.plugin import NRIPlugin, PluginIdentity
 from koordrp.text import shortened
-from koordrp.trouble import Backoff, Retrying, Trouble
+from koordrp.trouble import RETRY_CAP_SECONDS, RETRY_SECONDS, Backoff, Retrying, Trouble
 
-RETRY_SECONDS = 1.0
-"""The wait after a first failure; it doubles after each next one, up to RETRY_CAP_SECONDS."""
-RETRY_CAP_SECONDS = 30.0
-"""containerd that refuses koordrp logs each attempt, and does the same work each time."""
 CONNECT_RETRY_CAP_SECONDS = 5.0
 """A socket nobody serves costs nothing to try: koordrp finds containerd within seconds once it is back."""
 

@@ -10,6 +10,7 @@ import pytest
 from tests.fake.hook_server import FakeHookServer
 from tests.support.containerd import RELEASES, Containerd, ContainerdError, require_binaries
 from tests.support.daemons import DaemonError
+from tests.support.dockerd import Dockerd, require_binaries as require_dockerd_binaries
 from tests.support.images import ImageSet, build_test_images
 from tests.support.koordrp_process import KoordrpProcess
 from tests.support.stack import start_containerd
@@ -81,6 +82,19 @@ def runtimes(images: ImageSet) -> Iterator[Runtimes]:
 def containerd(runtimes: Runtimes) -> Containerd:
     """The machine's containerd 1.6, private, with the test images."""
     return runtimes.get("1.6")
+
+
+@pytest.fixture(scope="session")
+def dockerd(images: ImageSet) -> Iterator[Dockerd]:
+    """A private dockerd, with the test images."""
+    require(require_dockerd_binaries, "dockerd")
+    daemon = Dockerd(Path(tempfile.mkdtemp(prefix="krp-dk-", dir="/tmp")))
+    daemon.start()
+    try:
+        daemon.load_images(images)
+        yield daemon
+    finally:
+        daemon.stop()
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ import json
 import os
 import socket
 import tarfile
-import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -18,9 +17,9 @@ import pytest
 
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
 from koordrp.docker.dockerd import DRIVER_RETRY_CAP_SECONDS
-from tests.e2e.conftest import hook_server, require, wait_registered
+from tests.e2e.conftest import hook_server, wait_registered
 from tests.fake.hook_server import FakeHookServer, koordlet_cpuset_rule
-from tests.support.dockerd import Dockerd, remove_cgroup, require_binaries, unix_http
+from tests.support.dockerd import Dockerd, remove_cgroup, unix_http
 from tests.support.hook_registration import register
 from tests.support.images import BUSYBOX_REF, ImageSet
 from tests.support.koordrp_process import KoordrpProcess, peak_rss_bytes, reset_peak_rss, rss_bytes
@@ -28,18 +27,6 @@ from tests.support.relay import UnixRelay
 from tests.support.wedged import WedgedServer
 
 API = "/v1.41"
-
-
-@pytest.fixture(scope="module")
-def dockerd(images: ImageSet) -> Iterator[Dockerd]:
-    require(require_binaries, "dockerd")
-    daemon = Dockerd(Path(tempfile.mkdtemp(prefix="krp-dk-", dir="/tmp")))
-    daemon.start()
-    try:
-        daemon.load_images(images)
-        yield daemon
-    finally:
-        daemon.stop()
 
 
 @pytest.fixture

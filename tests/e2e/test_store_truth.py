@@ -14,7 +14,7 @@ from cri_api.v1 import api_pb2
 
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
 from tests.e2e.conftest import Runtimes, hook_server, wait_registered
-from tests.e2e.test_docker import dockerd, kubernetes_pod, post  # dockerd: the fixture, for this module too
+from tests.e2e.test_docker import kubernetes_pod, post
 from tests.support.scrape import free_port, get, sample
 from tests.fake.hook_server import FakeHookServer
 from tests.support.containerd import NRI_RELEASES, Containerd

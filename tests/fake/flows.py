@@ -8,7 +8,7 @@ from twisted.internet.defer import Deferred, succeed
 
 from koordrp.adapters import LookupFailed, PodSource
 from koordrp.hooks.messages import HookRequest, HookResponse, PodHookRequest, merge_response
-from koordrp.hooks.types import OK, HookCall, HookFailure, HookType, PostStage, StageOutcome, Subscribers
+from koordrp.hooks.types import OK, HookCall, HookFailure, HookServerConfig, HookType, PostStage, StageOutcome, Subscribers
 from koordrp.store import StoredContainer, StoredPod
 
 
@@ -36,12 +36,17 @@ class ScriptedStages:
     """The bound of each drain asked for."""
     pending: dict[HookType, "Deferred[None]"] = field(default_factory=dict)
     """A stage of these hooks waits until its Deferred fires (or is cancelled with the call)."""
+    posts_skipped: dict[str, str] = field(default_factory=dict)
+    """Why the post hooks of a server (by name) are skipped."""
 
     def announce(self, stages: Sequence[PostStage]) -> None:
         self.announced.extend(stages)
 
     def count_not_made(self, calls: Iterable[HookCall]) -> None:
         self.not_made.extend(calls)
+
+    def skips_post(self, server: HookServerConfig) -> str | None:
+        return self.posts_skipped.get(server.name)
 
     def drain(self, timeout: float) -> "Deferred[None]":
         self.drains.append(timeout)

@@ -1,6 +1,6 @@
 """Which servers answer in time (koordrp.hooks.answering), and the dispatcher's stages on the test's clock: a
 server silenced by its budget, tried again by a real call after a pause that doubles, never asked twice;
-a call kept past the budget for a late answer."""
+its post hooks, skipped only once it let its own timeout pass; a call kept past the budget for a late answer."""
 
 from typing import cast
 
@@ -10,10 +10,10 @@ from twisted.logger import ILogObserver, LogEvent, LogLevel, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
-from koordrp.hooks.answering import FIRST_PAUSE_SECONDS, LONGEST_PAUSE_SECONDS, TRIAL, Admitted, Answering, Silence
-from koordrp.hooks.client import HookCallError
+from koordrp.hooks.answering import FIRST_PAUSE_SECONDS, LONGEST_PAUSE_SECONDS, Admitted, Answering, Silence
+from koordrp.hooks.client import HookCallError, HookTimedOut
 from koordrp.hooks.dispatcher import Dispatcher
-from koordrp.hooks.types import ERROR, LATE, NOT_ANSWERING, OK, TIMEOUT, FailurePolicy, HookServerConfig, HookType, StageOutcome
+from koordrp.hooks.types import ERROR, LATE, NOT_ANSWERING, OK, TIMEOUT, FailurePolicy, HookServerConfig, HookType, PostStage, StageOutcome
 from koordrp.metrics import Metrics
 from tests.fake.hook_clients import calls_to, scripted_clients
 
@@ -34,6 +34,10 @@ class Logged(SynchronousTestCase):
         return [e for e in self.events if e.get("log_level") is level and text in e.get("log_format", "")]
 
 
+PRE = Admitted(BUDGET)  # a pre hook call in NRI mode: containerd's budget, shorter than the server's timeout
+OWN = Admitted(SLOW.timeout)  # a post hook call: the server's own timeout
+
+
 class AnsweringTests(Logged):
     def setUp(self) -> None:
         super().setUp()
@@ -41,65 +45,113 @@ class AnsweringTests(Logged):
         self.answering = Answering(self.clock)
 
     def test_a_timeout_silences_until_a_trial_after_the_pause_and_only_one_call_is_the_trial(self) -> None:
-        self.assertEqual(self.answering.admit(SLOW), Admitted())
-        self.answering.timed_out(SLOW, CREATE, "no answer within 1.9s")
-        self.assertIsInstance(self.answering.admit(SLOW), Silence)
+        self.assertEqual(self.answering.admit(SLOW, BUDGET), PRE)
+        self.answering.timed_out(SLOW, CREATE, "no answer within 1.9s", PRE)
+        self.assertIsInstance(self.answering.admit(SLOW, BUDGET), Silence)
         self.clock.advance(FIRST_PAUSE_SECONDS)
-        self.assertIs(self.answering.admit(SLOW), TRIAL)
-        skipped = self.answering.admit(SLOW)  # another call while the trial is under way
+        trial = self.answering.admit(SLOW, BUDGET)
+        self.assertEqual(trial, Admitted(BUDGET, trial=True))
+        skipped = self.answering.admit(SLOW, BUDGET)  # another call while the trial is under way
         assert isinstance(skipped, Silence)
         self.assertIn("a call is trying it now", skipped.describe(self.clock.seconds()))
-        self.answering.answered(SLOW, CREATE, BUDGET)
-        self.assertEqual(self.answering.admit(SLOW), Admitted())
+        assert isinstance(trial, Admitted)
+        self.answering.answered(SLOW, CREATE, trial)
+        self.assertEqual(self.answering.admit(SLOW, BUDGET), PRE)
         self.assertEqual(len(self.lines(LogLevel.warn, "did not answer {hook} in time")), 1)
         [back] = self.lines(LogLevel.info, "calls reach it again")
         self.assertEqual((back["budget"], back["seconds"]), (BUDGET, FIRST_PAUSE_SECONDS))
 
     def test_each_trial_that_times_out_doubles_the_pause_up_to_the_longest(self) -> None:
-        self.answering.timed_out(SLOW, CREATE, "no answer within 1.9s")
+        self.answering.timed_out(SLOW, CREATE, "no answer within 1.9s", PRE)
         pauses = []
         for _ in range(8):
-            silence = self.answering.admit(SLOW)
+            silence = self.answering.admit(SLOW, BUDGET)
             assert isinstance(silence, Silence)
             pauses.append(silence.trial_after - self.clock.seconds())
             self.clock.advance(silence.trial_after - self.clock.seconds())
-            self.assertIs(self.answering.admit(SLOW), TRIAL)
-            self.answering.timed_out(SLOW, CREATE, "no answer within 1.9s")
+            trial = self.answering.admit(SLOW, BUDGET)
+            assert isinstance(trial, Admitted)
+            self.assertTrue(trial.trial)
+            self.answering.timed_out(SLOW, CREATE, "no answer within 1.9s", trial)
         self.assertEqual(pauses, [5, 10, 20, 40, 80, 160, LONGEST_PAUSE_SECONDS, LONGEST_PAUSE_SECONDS])
         self.assertEqual(len(self.lines(LogLevel.warn, "did not answer")), 1)  # said once, when it began
 
     def test_a_trial_that_ends_without_waiting_leaves_the_next_call_a_trial(self) -> None:
-        self.answering.timed_out(SLOW, CREATE, "no answer within 1.9s")
+        self.answering.timed_out(SLOW, CREATE, "no answer within 1.9s", PRE)
         self.clock.advance(FIRST_PAUSE_SECONDS)
-        self.assertIs(self.answering.admit(SLOW), TRIAL)
-        self.answering.unheard(SLOW)  # its socket was gone, or the call was given up
-        self.assertIs(self.answering.admit(SLOW), TRIAL)
+        trial = self.answering.admit(SLOW, BUDGET)
+        assert isinstance(trial, Admitted)
+        self.answering.unheard(SLOW, trial)  # its socket was gone, or the call was given up
+        self.assertEqual(self.answering.admit(SLOW, BUDGET), Admitted(BUDGET, trial=True))
 
     def test_a_call_made_before_the_silence_that_times_out_too_is_no_trial(self) -> None:
-        self.answering.admit(SLOW)
-        self.answering.admit(SLOW)
-        self.answering.timed_out(SLOW, CREATE, "no answer within 1.9s")
-        self.answering.timed_out(SLOW, CREATE, "no answer within 1.9s")
-        silence = self.answering.admit(SLOW)
+        first, second = self.answering.admit(SLOW, BUDGET), self.answering.admit(SLOW, BUDGET)
+        assert isinstance(first, Admitted) and isinstance(second, Admitted)
+        self.answering.timed_out(SLOW, CREATE, "no answer within 1.9s", first)
+        self.answering.timed_out(SLOW, CREATE, "no answer within 1.9s", second)
+        silence = self.answering.admit(SLOW, BUDGET)
         assert isinstance(silence, Silence)
         self.assertEqual(silence.pause, FIRST_PAUSE_SECONDS)
 
     def test_a_server_that_restarted_gets_the_next_call_as_its_trial_pause_or_not(self) -> None:
         sockets = {SLOW.endpoint: (1, 100)}
         answering = Answering(self.clock, sockets.get)
-        answering.timed_out(SLOW, CREATE, "no answer within 1.9s")
-        self.assertIsInstance(answering.admit(SLOW), Silence)
+        answering.timed_out(SLOW, CREATE, "no answer within 1.9s", PRE)
+        self.assertIsInstance(answering.admit(SLOW, BUDGET), Silence)
         del sockets[SLOW.endpoint]  # it went away: one trial finds it gone (at once), then calls skip it again
-        self.assertIs(answering.admit(SLOW), TRIAL)
-        answering.unheard(SLOW)
-        self.assertIsInstance(answering.admit(SLOW), Silence)
+        trial = answering.admit(SLOW, BUDGET)
+        assert isinstance(trial, Admitted)
+        self.assertTrue(trial.trial)
+        answering.unheard(SLOW, trial)
+        self.assertIsInstance(answering.admit(SLOW, BUDGET), Silence)
         sockets[SLOW.endpoint] = (1, 101)  # and it is back, on a new socket
-        self.assertIs(answering.admit(SLOW), TRIAL)
+        self.assertEqual(answering.admit(SLOW, BUDGET), Admitted(BUDGET, trial=True))
 
     def test_unregistered_servers_are_forgotten(self) -> None:
-        self.answering.timed_out(SLOW, CREATE, "no answer within 1.9s")
+        self.answering.timed_out(SLOW, CREATE, "no answer within 1.9s", PRE)
         self.answering.retain([STRICT.endpoint])
-        self.assertEqual(self.answering.admit(SLOW), Admitted())
+        self.assertEqual(self.answering.admit(SLOW, BUDGET), PRE)
+
+    def test_a_budget_shorter_than_its_own_timeout_silences_only_the_calls_that_give_it_no_more(self) -> None:
+        """The issue's rule: silenced by the budget calls give it, brought back only by an answer within that
+        budget. A post hook may wait the server's own timeout: it still goes to the server, and its answer
+        within that timeout (or a late answer) does not end the silence."""
+        self.answering.timed_out(SLOW, CREATE, "no answer within 1.9s", PRE)
+        [warning] = self.lines(LogLevel.warn, "did not answer {hook} in time")
+        self.assertEqual(warning["skipping"], "later pre hook calls with less than its own 10s to give skip it")
+        self.assertEqual(warning["posts"], "; its post hooks, which nobody waits for, still get those 10s")
+        self.assertEqual(self.answering.admit(SLOW, SLOW.timeout), OWN)
+        self.assertIsNone(self.answering.skipping(SLOW, SLOW.timeout))
+        self.answering.answered(SLOW, HookType.POST_STOP_CONTAINER, OWN)
+        self.assertIsInstance(self.answering.admit(SLOW, BUDGET), Silence)
+        self.assertEqual(self.lines(LogLevel.info, "calls reach it again"), [])
+        self.clock.advance(FIRST_PAUSE_SECONDS)
+        self.assertEqual(self.answering.admit(SLOW, SLOW.timeout), OWN)  # a post hook is never the trial
+        self.assertIsNone(self.answering.skipping(SLOW, BUDGET))  # the next pre hook would be
+        self.assertEqual(self.answering.admit(SLOW, BUDGET), Admitted(BUDGET, trial=True))
+
+    def test_no_answer_within_its_own_timeout_silences_every_call(self) -> None:
+        self.answering.timed_out(SLOW, CREATE, "no answer within 1.9s", PRE)
+        self.answering.timed_out(SLOW, HookType.POST_STOP_CONTAINER, "no answer within 10s", OWN)  # a post hook
+        silence = self.answering.admit(SLOW, SLOW.timeout)
+        assert isinstance(silence, Silence)
+        self.assertIs(self.answering.skipping(SLOW, SLOW.timeout), silence)
+        self.assertEqual((silence.missed, silence.pause, silence.reason), (SLOW.timeout, FIRST_PAUSE_SECONDS, "no answer within 10s"))
+        [deeper] = self.lines(LogLevel.warn, "within its own {timeout:g}s either")
+        self.assertEqual(deeper["hook"], HookType.POST_STOP_CONTAINER.value)
+        self.clock.advance(FIRST_PAUSE_SECONDS)
+        trial = self.answering.admit(SLOW, SLOW.timeout)  # now a post hook can be its trial
+        self.assertEqual(trial, Admitted(SLOW.timeout, trial=True))
+        assert isinstance(trial, Admitted)
+        self.answering.answered(SLOW, HookType.POST_STOP_CONTAINER, trial)
+        self.assertEqual(self.answering.admit(SLOW, BUDGET), PRE)
+
+    def test_a_server_that_lets_its_own_timeout_pass_first_is_silenced_for_every_call(self) -> None:
+        self.answering.timed_out(SLOW, HookType.POST_STOP_CONTAINER, "no answer within 10s", OWN)
+        [warning] = self.lines(LogLevel.warn, "did not answer {hook} in time")
+        self.assertEqual((warning["skipping"], warning["posts"]), ("later calls skip it, its post hooks included", ""))
+        self.assertIsInstance(self.answering.admit(SLOW, SLOW.timeout), Silence)
+        self.assertIsInstance(self.answering.admit(SLOW, BUDGET), Silence)
 
 
 class StageTests(Logged):
@@ -210,6 +262,16 @@ class StageTests(Logged):
         outcome.late.ended.cancel()
         self.assertEqual(len(calls_to(self.clients, SLOW.endpoint)[0].cancelled), 1)
         self.failureResultOf(outcome.late.ended)
+        self.assertEqual((self.counted(TIMEOUT), self.counted(LATE)), (1, None))  # as the stage recorded it, once
+
+    def test_a_kept_call_the_server_itself_ends_with_deadline_exceeded_is_a_timeout_not_a_late_answer(self) -> None:
+        running = self.stage(keep_late=True)
+        self.clock.advance(0.5)
+        calls_to(self.clients, SLOW.endpoint)[0].answered.errback(HookTimedOut("no answer within 10s"))  # its own status
+        outcome = self.successResultOf(running)
+        self.assertIsNone(outcome.late)
+        self.assertEqual([call.result for call in outcome.calls], [TIMEOUT])
+        self.assertEqual((self.counted(TIMEOUT), self.counted(LATE)), (1, None))
 
     def test_a_fail_policy_server_is_cut_at_the_budget_as_ever(self) -> None:
         running = self.stage(STRICT, keep_late=True)
@@ -226,3 +288,88 @@ class StageTests(Logged):
         self.clock.advance(BUDGET)
         self.assertIsNone(self.successResultOf(running).late)
         self.assertEqual(self.counted(TIMEOUT), 1)
+
+    def post(self, hook_type: HookType) -> None:
+        """A post hook stage, as a call announces it once it has answered (nobody waits for it)."""
+        self.dispatcher.announce([PostStage(hook_type, (SLOW,), hook.ContainerResourceHookRequest())])
+
+    def test_a_server_silenced_by_the_pre_hook_budget_still_gets_its_post_hooks_and_only_a_pre_hook_brings_it_back(self) -> None:
+        """The issue's koordlet, slower than containerd's 1.9 s and subscribed to pre and post hooks. Its post
+        hooks, which may wait its own 10 s, still reach it while its pre hooks skip it; their answers (2.5 s)
+        do not bring it back, so the first create after the pause is its trial, and the pause doubles."""
+        answers_in = 2.5
+        creates: list[str] = []
+
+        def create() -> None:
+            running = self.stage(keep_late=True)
+            if not running.called:
+                self.clock.callLater(answers_in, calls_to(self.clients, SLOW.endpoint)[-1].answer, hook.ContainerResourceHookResponse())
+                self.clock.advance(BUDGET)
+            [call] = self.successResultOf(running).calls
+            creates.append(f"{call.result} (trial)" if call.trial else call.result)
+
+        def post(hook_type: HookType) -> None:
+            self.post(hook_type)
+            [made] = [call for call in calls_to(self.clients, SLOW.endpoint) if call.hook is hook_type]
+            self.assertEqual(made.timeout, SLOW.timeout)  # its own timeout: nobody waits for it
+            self.clock.callLater(answers_in, made.answer, hook.ContainerResourceHookResponse())
+
+        create()  # t=0: waits 1.9 s, silenced until 6.9
+        self.clock.advance(0.1)
+        post(HookType.POST_STOP_CONTAINER)  # t=2: made, answered at 4.5
+        self.clock.advance(1.0)
+        create()  # t=3: skipped
+        self.clock.advance(4.0)
+        post(HookType.POST_START_CONTAINER)  # t=7, after the pause: made, but no trial; answered at 9.5
+        self.clock.advance(3.0)
+        create()  # t=10: the trial; waits 1.9 s, silenced for 10 s
+        self.clock.advance(5.0)
+        create()  # t=16.9: skipped
+        self.assertEqual(creates, [TIMEOUT, NOT_ANSWERING, f"{TIMEOUT} (trial)", NOT_ANSWERING])
+        self.assertEqual(
+            [call.hook for call in calls_to(self.clients, SLOW.endpoint)],
+            [CREATE, HookType.POST_STOP_CONTAINER, HookType.POST_START_CONTAINER, CREATE],
+        )
+        self.assertEqual(self.lines(LogLevel.info, "calls reach it again"), [])
+        posts = {"server": SLOW.name, "hook": HookType.POST_START_CONTAINER.value, "result": OK}
+        self.assertEqual(self.metrics.registry.get_sample_value("koordrp_hook_calls_total", posts), 1)
+        self.clock.advance(SLOW.timeout)
+        self.assertTrue(self.dispatcher.drain(0).called)
+
+    def test_a_server_that_let_its_own_timeout_pass_gets_no_post_hooks_until_a_trial_answers(self) -> None:
+        self.post(HookType.POST_STOP_CONTAINER)
+        self.clock.advance(SLOW.timeout)  # no answer within its own timeout: wedged
+        skipped = self.dispatcher.skips_post(SLOW)
+        assert skipped is not None
+        self.assertIn("(last: no answer within 10s)", skipped)
+        self.post(HookType.POST_STOP_POD_SANDBOX)
+        self.assertEqual(self.successResultOf(self.stage()).calls[0].result, NOT_ANSWERING)
+        self.assertEqual(len(calls_to(self.clients, SLOW.endpoint)), 1)
+        labels = {"server": SLOW.name, "hook": HookType.POST_STOP_POD_SANDBOX.value, "result": NOT_ANSWERING}
+        self.assertEqual(self.metrics.registry.get_sample_value("koordrp_hook_calls_total", labels), 1)
+        self.clock.advance(FIRST_PAUSE_SECONDS)
+        self.assertIsNone(self.dispatcher.skips_post(SLOW))
+        self.post(HookType.POST_START_CONTAINER)  # the trial
+        calls_to(self.clients, SLOW.endpoint)[-1].answer(hook.ContainerResourceHookResponse())
+        self.assertEqual(len(self.lines(LogLevel.info, "calls reach it again")), 1)
+        self.stage()  # and a pre hook reaches it again
+        self.assertEqual([call.hook for call in calls_to(self.clients, SLOW.endpoint)][-1], CREATE)
+
+    def test_a_kept_call_without_an_answer_within_the_servers_own_timeout_silences_its_post_hooks_too(self) -> None:
+        outcome = self.successResultOf(self.run_past_budget())
+        assert outcome.late is not None
+        self.assertIsNone(self.dispatcher.skips_post(SLOW))  # silenced by the budget: post hooks still reach it
+        self.clock.advance(SLOW.timeout - BUDGET)
+        self.assertEqual(len(self.lines(LogLevel.warn, "within its own {timeout:g}s either")), 1)
+        # The pause is over: the next post hook is its trial, and others skip it while the trial is under way.
+        self.post(HookType.POST_START_CONTAINER)
+        self.post(HookType.POST_STOP_CONTAINER)
+        self.assertEqual([call.hook for call in calls_to(self.clients, SLOW.endpoint)], [CREATE, HookType.POST_START_CONTAINER])
+
+    def test_a_late_answer_does_not_bring_the_server_back(self) -> None:
+        outcome = self.successResultOf(self.run_past_budget())
+        assert outcome.late is not None
+        self.clock.advance(0.6)
+        calls_to(self.clients, SLOW.endpoint)[0].answer(hook.ContainerResourceHookResponse())
+        self.assertEqual(self.successResultOf(outcome.late.ended).call.result, LATE)
+        self.assertEqual(self.successResultOf(self.stage()).calls[0].result, NOT_ANSWERING)

@@ -27,7 +27,7 @@ from koordrp.hooks.client import HookClients
 from koordrp.hooks.dispatcher import Dispatcher
 from koordrp.hooks.types import HookServers
 from koordrp.metrics import Metrics
-from koordrp.resync import RETRY_SECONDS
+from koordrp.trouble import RETRY_SECONDS
 from koordrp.store import Store
 from koordrp.trouble import Backoff
 from koordrp.web import HealthResource

@@ -29,7 +29,7 @@ from koordrp.hooks.client import HookClients
 from koordrp.hooks.dispatcher import Dispatcher
 from koordrp.hooks.messages import ContainerHookRequest, HookRequest, PodHookRequest, copied, placed_in_pod
 from koordrp.metrics import Metrics
-from koordrp.hooks.types import NOT_MADE, SKIPPED, UNREADABLE, FailurePolicy, HookServerConfig, HookServers, HookType, PostStage
+from koordrp.hooks.types import NOT_ANSWERING, NOT_MADE, SKIPPED, UNREADABLE, FailurePolicy, HookServerConfig, HookServers, HookType, PostStage
 from koordrp.checkpoint import Kind, NoCheckpoint, Parsed, StateUnreadable
 from koordrp.store import ContainerState, Store, StoredContainer, StoredPod
 from tests.fake.flows import RecordingRuntime, Reply, ScriptedStages
@@ -599,6 +599,15 @@ class IdentityRules(FlowTestCase):
         self.assertEqual(
             [(c.hook, c.server.name, c.result) for c in call.record.calls], [(PRE_START, "a.json", "ok"), (POST_START, "a.json", "sent")]
         )
+
+    def test_the_call_record_names_the_post_hooks_of_a_server_that_skips_them_not_answering(self) -> None:
+        self.put_container()
+        self.subscribe(POST_STOP)
+        self.stages.posts_skipped["a.json"] = "not answering in time for 3s (last: no answer within 2s); …"
+        self.drive(flows.stop_container, "c-1")
+        [post] = self.calls[-1].record.calls
+        self.assertEqual((post.hook, post.result, post.reason), (POST_STOP, NOT_ANSWERING, self.stages.posts_skipped["a.json"]))
+        self.assertEqual([stage.hook for stage in self.announced], [POST_STOP])  # the dispatcher decides, when it runs
 
     def test_a_request_that_cannot_be_read_goes_as_it_came_without_hooks(self) -> None:
         self.servers = HookServers(

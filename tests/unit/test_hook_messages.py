@@ -36,6 +36,29 @@ class MergeTests(SynchronousTestCase):
         self.assertEqual([h.page_size for h in target.hugepage_limits], ["1GB"])
         self.assertEqual((target.cpu_period, target.memory_limit_in_bytes), (100000, 10))
 
+    def test_copy_changed_sets_only_the_fields_of_the_changes_applied(self) -> None:
+        sent = hook.ContainerResourceHookRequest(container_resources=hook.LinuxContainerResources(cpu_shares=2, cpuset_cpus="0-3"))
+        answered = messages.copied(sent)
+        changes = messages.merge_container_response(
+            answered,
+            hook.ContainerResourceHookResponse(
+                container_resources=hook.LinuxContainerResources(
+                    cpu_shares=512, cpuset_cpus="", unified={"cpu.idle": "1"}, hugepage_limits=[hook.HugepageLimit(page_size="2MB", limit=4)]
+                ),
+                container_envs={"LATE": "1"},
+            ),
+        )
+        target = hook.ContainerResourceHookRequest(
+            container_resources=hook.LinuxContainerResources(cpu_shares=2, cpuset_cpus="0-3", memory_limit_in_bytes=1 << 30),
+            container_envs={"A": "1"},
+        )
+        kept = messages.left_alone(messages.left_alone(changes, "container_envs", "late"), "container_resources.cpuset", "no")
+        messages.copy_changed(target, answered, kept)
+        resources = target.container_resources
+        self.assertEqual((resources.cpu_shares, resources.cpuset_cpus, resources.memory_limit_in_bytes), (512, "0-3", 1 << 30))
+        self.assertEqual((dict(resources.unified), [(h.page_size, h.limit) for h in resources.hugepage_limits]), ({"cpu.idle": "1"}, [("2MB", 4)]))
+        self.assertEqual(dict(target.container_envs), {"A": "1"})
+
     def test_a_kubelet_update_folds_in_only_the_cpuset_it_sets(self) -> None:
         stored = hook.ContainerResourceHookRequest(
             container_resources=hook.LinuxContainerResources(cpu_shares=2, cpuset_cpus="0-1", cpuset_mems="0")

@@ -35,7 +35,7 @@ from koordrp.nri.plugin import (
     PluginIdentity,
 )
 from koordrp.metrics import Metrics
-from koordrp.nri.service import CONNECT_RETRY_CAP_SECONDS, RETRY_CAP_SECONDS, RETRY_SECONDS, NRIService, NRISettings
+from koordrp.nri.service import CONNECT_RETRY_CAP_SECONDS, NRIService, NRISettings
 from koordrp.nri.wire import (
     MAX_MUX_FRAME_SENT,
     MAX_TTRPC_MESSAGE,
@@ -52,6 +52,7 @@ from koordrp.nri.wire import (
     ttrpc_message,
 )
 from koordrp.store import ContainerState, Store
+from koordrp.trouble import RETRY_CAP_SECONDS, RETRY_SECONDS
 from tests.fake.flows import ScriptedStages
 from tests.fake.hook_clients import PendingCall, calls_to, scripted_clients
 from tests.fake.nri import FakeContainerd
@@ -365,6 +366,14 @@ class PluginTests(LogCapture):
         self.assertIsNone(self.store.pod("gone"))
         self.assertIsNotNone(self.store.container("c-1"))
 
+    def test_a_synchronization_whose_last_part_comes_after_the_first_parts_deadline_names_that_deadline(self) -> None:
+        self.containerd.call("Synchronize", nri.SynchronizeRequest(pods=[nri_pod()], more=True), timeout=2.0)
+        self.clock.advance(2.5)
+        last = self.containerd.call("Synchronize", nri.SynchronizeRequest(), timeout=None)  # a part without a deadline
+        answer = self.containerd.answers()[last]
+        self.assertEqual(answer.status.message, "koordrp cannot synchronize: koordrp synchronized after containerd's deadline (2s from its first part)")
+        self.assertEqual(self.synchronized, 0)
+
     def test_shutdown_is_answered(self) -> None:
         stream = self.containerd.call("Shutdown", nri.Empty())
         self.assertEqual(self.containerd.answers()[stream].status.code, 0)
@@ -646,6 +655,43 @@ class LateAnswerTests(LogCapture):
         assert stored is not None
         self.assertEqual((stored.asked.container_resources.cpu_shares, stored.given.container_resources.cpu_shares), (2, 512))
         self.assertNotIn("LATE", stored.given.container_envs)
+
+    def test_a_late_answer_changes_in_the_stored_container_only_what_it_sent(self) -> None:
+        """kubelet's update between the create and the late answer stays what the store knows: the answer's
+        resources are written over the container as the store has it then, and only those the update sent."""
+        pending = self.create_past_the_deadline()
+        self.created()
+        resources = nri.LinuxResources()
+        resources.memory.limit.value = 1 << 30
+        kubelets = nri.UpdateContainerRequest(pod=nri_pod(), container=nri_container(nri.CONTAINER_CREATED), linux_resources=resources)
+        self.containerd.call("UpdateContainer", kubelets)
+        self.containerd.call("StateChange", event(nri.POST_UPDATE_CONTAINER, nri_container(nri.CONTAINER_CREATED)))
+        self.late_answer(pending)
+        stream, _ = self.update_requested()
+        self.containerd.answer(stream, nri.UpdateContainersResponse())
+        stored = self.store.container("c-1")
+        assert stored is not None
+        asked, given = stored.asked.container_resources, stored.given.container_resources
+        self.assertEqual((asked.memory_limit_in_bytes, given.memory_limit_in_bytes), (1 << 30, 1 << 30))
+        self.assertEqual((asked.cpu_shares, given.cpu_shares, given.cpuset_cpus), (2, 512, "0-3"))
+
+    def test_what_a_late_answer_asked_that_the_update_could_not_send_is_not_stored_as_given(self) -> None:
+        pending = self.create_past_the_deadline()
+        self.created()
+        self.clock.advance(0.6)
+        # koordlet clears a best-effort pod's cpuset; NRI cannot, nor set an OOM score.
+        pending.answer(
+            hook.ContainerResourceHookResponse(
+                container_resources=hook.LinuxContainerResources(cpu_shares=512, cpuset_cpus="", oom_score_adj=500)
+            )
+        )
+        stream, _ = self.update_requested()
+        self.containerd.answer(stream, nri.UpdateContainersResponse())
+        self.assertIn('left alone (NRI can set a cpuset but not clear it) resources.cpuset_cpus "0-3"→""', self.create_line())
+        stored = self.store.container("c-1")
+        assert stored is not None
+        given = stored.given.container_resources
+        self.assertEqual((given.cpu_shares, given.cpuset_cpus, given.oom_score_adj), (512, "0-3", 0))
 
     def test_an_answer_that_comes_before_containerd_says_it_created_the_container_waits_for_it(self) -> None:
         self.late_answer(self.create_past_the_deadline())

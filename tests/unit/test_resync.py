@@ -14,7 +14,8 @@ from twisted.trial.unittest import SynchronousTestCase, TestCase
 from koordrp import adapters
 from koordrp.cri.listing import CRIListing
 from koordrp.hooks.messages import ContainerHookRequest, PodHookRequest
-from koordrp.resync import RETRY_SECONDS, StoreSync
+from koordrp.resync import StoreSync
+from koordrp.trouble import RETRY_SECONDS
 from koordrp.store import ContainerState, Store, StoredContainer, StoredPod
 from tests.fake.cri_backend import RUNTIME, FakeCRIBackend
 from tests.fake.flows import RecordingRuntime
