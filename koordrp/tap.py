@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
+# grpc's core writes INFO lines of its own to stderr, past koordrp's log (a hook server that goes away
+# mid-call: "Got goaway ... Cancelling all calls"); what matters of them koordrp says in its own lines.
+# Set before grpc is imported; a GRPC_VERBOSITY the operator gives koordrp wins.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
 import grp
 from typing import TYPE_CHECKING
 

@@ -1,5 +1,10 @@
 """Command-line options of ``twistd koordrp`` and the service tree they build."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 from twisted.application.service import IServiceCollection
 from twisted.python import usage
 from twisted.trial.unittest import SynchronousTestCase
@@ -87,6 +92,20 @@ class OptionsTests(SynchronousTestCase):
         with self.assertRaises(usage.UsageError) as error:
             parse("--backend-runtime-mode=Docker", "--remote-image-service-endpoint=/run/i.sock")
         self.assertIn("--remote-image-service-endpoint", str(error.exception))
+
+
+class GrpcLogTests(SynchronousTestCase):
+    """grpc's core logs to stderr at ERROR only in the daemon, unless the operator says otherwise."""
+
+    def verbosity(self, **environ: str) -> str:
+        code = "import koordrp.tap, os, sys; sys.stdout.write(os.environ['GRPC_VERBOSITY'])"
+        env = {key: value for key, value in os.environ.items() if key != "GRPC_VERBOSITY"} | environ
+        checkout = Path(__file__).resolve().parents[2]  # this koordrp, not an installed one
+        return subprocess.run([sys.executable, "-c", code], cwd=checkout, env=env, capture_output=True, text=True, check=True).stdout
+
+    def test_errors_only_unless_the_operator_sets_it(self) -> None:
+        self.assertEqual(self.verbosity(), "ERROR")
+        self.assertEqual(self.verbosity(GRPC_VERBOSITY="DEBUG"), "DEBUG")
 
 
 class MakeServiceTests(SynchronousTestCase):
