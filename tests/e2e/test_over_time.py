@@ -141,6 +141,41 @@ def test_a_wedged_server_costs_one_call_then_none_until_a_trial_answers_in_time(
         remove_pod(runtime, sandbox_id)
 
 
+def test_a_wedged_server_whose_registration_is_removed_is_not_called_again(
+    koordrp: KoordrpProcess, runtime: Any, servers: dict[str, FakeHookServer], workdir: Path, hooks_dir: Path
+) -> None:
+    """An operator takes a wedged plugin out (its file gone from hookserver.d): no call waits for it, no trial
+    asks it, however long it stays wedged; a server registered later on the same socket starts afresh."""
+    server = hook_server(servers, workdir, "wedged")
+    server.delays[CREATE] = 3600.0
+    registration = register(hooks_dir, "wedged", server.path, ["PreCreateContainer"], policy="Ignore", **{"timeout-seconds": 1})
+    wait_registered(koordrp, 1)
+    pod = pod_sandbox_config("unplugged", log_directory=workdir / "unplugged")
+    sandbox_id = runtime.RunPodSandbox(api_pb2.RunPodSandboxRequest(config=pod), timeout=KUBELET_TIMEOUT).pod_sandbox_id
+    try:
+        def create(attempt: int) -> None:
+            config = container_config("unplugged", image=BUSYBOX_REF, command=["sleep", "3600"], attempt=attempt)
+            request = api_pb2.CreateContainerRequest(pod_sandbox_id=sandbox_id, config=config, sandbox_config=pod)
+            runtime.CreateContainer(request, timeout=KUBELET_TIMEOUT)
+
+        create(0)
+        [first] = koordrp.log_lines("] CreateContainer pod default/unplugged")
+        assert "PreCreateContainer@wedged.json: timeout " in first, first
+        registration.unlink()
+        koordrp.log_lines("hook server wedged.json unregistered")
+        wait_registered(koordrp, 0)
+        # The scenario's time, not a wait for an event: past its pause (5 s), when a registered server's
+        # next call would be its trial.
+        time.sleep(6)
+        for attempt in range(1, 4):
+            create(attempt)
+        lines = koordrp.log_lines("] CreateContainer pod default/unplugged", count=4)
+        assert all(line.endswith("hooks: none") for line in lines[1:]), lines
+        assert len(server.calls(CREATE)) == 1
+    finally:
+        remove_pod(runtime, sandbox_id)
+
+
 def test_a_pod_resize_containerd_refuses_leaves_the_pod_as_it_was(
     containerd: Containerd, koordrp: KoordrpProcess, runtime: Any, servers: dict[str, FakeHookServer], workdir: Path, hooks_dir: Path
 ) -> None:
