@@ -448,7 +448,7 @@ def main() -> int:
     parser.add_argument("--behind-every", type=int, default=10, help="every Nth removal is behind koordrp's back")
     parser.add_argument("--restart-every", type=float, default=60, help="seconds between restarts of b-restarting")
     parser.add_argument("--wedge-seconds", type=float, default=60, help="c-wedged is wedged this long in every stretch")
-    parser.add_argument("--reconcile-interval", type=float, default=10, help="passed to a koordrp that takes it")
+    parser.add_argument("--reconcile-interval", type=float, default=10, help="koordrp's --reconcile-interval (seconds)")
     parser.add_argument("--relist-every", type=float, default=1.0, help="seconds between kubelet's relists")
     parser.add_argument("--keep-logs", type=Path, help="a directory to copy koordrp's log to (koordrp-MODE.log)")
     args = parser.parse_args()

@@ -237,12 +237,13 @@ class Call(Generic[AnyReply]):
         # Over before it answers: a front end that says ``ended`` as the answer leaves has the call's post stages
         # announced then, so that a stop that waited for the call drains them next.
         self._flow_over = True
-        if self._answer.called:  # the caller went away first
-            self._finish_if_over()
-        elif isinstance(result, Failure):
-            self._stopped(result)
+        caller_gone = self._answer.called
+        if isinstance(result, Failure):
+            self._stopped(result)  # once the caller is gone there is no answer, but a failure is still said
         else:
             self._answered(result)
+        if caller_gone:
+            self._finish_if_over()
 
     def _finish_if_over(self) -> None:
         if self._outcome is None or not self._ended or not self._flow_over or self._applying_late is not None:

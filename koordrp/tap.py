@@ -106,7 +106,7 @@ class Options(usage.Options):
             "metrics-endpoint",
             None,
             None,
-            "Twisted endpoint for /metrics and /healthz, e.g. tcp:9316:interface=127.0.0.1 [default: off]",
+            "Twisted endpoint for /metrics, /healthz and /livez, e.g. tcp:9316:interface=127.0.0.1 [default: off]",
         ],
         ["socket-group", None, None, "group (name or id) given access to the CRI socket [default: koordrp's group]"],
         [

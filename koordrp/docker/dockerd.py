@@ -25,7 +25,7 @@ from koordrp.docker.http import HTTPError, Response, in_units, json_response, pa
 from koordrp.adapters import LookupFailed, PodSource, Unreadable
 from koordrp.store import ContainerState, StoredContainer, StoredPod, runtime_state
 from koordrp.text import shortened
-from koordrp.trouble import Backoff, Retrying, Trouble
+from koordrp.trouble import RETRY_CAP_SECONDS, RETRY_SECONDS, Backoff, Retrying, Trouble
 
 if TYPE_CHECKING:
     # Only --metrics-endpoint loads prometheus_client: it costs a node daemon ~6 MB of RSS.
@@ -36,11 +36,6 @@ QUESTION_SECONDS = 10.0
 """How long dockerd may take to answer a question koordrp asks for itself (inspect, info, listings)."""
 PROBE_SECONDS = 2.0
 """How long /_ping may take before /healthz says dockerd does not answer (as CRI mode's probe)."""
-DRIVER_RETRY_SECONDS = 1.0
-"""How soon koordrp asks /info again after it first could not read dockerd's cgroup driver; the wait
-doubles after each next failure, up to DRIVER_RETRY_CAP_SECONDS."""
-DRIVER_RETRY_CAP_SECONDS = 30.0
-"""The longest wait between two questions while the driver is unknown (as the store's resync)."""
 
 MAX_ANSWER_BYTES = 4 << 20
 """The most koordrp reads of one answer about one thing (an inspect, /info, an intercepted call's
@@ -288,8 +283,8 @@ class CgroupDriver:
 
     Asked at start; kept once dockerd named it (it changes only when dockerd restarts with other
     settings, and kubelet's must change with it). A question that fails is never taken for an answer:
-    it is asked again in the background, by ``koordrp.trouble``'s rule (DRIVER_RETRY_SECONDS, doubled
-    after each failure up to DRIVER_RETRY_CAP_SECONDS; one warning when it starts and one for each new
+    it is asked again in the background, by ``koordrp.trouble``'s rule (RETRY_SECONDS, doubled
+    after each failure up to RETRY_CAP_SECONDS; one warning when it starts and one for each new
     reason, one info line when dockerd names it, each failure counted as ``docker-cgroup-driver`` on
     /metrics). Until then creates go on without it at once, except while a question is out: they
     wait for its answer (itself bounded).
@@ -318,7 +313,7 @@ class CgroupDriver:
                 started="cannot read dockerd's cgroup driver: {problem}; until it can, creates leave hooks' cgroup "
                 "parents alone; asking again in {retry:g}s, then less often (at most every {cap:g}s)",
             ),
-            backoff if backoff is not None else Backoff(DRIVER_RETRY_SECONDS, DRIVER_RETRY_CAP_SECONDS),
+            backoff if backoff is not None else Backoff(RETRY_SECONDS, RETRY_CAP_SECONDS),
             "docker-cgroup-driver",
             metrics,
         )

@@ -11,7 +11,8 @@ that means). The silence remembers the longest wait the server let pass (``Silen
   silence skips the calls that give it less than its own timeout, its pre hooks; a call that may wait
   its whole timeout (a post hook, which nobody waits for) still goes to it, since it may well answer
   within that;
-- missed its own timeout (it is wedged), the silence skips every call, post hooks included.
+- missed its own timeout, or all but a little of it (``ALL_BUT``: it is wedged), the silence skips every
+  call, post hooks included.
 
 After a pause (``FIRST_PAUSE_SECONDS``), the next call the silence would skip is sent to it as a
 trial, with that call's own budget, while other such calls go on skipping it: an answer within the
@@ -21,8 +22,9 @@ skips ends it, so a slow server is brought back only by a call with less than it
 (in NRI mode, containerd's budget again): a post hook's answer within the server's own timeout, or a
 late answer, says nothing of whether it answers a pre hook in time (a server may answer a post hook
 at once and take seconds over a PreCreateContainer). A call that gets no answer within the server's
-own timeout makes any silence skip every call. Nothing is ever asked twice: the server sees each call at most once, and a trial is
-a real call whose answer is used like any other.
+own timeout makes any silence skip every call, from then on for a whole pause. Nothing is ever asked
+twice: the server sees each call at most once, and a trial is a real call whose answer is used like
+any other.
 
 A trial that ends without an answer and without waiting (the server is not there, or the call was
 given up) says nothing about the server's speed: the next call is a trial again. A server that
@@ -42,6 +44,15 @@ FIRST_PAUSE_SECONDS = 5.0
 
 LONGEST_PAUSE_SECONDS = 300.0
 """What the pause doubles up to with each trial the server lets pass its budget."""
+
+ALL_BUT = 0.9
+"""A call that waited this share of a server's own timeout in vain shows it wedged as much as one that waited
+all of it: the proxy's share of kubelet's two minutes falls a hair short of the default 60 s."""
+
+
+def waited_its_own(server: HookServerConfig, waited: float) -> bool:
+    """Whether waiting ``waited`` seconds in vain says ``server`` does not answer within its own timeout."""
+    return waited >= server.timeout * ALL_BUT
 
 
 @dataclass
@@ -63,7 +74,7 @@ class Silence:
 
     def skips(self, server: HookServerConfig, limit: float) -> bool:
         """Whether a call to ``server`` that may wait ``limit`` seconds is one this silence skips (or tries)."""
-        return limit < server.timeout or self.missed >= server.timeout
+        return limit < server.timeout or waited_its_own(server, self.missed)
 
     def describe(self, now: float) -> str:
         if self.trying:
@@ -146,7 +157,7 @@ class Answering:
         if silence is None:
             socket = self._socket(server.endpoint)
             pause = FIRST_PAUSE_SECONDS
-            if call.limit >= server.timeout:
+            if waited_its_own(server, call.limit):
                 skipping, posts = "later calls skip it, its post hooks included", ""
             else:
                 skipping = f"later pre hook calls with less than its own {server.timeout:g}s to give skip it"
@@ -169,7 +180,7 @@ class Answering:
         # A trial that gets no answer doubles the pause; another call (a post hook the silence does not skip, one
         # made before the silence began) is no trial, but one that waited the server's own timeout in vain shows
         # it wedged.
-        wedged = silence.missed < server.timeout <= call.limit
+        wedged = not waited_its_own(server, silence.missed) and waited_its_own(server, call.limit)
         silence.missed = max(silence.missed, call.limit)
         if call.trial and silence.trying:
             silence.trying = False
@@ -184,6 +195,8 @@ class Answering:
             )
         if wedged:
             silence.reason = reason
+            # Its post hooks skip it from now on too: none is its trial before the pause is over.
+            silence.trial_after = max(silence.trial_after, now + silence.pause)
             self.log.warn(
                 "hook server {server} ({endpoint}) did not answer {hook} within its own {timeout:g}s either: later "
                 "calls skip it, its post hooks included, until one answers in time",
@@ -205,4 +218,3 @@ class Answering:
         keep = set(endpoints)
         for endpoint in [endpoint for endpoint in self._silences if endpoint not in keep]:
             del self._silences[endpoint]
-

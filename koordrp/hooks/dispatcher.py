@@ -184,11 +184,9 @@ class Dispatcher:
                 call = self._clients.get(server.endpoint).call(hook, request, server.timeout if kept else timeout)
                 response = await (_within(call, timeout, self._reactor) if kept else call)
             except CancelledError:
-                # The stage was given up (its caller went away): not the server's failure. A call kept past the
-                # budget goes with it, since nothing is left to apply its answer to.
+                # The stage was given up (its caller went away): not the server's failure. (No call is kept by then:
+                # once one is, the budget is spent, and the servers after it are not called.)
                 self._answering.unheard(server, admitted)
-                if outcome.late is not None:
-                    outcome.late.drop()
                 raise
             except Exception as error:
                 timed_out = isinstance(error, HookTimedOut)

@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
-from koordrp.docker.dockerd import DRIVER_RETRY_CAP_SECONDS
+from koordrp.trouble import RETRY_CAP_SECONDS
 from tests.e2e.conftest import hook_server, wait_registered
 from tests.fake.hook_server import FakeHookServer, koordlet_cpuset_rule
 from tests.support.dockerd import Dockerd, remove_cgroup, unix_http
@@ -423,7 +423,7 @@ def test_a_failing_info_leaves_cgroup_parents_alone_until_dockerd_names_its_driv
 
         info_fails[0] = False
         # Asked again as the back-off says: within its cap.
-        assert proxy.log_lines("dockerd's cgroup driver is cgroupfs again", timeout=DRIVER_RETRY_CAP_SECONDS + 10)
+        assert proxy.log_lines("dockerd's cgroup driver is cgroupfs again", timeout=RETRY_CAP_SECONDS + 10)
         status, created = create(proxy.socket, "k8s_POD_second_default_uid-second_0", sandbox_body("second"))
         assert status == 201, created
         ids.append(created["Id"])
@@ -548,7 +548,7 @@ def test_sigterm_answers_a_stop_in_flight_and_its_post_stop_then_closes_streams(
         assert events.recv(65536).startswith(b"HTTP/1.1 200 OK")
         # A bare sleep as PID 1 ignores SIGTERM: dockerd takes the stop's 3 s, within koordrp's grace of 10 s.
         stop.sendall(f"POST {API}/containers/{container_id}/stop?t=3 HTTP/1.1\r\nHost: docker\r\n\r\n".encode())
-        watched.relay.relayed_with(f"/containers/{container_id}/stop".encode())
+        watched.relay.relayed_with(f"/containers/{container_id}/stop".encode(), timeout=30)
         assert proxy.terminate() == 0
         assert read_to_the_end(stop).startswith(b"HTTP/1.1 204")
         # Drained before koordrp exited.

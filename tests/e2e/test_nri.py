@@ -189,7 +189,8 @@ def test_eight_creates_two_seconds_apart_with_a_server_answering_in_2_5s_wait_tw
     slow.behaviours[CREATE] = lambda request: hook.ContainerResourceHookResponse(
         container_resources=hook.LinuxContainerResources(cpu_shares=512), container_envs={"SLOW": "1"}
     )
-    register(hooks_dir, "slow", slow.path, ["PreCreateContainer"], "Ignore", **{"timeout-seconds": 10})
+    # Subscribed to a post hook too, as koordlet is: its post hooks still reach it, and do not bring it back.
+    register(hooks_dir, "slow", slow.path, ["PreCreateContainer", "PostStartContainer"], "Ignore", **{"timeout-seconds": 10})
     wait_registered(plugin, 1)
     pod = pod_sandbox_config("eight", log_directory=workdir / "eight")
     sandbox_id = runtime.RunPodSandbox(api_pb2.RunPodSandboxRequest(config=pod), timeout=TIMEOUT).pod_sandbox_id
@@ -202,11 +203,17 @@ def test_eight_creates_two_seconds_apart_with_a_server_answering_in_2_5s_wait_tw
             config = container_config(f"c{index}", image=BUSYBOX_REF, command=["sleep", "3600"])
             request = api_pb2.CreateContainerRequest(pod_sandbox_id=sandbox_id, config=config, sandbox_config=pod)
             ids.append(runtime.CreateContainer(request, timeout=TIMEOUT).container_id)
+            runtime.StartContainer(api_pb2.StartContainerRequest(container_id=ids[-1]), timeout=TIMEOUT)
         lines = {index: call_line(plugin, f"CreateContainer pod default/eight ({pod.metadata.uid}) container c{index}:") for index in range(8)}
         waited = [index for index, line in lines.items() if "PreCreateContainer@slow.json: late" in line]
         assert len(waited) == 2 and waited[0] == 0 and "(trial; " in lines[waited[1]], lines
         assert all("PreCreateContainer@slow.json: not-answering" in lines[index] for index in lines if index not in waited), lines
         assert [request.container_meta.name for request in slow.calls(CREATE)] == [f"c{index}" for index in waited]
+        starts = [call_line(plugin, f"StartContainer pod default/eight ({pod.metadata.uid}) container c{index}:") for index in range(8)]
+        assert all("PostStartContainer@slow.json: sent" in line for line in starts), starts
+        slow.rpcs_once(len(waited) + 8, timeout=30)  # post hooks arrive after containerd's answer
+        assert sorted(request.container_meta.name for request in slow.calls("PostStartContainerHook")) == [f"c{index}" for index in range(8)]
+        assert not plugin.log_lines("calls reach it again", timeout=0)
         for index in waited:
             assert "→512, left alone (late) envs +SLOW" in lines[index] and "changed resources.cpu_shares " in lines[index], lines[index]
             spec = runtime_spec(runtime, ids[index])

@@ -61,6 +61,14 @@ class AnsweringTests(Logged):
         [back] = self.lines(LogLevel.info, "calls reach it again")
         self.assertEqual((back["budget"], back["seconds"]), (BUDGET, FIRST_PAUSE_SECONDS))
 
+    def test_a_wedged_server_on_the_proxys_default_timeout_is_wedged_not_slow(self) -> None:
+        """kubelet's two minutes give a pre hook a hair under the default 60 s: missing that is missing its own."""
+        koordlet = HookServerConfig("koordlet.json", "/run/koordlet.sock", FailurePolicy.IGNORE, frozenset(HookType), 60.0)
+        self.answering.timed_out(koordlet, CREATE, "no answer within 59.99s", Admitted(59.99))
+        [warning] = self.lines(LogLevel.warn, "did not answer {hook} in time")
+        self.assertEqual(warning["skipping"], "later calls skip it, its post hooks included")
+        self.assertIsInstance(self.answering.admit(koordlet, koordlet.timeout), Silence)  # a post hook too
+
     def test_each_trial_that_times_out_doubles_the_pause_up_to_the_longest(self) -> None:
         self.answering.timed_out(SLOW, CREATE, "no answer within 1.9s", PRE)
         pauses = []
@@ -361,6 +369,10 @@ class StageTests(Logged):
         self.assertIsNone(self.dispatcher.skips_post(SLOW))  # silenced by the budget: post hooks still reach it
         self.clock.advance(SLOW.timeout - BUDGET)
         self.assertEqual(len(self.lines(LogLevel.warn, "within its own {timeout:g}s either")), 1)
+        # Wedged: post hooks skip it too, for a whole pause from now, as the warning says.
+        self.post(HookType.POST_STOP_CONTAINER)
+        self.assertEqual([call.hook for call in calls_to(self.clients, SLOW.endpoint)], [CREATE])
+        self.clock.advance(FIRST_PAUSE_SECONDS)
         # The pause is over: the next post hook is its trial, and others skip it while the trial is under way.
         self.post(HookType.POST_START_CONTAINER)
         self.post(HookType.POST_STOP_CONTAINER)

@@ -21,15 +21,14 @@ from twisted.web.test.requesthelper import DummyRequest
 from koordrp import adapters
 from koordrp.call import Parts, SkipLabel
 from koordrp.docker import dockerd
-from koordrp.docker.dockerd import DRIVER_RETRY_CAP_SECONDS, DRIVER_RETRY_SECONDS, CgroupDriver, Dockerd
+from koordrp.docker.dockerd import CgroupDriver, Dockerd
 from koordrp.docker.service import DockerProxyService, DockerProxySettings
 from koordrp.hooks.client import HookClients
 from koordrp.hooks.dispatcher import Dispatcher
 from koordrp.hooks.types import HookServers
 from koordrp.metrics import Metrics
-from koordrp.trouble import RETRY_SECONDS
 from koordrp.store import Store
-from koordrp.trouble import Backoff
+from koordrp.trouble import RETRY_CAP_SECONDS, RETRY_SECONDS, Backoff
 from koordrp.web import HealthResource
 from tests.support.tempdirs import short_tempdir
 from tests.support.waiting import until
@@ -213,14 +212,14 @@ class CgroupDriverTests(SynchronousTestCase):
         self.assertIsNone(self.successResultOf(waiting))
         # Until the next question, calls go on at once without it.
         self.assertIsNone(self.successResultOf(self.driver.current()))
-        self.clock.advance(DRIVER_RETRY_SECONDS)
+        self.clock.advance(RETRY_SECONDS)
         # While a question is out, calls wait for its answer.
         waiting = self.driver.current()
         self.questions[1].errback(adapters.LookupFailed("GET /info: dockerd answered 500"))
         self.assertIsNone(self.successResultOf(waiting))
-        self.clock.advance(2 * DRIVER_RETRY_SECONDS)
+        self.clock.advance(2 * RETRY_SECONDS)
         self.questions[2].errback(adapters.LookupFailed("GET /info: no answer within 10s"))
-        self.clock.advance(4 * DRIVER_RETRY_SECONDS)
+        self.clock.advance(4 * RETRY_SECONDS)
         waiting = self.driver.current()
         self.questions[3].callback("cgroupfs")
         self.assertEqual(self.successResultOf(waiting), "cgroupfs")
@@ -244,8 +243,8 @@ class CgroupDriverTests(SynchronousTestCase):
             [retry] = self.clock.getDelayedCalls()
             waits.append(retry.getTime() - self.clock.seconds())
             self.clock.advance(waits[-1])
-        self.assertEqual(waits[:6], [1.0, 2.0, 4.0, 8.0, 16.0, DRIVER_RETRY_CAP_SECONDS])
-        self.assertEqual(set(waits[5:]), {DRIVER_RETRY_CAP_SECONDS})
+        self.assertEqual(waits[:6], [1.0, 2.0, 4.0, 8.0, 16.0, RETRY_CAP_SECONDS])
+        self.assertEqual(set(waits[5:]), {RETRY_CAP_SECONDS})
         self.assertEqual([event["problem"] for event in self.lines("cannot read dockerd's cgroup driver")], reasons)
         self.assertEqual(self.failed_attempts(), 12)
         self.questions[-1].callback("systemd")

@@ -10,7 +10,7 @@ import json
 from dataclasses import replace
 from typing import Any, Callable, Coroutine, Sequence, cast
 
-from twisted.internet.defer import Deferred, ensureDeferred
+from twisted.internet.defer import CancelledError, Deferred, ensureDeferred
 from twisted.internet.task import Clock
 from twisted.logger import ILogObserver, LogEvent, formatEvent, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
@@ -733,6 +733,24 @@ class CancellationTests(FlowTestCase):
         self.calls[-1].cancel()
         self.assertIs(self.successResultOf(answer), adapters.CALLER_GONE)
         self.assertEqual((self.runtime.cancelled, self.store.sizes()), (1, (0, 0)))
+
+    def test_a_failure_inside_koordrp_after_the_caller_went_away_is_still_said(self) -> None:
+        """What a flow does once its caller is gone (settling a stop, say) fails loudly, not silently."""
+        going_on: Deferred[None] = Deferred()
+
+        async def settles_then_fails(call: Call[Reply]) -> Reply:
+            try:
+                await Deferred()  # the runtime's call, cancelled with the caller
+            except CancelledError:
+                await going_on  # asking the runtime what happened, on koordrp's own account
+                raise KeyError("c-1")
+            raise AssertionError("not cancelled")
+
+        answer = self.start(settles_then_fails)
+        self.calls[-1].cancel()
+        self.assertIs(self.successResultOf(answer), adapters.CALLER_GONE)
+        going_on.callback(None)
+        self.assertEqual(len(self.flushLoggedErrors(KeyError)), 1)
 
     def stop_cancelled(self, runtime_state: ContainerState) -> None:
         self.put_container()
