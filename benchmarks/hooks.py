@@ -92,16 +92,13 @@ ROWS = {
     "status direct": "ContainerStatus of S's container, directly",
     "status koordrp": "the same through koordrp: passed through",
     "status minimal": "the same through the minimal grpcio pass-through",
-    "servers alone": "a plain client calling each hook server in turn, with a request of the same shape",
 }
-"""The calls of each round, in random order."""
-
-
-@dataclass(frozen=True)
-class Runtimes:
-    direct: Any
-    koordrp: Any
-    minimal: Any
+"""The calls of each round for each koordrp measured (on pods H and S made through it), in random order with
+``SERVERS_ALONE``."""
+SERVERS_ALONE = "servers alone"
+SERVERS_ALONE_WHAT = "a plain client calling each hook server in turn, with a request of the same shape"
+HEAD = "HEAD"
+"""The label of this checkout's koordrp; ``--other LABEL=TWISTD`` names the others."""
 
 
 @dataclass
@@ -171,6 +168,18 @@ def pod_starts(ways: dict[str, Any], pods: int, logs: Path, label: str, pause: f
 
 
 @dataclass(frozen=True)
+class Koordrp:
+    """One koordrp measured, in front of the benchmark's containerd: this checkout's or another's (``--other``)."""
+
+    label: str
+    process: KoordrpProcess
+    runtime: Any
+    hooked: "Pod"
+    skipped: "Pod"
+    """Pods H and S, made through it (so that its store knows them); S is labelled to skip hooks."""
+
+
+@dataclass(frozen=True)
 class Pod:
     """A pod with one running container, made through koordrp (so koordrp's store knows it)."""
 
@@ -204,41 +213,54 @@ def update_request(container_id: str, index: int) -> Any:
 
 
 def hook_stage_rounds(
-    runtimes: "Runtimes", hooked: Pod, skipped: Pod, servers: list[str], rounds: int, meter: Measured
-) -> Samples:
-    direct, proxied, minimal = runtimes.direct, runtimes.koordrp, runtimes.minimal
+    direct: Any, minimal: Any, koordrps: list[Koordrp], servers: list[str], rounds: int
+) -> dict[str, Samples]:
+    """Per koordrp, its samples of ``ROWS`` (and everyone's of the servers alone); one round makes each call
+    once, in random order, and charges each call the CPU of the koordrp it is about."""
     stubs = [hook_grpc.RuntimeHookServiceStub(grpc.insecure_channel(f"unix:{socket}")) for socket in servers]
-    samples = Samples()
+    request = koordrps[0].hooked.hook_request
+    samples = {koordrp.label: Samples() for koordrp in koordrps}
+    meters = {koordrp.label: Measured(koordrp.process.pid) for koordrp in koordrps}
 
     def servers_alone() -> None:
         for stub in stubs:
-            stub.PreUpdateContainerResourcesHook(hooked.hook_request, timeout=TIMEOUT)
+            stub.PreUpdateContainerResourcesHook(request, timeout=TIMEOUT)
 
     for index in range(rounds):
-        calls: dict[str, Callable[[], object]] = {
-            "update direct H": lambda: direct.UpdateContainerResources(update_request(hooked.container_id, index)),
-            "update hooked": lambda: proxied.UpdateContainerResources(update_request(hooked.container_id, index)),
-            "update direct S": lambda: direct.UpdateContainerResources(update_request(skipped.container_id, index)),
-            "update skipped": lambda: proxied.UpdateContainerResources(update_request(skipped.container_id, index)),
-            "update minimal": lambda: minimal.UpdateContainerResources(update_request(skipped.container_id, index)),
-            "start hooked": lambda: refused_start(proxied, hooked),
-            "start skipped": lambda: refused_start(proxied, skipped),
-            "start minimal": lambda: refused_start(minimal, skipped),
-            "status direct": lambda: direct.ContainerStatus(status_request(skipped)),
-            "status koordrp": lambda: proxied.ContainerStatus(status_request(skipped)),
-            "status minimal": lambda: minimal.ContainerStatus(status_request(skipped)),
-            "servers alone": servers_alone,
-        }
-        labels = list(calls)
-        random.shuffle(labels)
-        for label in labels:
-            alone = calls[label] is servers_alone
-            seconds, cpu, own_cpu = meter(calls[label], own=alone)
-            samples.add(label, seconds, cpu)
+        calls: dict[tuple[str, str], Callable[[], object]] = {(HEAD, SERVERS_ALONE): servers_alone}
+        for koordrp in koordrps:
+            calls.update(((koordrp.label, row), call) for row, call in round_calls(direct, minimal, koordrp, index).items())
+        order = list(calls)
+        random.shuffle(order)
+        for label, row in order:
+            alone = row == SERVERS_ALONE
+            seconds, cpu, own_cpu = meters[label](calls[label, row], own=alone)
             if alone:
                 # What a plain client pays for the same hook calls (this process's CPU: no koordrp in it).
-                samples.client_cpu.append(own_cpu)
+                for measured in samples.values():
+                    measured.add(row, seconds, 0.0)
+                    measured.client_cpu.append(own_cpu)
+            else:
+                samples[label].add(row, seconds, cpu)
     return samples
+
+
+def round_calls(direct: Any, minimal: Any, koordrp: Koordrp, index: int) -> dict[str, Callable[[], object]]:
+    """The calls of ``ROWS``, about ``koordrp``'s pods."""
+    proxied, hooked, skipped = koordrp.runtime, koordrp.hooked, koordrp.skipped
+    return {
+        "update direct H": lambda: direct.UpdateContainerResources(update_request(hooked.container_id, index)),
+        "update hooked": lambda: proxied.UpdateContainerResources(update_request(hooked.container_id, index)),
+        "update direct S": lambda: direct.UpdateContainerResources(update_request(skipped.container_id, index)),
+        "update skipped": lambda: proxied.UpdateContainerResources(update_request(skipped.container_id, index)),
+        "update minimal": lambda: minimal.UpdateContainerResources(update_request(skipped.container_id, index)),
+        "start hooked": lambda: refused_start(proxied, hooked),
+        "start skipped": lambda: refused_start(proxied, skipped),
+        "start minimal": lambda: refused_start(minimal, skipped),
+        "status direct": lambda: direct.ContainerStatus(status_request(skipped)),
+        "status koordrp": lambda: proxied.ContainerStatus(status_request(skipped)),
+        "status minimal": lambda: minimal.ContainerStatus(status_request(skipped)),
+    }
 
 
 def refused_start(runtime: Any, pod: Pod) -> None:
@@ -275,17 +297,45 @@ def report_pod_start(direct: list[float], proxied: list[float], alone: float, pa
     print(f"  the floor (3 pre stages' servers alone + 3 pass-through costs): +{ms(floor)}; beyond it: {ms(k50 - d50 - floor)}")
 
 
-def report_rounds(samples: Samples) -> tuple[float, float]:
-    """Prints the figures of one hook stage; returns the servers-alone and pass-through p50s for the floor."""
+@dataclass(frozen=True)
+class Figures:
+    """The p50s of one koordrp's rounds, compared between koordrps."""
+
+    skipped_over_passthrough: float
+    quick_skipped_over_passthrough: float
+    skipped_against_status: float
+    cpu_per_hook_stage: float
+    quick_cpu_per_hook_stage: float
+    passthrough_over_direct: float
+    passthrough_over_minimal: float
+    passthrough_cpu: float
+    servers_alone: float
+
+
+COMPARED = {
+    "skipped_over_passthrough": "intercepted, hooks skipped, over a pass-through (update skipped - update minimal)",
+    "quick_skipped_over_passthrough": "  the same, on a quick call (start skipped - start minimal)",
+    "skipped_against_status": "  against ContainerStatus ((update skipped - direct S) - (status koordrp - status direct))",
+    "cpu_per_hook_stage": "koordrp CPU per hook stage (CPU of update hooked - of update skipped)",
+    "quick_cpu_per_hook_stage": "  the same, on a quick call (CPU of start hooked - of start skipped)",
+    "passthrough_over_direct": "a pass-through call over direct (status koordrp - status direct)",
+    "passthrough_over_minimal": "  over the minimal pass-through (status koordrp - status minimal)",
+    "passthrough_cpu": "koordrp CPU per pass-through call (status koordrp)",
+}
+
+
+def report_rounds(label: str, samples: Samples) -> Figures:
+    """Prints the figures of one koordrp's hook stage; returns them for the comparison and the floor."""
+    print(f"  koordrp {label}")
     print(f"  {'':<18}{'p50':>11}{'p99':>11}{'koordrp CPU':>13}")
-    for label, what in ROWS.items():
-        seconds, cpu_seconds = samples.seconds[label], samples.cpu[label]
+    for row, what in [*ROWS.items(), (SERVERS_ALONE, SERVERS_ALONE_WHAT)]:
+        seconds, cpu_seconds = samples.seconds[row], samples.cpu[row]
         print(
-            f"  {label:<18}{ms(statistics.median(seconds)):>11}{ms(quantile(seconds, 0.99)):>11}"
+            f"  {row:<18}{ms(statistics.median(seconds)):>11}{ms(quantile(seconds, 0.99)):>11}"
             f"{ms(statistics.median(cpu_seconds)):>13}   {what}"
         )
-    share = samples.paired(lambda hooked, skipped, alone: hooked - skipped - alone, "update hooked", "update skipped", "servers alone")
-    quick_share = samples.paired(lambda hooked, skipped, alone: hooked - skipped - alone, "start hooked", "start skipped", "servers alone")
+    share = samples.paired(lambda hooked, skipped, alone: hooked - skipped - alone, "update hooked", "update skipped", SERVERS_ALONE)
+    quick_share = samples.paired(lambda hooked, skipped, alone: hooked - skipped - alone, "start hooked", "start skipped", SERVERS_ALONE)
     cpu = samples.paired(lambda hooked, skipped: hooked - skipped, "update hooked", "update skipped", cpu=True)
     quick_cpu = samples.paired(lambda hooked, skipped: hooked - skipped, "start hooked", "start skipped", cpu=True)
     over_same = samples.paired(lambda skipped, minimal: skipped - minimal, "update skipped", "update minimal")
@@ -295,6 +345,7 @@ def report_rounds(samples: Samples) -> tuple[float, float]:
         "update skipped", "update direct S", "status koordrp", "status direct",
     )
     passthrough = samples.paired(lambda through, status: through - status, "status koordrp", "status direct")
+    over_minimal = samples.paired(lambda through, status: through - status, "status koordrp", "status minimal")
     print("  per round (differences of the calls of one round):")
     figure("koordrp's share of a hook stage", share, "share p50", "update hooked - update skipped - servers alone")
     figure("", share, "share p99", None, 0.99)
@@ -307,7 +358,27 @@ def report_rounds(samples: Samples) -> tuple[float, float]:
     figure("  the same, on a quick call", quick_over_same, "skipped", "start skipped - start minimal")
     figure("  against ContainerStatus", over_status, None, "(update skipped - direct S) - (status koordrp - status direct)")
     figure("a pass-through over direct", passthrough, None, "status koordrp - status direct")
-    return statistics.median(samples.seconds["servers alone"]), statistics.median(passthrough)
+    figure("  over the minimal pass-through", over_minimal, None, "status koordrp - status minimal")
+    return Figures(
+        skipped_over_passthrough=statistics.median(over_same),
+        quick_skipped_over_passthrough=statistics.median(quick_over_same),
+        skipped_against_status=statistics.median(over_status),
+        cpu_per_hook_stage=statistics.median(cpu),
+        quick_cpu_per_hook_stage=statistics.median(quick_cpu),
+        passthrough_over_direct=statistics.median(passthrough),
+        passthrough_over_minimal=statistics.median(over_minimal),
+        passthrough_cpu=statistics.median(samples.cpu["status koordrp"]),
+        servers_alone=statistics.median(samples.seconds[SERVERS_ALONE]),
+    )
+
+
+def report_comparison(figures: dict[str, Figures]) -> None:
+    """The p50s of every koordrp measured side by side, from the same rounds."""
+    labels = list(figures)
+    print("  side by side, p50s of the same rounds:")
+    print(f"    {'':<92}" + "".join(f"{label:>12}" for label in labels))
+    for name, what in COMPARED.items():
+        print(f"    {what:<92}" + "".join(f"{ms(getattr(figures[label], name)):>12}" for label in labels))
 
 
 def figure(name: str, values: list[float], target: str | None, how: str | None, fraction: float = 0.5) -> None:
@@ -331,19 +402,51 @@ def main() -> None:
     parser.add_argument(
         "--nri-pods", type=int, default=40, help="pod starts each way on containerd 1.7: no plugin, NRI mode, proxy (0: none)"
     )
+    parser.add_argument(
+        "--other",
+        action="append",
+        default=[],
+        metavar="LABEL=TWISTD",
+        help="also measure the koordrp this twistd runs (e.g. an older checkout's .venv/bin/twistd), in the same rounds",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="krp-bench-", dir="/tmp") as scratch, ExitStack() as stack:
         base = Path(scratch)
         echo_servers = [stack.enter_context(running(base / f"echo-{n}.sock")) for n in range(max(args.servers))]
         containerd, proxy = stack.enter_context(containerd_and_koordrp(base))
-        channel = stack.enter_context(proxy.channel())
+        processes = {HEAD: proxy}
+        for label, _, twistd in (other.partition("=") for other in args.other):
+            other = OtherKoordrp(base / f"other-{label}", containerd.endpoint, twistd=twistd)
+            other.base.mkdir()
+            stack.callback(other.stop)
+            other.start()
+            processes[label] = other
         listen = str(base / "minimal.sock")
         stack.enter_context(minimal_passthrough.running(listen, containerd.endpoint.removeprefix("unix://")))
         minimal = api_pb2_grpc.RuntimeServiceStub(stack.enter_context(grpc.insecure_channel(f"unix:{listen}")))
-        runtimes = Runtimes(containerd.runtime(), proxy.runtime(channel), minimal)
-        measure(args, base, runtimes, proxy, echo_servers)
+        koordrps = [
+            made_koordrp(label, process, stack.enter_context(process.channel()), base / "logs")
+            for label, process in processes.items()
+        ]
+        measure(args, containerd.runtime(), minimal, koordrps, echo_servers, base / "logs")
         if args.nri_pods:
             nri_pod_starts(base, echo_servers[0], args.nri_pods, args.pod_pause)
+
+
+class OtherKoordrp(KoordrpProcess):
+    """Another checkout's koordrp: an older one lacks options newer ones have, so it gets only those every
+    koordrp has (its state, if it keeps one, goes where its defaults say, under its own directory)."""
+
+    def argv(self) -> list[str]:
+        return [argument for argument in super().argv() if not argument.startswith("--state-dir=")]
+
+
+def made_koordrp(label: str, process: KoordrpProcess, channel: grpc.Channel, logs: Path) -> Koordrp:
+    """``process``, with pods H and S made through it."""
+    runtime = process.runtime(channel)
+    hooked = make_pod(runtime, f"hooked-{label}", logs, {})
+    skipped = make_pod(runtime, f"skipped-{label}", logs, {DEFAULT_SKIP_HOOK_KEY: DEFAULT_SKIP_HOOK_VALUE})
+    return Koordrp(label, process, runtime, hooked, skipped)
 
 
 NRI_WAYS = {
@@ -412,29 +515,31 @@ def running(socket: Path) -> Iterator[HookServerProcess]:
 
 
 def measure(
-    args: argparse.Namespace, base: Path, runtimes: Runtimes, proxy: KoordrpProcess, servers: list[HookServerProcess]
+    args: argparse.Namespace, direct: Any, minimal: Any, koordrps: list[Koordrp], servers: list[HookServerProcess], logs: Path
 ) -> None:
-    direct, proxied = runtimes.direct, runtimes.koordrp
-    logs = base / "logs"
-    hooked = make_pod(proxied, "hooked", logs, {})
-    skipped = make_pod(proxied, "skipped", logs, {DEFAULT_SKIP_HOOK_KEY: DEFAULT_SKIP_HOOK_VALUE})
-    meter = Measured(proxy.pid)
     every_hook = [hook.value for hook in HookType]
     for count in args.servers:
-        for index, server in enumerate(servers[:count]):
-            register(base / "hookserver.d", f"echo-{index}", str(server.socket), every_hook)
-        proxy.wait_for_servers(count)
+        for koordrp in koordrps:
+            for index, server in enumerate(servers[:count]):
+                register(koordrp.process.base / "hookserver.d", f"echo-{index}", str(server.socket), every_hook)
+            koordrp.process.wait_for_servers(count)
         print(f"\n== {count} echo hook server{'s' if count > 1 else ''} on every hook point, chained ==")
-        samples = hook_stage_rounds(runtimes, hooked, skipped, [str(s.socket) for s in servers[:count]], args.rounds, meter)
+        rounds = hook_stage_rounds(direct, minimal, koordrps, [str(s.socket) for s in servers[:count]], args.rounds)
         print(f"one hook stage: UpdateContainerResources, {args.rounds} rounds")
-        alone, passthrough = report_rounds(samples)
+        figures = {label: report_rounds(label, samples) for label, samples in rounds.items()}
+        if len(figures) > 1:
+            report_comparison(figures)
         if args.pods:
             print("pod start")
+            ways = {"direct": direct, **{koordrp.label: koordrp.runtime for koordrp in koordrps}}
             for pause in (0.0, args.pod_pause):
-                starts = pod_starts({"direct": direct, "koordrp": proxied}, args.pods, logs, f"s{count}", pause)
-                report_pod_start(starts["direct"], starts["koordrp"], alone, passthrough, pause)
-    for pod in (hooked, skipped):
-        remove_pod(proxied, pod.sandbox_id)
+                starts = pod_starts(ways, args.pods, logs, f"s{count}", pause)
+                for label, measured in figures.items():
+                    print(f"  koordrp {label}")
+                    report_pod_start(starts["direct"], starts[label], measured.servers_alone, measured.passthrough_over_direct, pause)
+    for koordrp in koordrps:
+        for pod in (koordrp.hooked, koordrp.skipped):
+            remove_pod(koordrp.runtime, pod.sandbox_id)
 
 
 if __name__ == "__main__":

@@ -167,6 +167,8 @@ class Call(Generic[AnyReply]):
         self._hooks_share = hooks_share
         self._answer: Deferred[Outcome[AnyReply]] = Deferred(lambda _: self.cancel())
         self._running: Deferred[AnyReply] | None = None
+        self._forwarded: AnyReply | None = None
+        """The runtime's answer, once the flow has forwarded the call."""
         self._cancelled = False
         self._flow_over = False
         self._outcome: Outcome[AnyReply] | None = None
@@ -228,7 +230,11 @@ class Call(Generic[AnyReply]):
             self._answered(CALLER_GONE)
         else:
             self.log.failure("{method} failed inside koordrp", failure, method=self.record.method)
-            self._answered(Refusal(RefusalKind.INTERNAL, f"koordrp: {shortened(failure.getErrorMessage())}"))
+            forwarded = self._forwarded
+            if forwarded is not None:
+                self._answered(forwarded)
+            else:
+                self._answered(Refusal(RefusalKind.INTERNAL, f"koordrp: {shortened(failure.getErrorMessage())}"))
 
     def _over(self, result: "AnyReply | Failure") -> None:
         if self._late is not None:  # the flow ended without a container to apply it to
@@ -389,7 +395,17 @@ class Call(Generic[AnyReply]):
         return HookCall(server, hook, SENT) if skipped is None else HookCall(server, hook, NOT_ANSWERING, reason=skipped)
 
     async def forward(self, rewritten: bytes | None = None) -> AnyReply:
-        return await self.backend.forward(rewritten, self.remaining())
+        """Forward the call: the runtime's answer is the caller's, whatever the flow does next.
+
+        The runtime has done (or refused) what was asked; what a flow does after it (the store, the
+        post stages it owes) is koordrp's own bookkeeping and cannot change that answer: a failure
+        there is said, and the caller still gets the runtime's answer. A front end may hand that
+        answer over as soon as it comes (CRI does, from grpc's thread), as long as the reactor has it
+        first, so that the caller's next call finds the store as this one leaves it.
+        """
+        reply = await self.backend.forward(rewritten, self.remaining())
+        self._forwarded = reply
+        return reply
 
     def shown(self, stored: Stored) -> Stored:
         """The hooks are shown what kubelet asked for this pod or container: if it was lost (its state file

@@ -5,27 +5,46 @@ reactor. Cancelling the Deferred (the caller went away, a timeout) cancels the g
 server hears of it at once.
 """
 
-from typing import TypeVar
+from typing import Callable, TypeVar
 
 import grpc
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorFromThreads
 
+Done = TypeVar("Done")
 Result = TypeVar("Result")
 
 
-def when_done(future: "grpc.Future[Result]", reactor: IReactorFromThreads) -> "Deferred[grpc.Future[Result]]":
-    """Fires on the reactor with ``future`` once it is done, its answer or its error inside."""
+def when_done(
+    future: "grpc.Future[Done]",
+    reactor: IReactorFromThreads,
+    read: "Callable[[grpc.Future[Done]], Result]",
+    told: Callable[[Result], None] | None = None,
+) -> "Deferred[Result]":
+    """Fires on the reactor with what ``read`` makes of ``future`` once it is done (its answer or its error).
+
+    ``read`` runs on grpc's thread, so the reactor gets a plain value. ``told``, if given, is told the
+    same value there too, after the reactor was handed it: whoever it wakes learns of the answer after
+    the reactor, in the order the reactor will see it, and need not wait for the reactor to get round
+    to it.
+    """
+
     def cancel(_: object) -> None:
         future.cancel()
 
-    done: Deferred[grpc.Future[Result]] = Deferred(cancel)
+    done: Deferred[Result] = Deferred(cancel)
 
-    def settle(finished: "grpc.Future[Result]") -> None:
+    def settle(result: Result) -> None:
         if not done.called:  # a cancelled Deferred has fired already
-            done.callback(finished)
+            done.callback(result)
 
-    future.add_done_callback(lambda finished: reactor.callFromThread(settle, finished))
+    def finished(finished: "grpc.Future[Done]") -> None:
+        result = read(finished)
+        reactor.callFromThread(settle, result)
+        if told is not None:
+            told(result)
+
+    future.add_done_callback(finished)
     return done
 
 

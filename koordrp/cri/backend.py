@@ -114,13 +114,15 @@ def call_unary(
     request: bytes,
     timeout: float | None,
     metadata: Metadata | None = None,
+    told: Callable[[Answer], None] | None = None,
 ) -> "Deferred[Answer]":
     """Call ``method`` with ``request``; fires on the reactor with the Answer, whatever it is.
 
+    ``told`` is told the Answer on grpc's thread, after the reactor was handed it (``when_done``).
     Cancelling the Deferred cancels the call upstream at once.
     """
     future = method.future(request, timeout=timeout, metadata=metadata)
-    return when_done(future, reactor).addCallback(_answer)
+    return when_done(future, reactor, _answer, told)
 
 
 def _answer(done: "grpc.Future[bytes]") -> Answer:

@@ -108,6 +108,54 @@ _METHODS: dict[str, _Method[Any]] = {
 }
 
 
+class _Exchange:
+    """One intercepted call between its grpc worker and the reactor.
+
+    The worker waits for the call's outcome, which comes from the reactor (the flow's outcome) or,
+    sooner, from grpc's thread as the runtime answers the forward (``Call.forward``: that answer is
+    the caller's), whichever is first: the reactor has been handed the runtime's answer by then, so the
+    flow's bookkeeping runs while the worker answers kubelet, and before kubelet's next call.
+    """
+
+    def __init__(self) -> None:
+        self.call: Call[CRIReply] | None = None
+        self.outcome: adapters.Outcome[CRIReply] = adapters.CALLER_GONE
+        self._offered = threading.Lock()
+        self._settled = False
+        # Held until the outcome is known: the cheapest hand-off to a waiting thread.
+        self._known = threading.Lock()
+        self._known.acquire()
+
+    def start(self, call: "Call[CRIReply]", flow: Flow) -> None:
+        """On the reactor: the flow runs; its outcome is handed to the waiting worker."""
+        self.call = call
+        call.run(flow).addCallback(self.offer)
+
+    def offer(self, outcome: "adapters.Outcome[CRIReply]") -> None:
+        """From the reactor or grpc's thread: the first outcome offered is the worker's."""
+        with self._offered:
+            if self._settled:
+                return
+            self._settled = True
+            self.outcome = outcome
+        self._known.release()
+
+    def runtime_answered(self, answer: Answer) -> None:
+        """On grpc's thread: the runtime answered the forward."""
+        self.offer(CRIReply(answer))
+
+    def wait(self, timeout: float | None) -> bool:
+        """In the worker: whether the outcome came within ``timeout`` seconds (None: however long it takes)."""
+        return self._known.acquire(timeout=-1 if timeout is None else timeout)
+
+    def rpc_ended(self) -> None:
+        """On the reactor, once grpc says the RPC is over: an unfinished flow is given up, then the call ends."""
+        call = self.call
+        assert call is not None
+        call.cancel()  # the outcome is known from here on
+        call.ended()
+
+
 class CRIBackend:
     """``adapters.Backend`` for one CRI call: its bytes forwarded with kubelet's metadata, read-backs from containerd."""
 
@@ -118,12 +166,14 @@ class CRIBackend:
         raw: bytes,
         metadata: Metadata,
         created_id: Callable[[bytes], str] | None,
+        exchange: _Exchange,
     ) -> None:
         self._interceptor = interceptor
         self._method = method
         self._raw = raw
         self._metadata = metadata
         self._created_id = created_id
+        self._exchange = exchange
 
     async def forward(self, rewritten: bytes | None, timeout: float | None) -> CRIReply:
         interceptor = self._interceptor
@@ -133,6 +183,7 @@ class CRIBackend:
             self._raw if rewritten is None else rewritten,
             timeout,
             self._metadata,
+            self._exchange.runtime_answered,
         )
         if answer.ok and self._created_id is not None:
             return CRIReply(answer, self._created_id(answer.raw))
@@ -159,37 +210,6 @@ def answer(outcome: "adapters.Outcome[CRIReply]", context: grpc.ServicerContext,
     if isinstance(outcome, adapters.Refusal):
         context.abort(grpc.StatusCode[outcome.status_code.name], outcome.message)
     context.abort(grpc.StatusCode.CANCELLED, "koordrp: the call was given up")
-
-
-class _Exchange:
-    """One intercepted call between its grpc worker and the reactor."""
-
-    def __init__(self) -> None:
-        self.call: Call[CRIReply] | None = None
-        self.outcome: adapters.Outcome[CRIReply] = adapters.CALLER_GONE
-        # Held until the outcome is known: the cheapest hand-off from the reactor to a waiting thread.
-        self._known = threading.Lock()
-        self._known.acquire()
-
-    def start(self, call: "Call[CRIReply]", flow: Flow) -> None:
-        """On the reactor: the flow runs; its outcome is handed to the waiting worker."""
-        self.call = call
-        call.run(flow).addCallback(self._answered)
-
-    def _answered(self, outcome: "adapters.Outcome[CRIReply]") -> None:
-        self.outcome = outcome
-        self._known.release()
-
-    def wait(self, timeout: float | None) -> bool:
-        """In the worker: whether the outcome came within ``timeout`` seconds (None: however long it takes)."""
-        return self._known.acquire(timeout=-1 if timeout is None else timeout)
-
-    def rpc_ended(self) -> None:
-        """On the reactor, once grpc says the RPC is over: an unfinished flow is given up, then the call ends."""
-        call = self.call
-        assert call is not None
-        call.cancel()  # the outcome is known from here on
-        call.ended()
 
 
 class Interceptor:
@@ -221,7 +241,7 @@ class Interceptor:
         def handle(raw: bytes, context: grpc.ServicerContext) -> bytes:
             timeout = remaining_timeout(context)
             exchange = _Exchange()
-            backend = CRIBackend(self, path, raw, tuple(context.invocation_metadata()), method.created_id)
+            backend = CRIBackend(self, path, raw, tuple(context.invocation_metadata()), method.created_id, exchange)
             call = Call(self._parts, name, backend, timeout)
             try:
                 flow = method.flow(call, method.parse(raw))

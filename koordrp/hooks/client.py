@@ -1,5 +1,6 @@
 """Calling one hook server: a reused grpc channel per endpoint, calls as Deferreds on the reactor."""
 
+from functools import partial
 from typing import Callable, Iterable
 
 import grpc
@@ -30,10 +31,12 @@ class HookCallError(Exception):
 
     timed_out = False
 
-    def __init__(self, reason: str, sent_back: bool = False) -> None:
+    def __init__(self, reason: str, sent_back: bool = False, lost: bool = False) -> None:
         super().__init__(reason)
         self.sent_back = sent_back
         """The server itself answered with this error: it is there, and it answers."""
+        self.lost = lost
+        """grpc could not reach the server: the channel waits out a backoff before it tries again."""
 
 
 class HookTimedOut(HookCallError):
@@ -49,6 +52,28 @@ def _raise_timed_out(result: object, timeout: float) -> object:
     raise HookTimedOut(no_answer_within(timeout))
 
 
+def _read(done: "grpc.Future[HookResponse]", timeout: float) -> "HookResponse | HookCallError":
+    """The server's answer, or why there is none (read on grpc's thread)."""
+    error = done.exception()
+    if error is None:
+        return done.result()
+    call = failed_call(error)
+    if call is None:
+        return HookCallError(shortened(str(error)))
+    code = call.code()
+    if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+        return HookTimedOut(no_answer_within(timeout))
+    # UNAVAILABLE is grpc's own word for a server it could not reach; any other code the server sent.
+    sent_back = code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+    return HookCallError(
+        f"{code.name}: {shortened(call.details() or '')}", sent_back=sent_back, lost=code is grpc.StatusCode.UNAVAILABLE
+    )
+
+
+def _unwatched(_: grpc.ChannelConnectivity) -> None:
+    pass
+
+
 class HookClient:
     def __init__(self, endpoint: str, reactor: IReactorTime) -> None:
         """``reactor`` also provides IReactorFromThreads: grpc answers on its own threads."""
@@ -61,6 +86,12 @@ class HookClient:
         self._channel = grpc.insecure_channel(grpc_target(self.endpoint), options=_CHANNEL_OPTIONS)
         self._stub = api_pb2_grpc.RuntimeHookServiceStub(self._channel)
         self._lost = False
+        if socket_problem(self.endpoint) is None:
+            # Connect now rather than in the first call, which has a deadline (containerd's, in NRI mode) to
+            # keep. One attempt: subscribing with try_to_connect starts it, and grpc's watch of the channel
+            # ends a moment after the unsubscribe, so a server that is not there costs nothing more.
+            self._channel.subscribe(_unwatched, try_to_connect=True)
+            self._channel.unsubscribe(_unwatched)
 
     def call(self, hook: HookType, request: HookRequest, timeout: float) -> "Deferred[HookResponse]":
         """Call ``hook`` with ``request``; fails with HookCallError, at the latest after ``timeout``."""
@@ -74,26 +105,19 @@ class HookClient:
             self._channel.close()
             self._connect()
         future = getattr(self._stub, hook.rpc_name).future(request, timeout=timeout)
-        answered: Deferred[HookResponse] = when_done(future, self._from_threads).addCallback(self._answer, timeout)
+        answered: Deferred[HookResponse] = when_done(future, self._from_threads, partial(_read, timeout=timeout)).addCallback(
+            self._answer
+        )
         # The reactor's clock bounds the call too, so a hook that never answers cannot hold a CRI call.
         answered.addTimeout(timeout, self._clock, _raise_timed_out)
         return answered
 
-    def _answer(self, done: "grpc.Future[HookResponse]", timeout: float) -> HookResponse:
-        error = done.exception()
-        if error is None:
-            return done.result()
-        call = failed_call(error)
-        if call is None:
-            raise HookCallError(shortened(str(error)))
-        code = call.code()
-        if code is grpc.StatusCode.UNAVAILABLE:
-            self._lost = True
-        if code is grpc.StatusCode.DEADLINE_EXCEEDED:
-            raise HookTimedOut(no_answer_within(timeout))
-        # UNAVAILABLE is grpc's own word for a server it could not reach; any other code the server sent.
-        sent_back = code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
-        raise HookCallError(f"{code.name}: {shortened(call.details() or '')}", sent_back=sent_back)
+    def _answer(self, read: "HookResponse | HookCallError") -> HookResponse:
+        if isinstance(read, HookCallError):
+            if read.lost:
+                self._lost = True
+            raise read
+        return read
 
     def close(self) -> None:
         self._channel.close()

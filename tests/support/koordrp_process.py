@@ -36,9 +36,12 @@ class KoordrpProcess:
         extra_args: Sequence[str] = (),
         environ: Mapping[str, str] | None = None,
         nri_socket: Path | None = None,
+        twistd: str | None = None,
     ) -> None:
-        """``nri_socket``: koordrp runs as a plugin of the containerd NRI listens there (NRI mode)."""
+        """``nri_socket``: koordrp runs as a plugin of the containerd NRI listens there (NRI mode); ``twistd``: the
+        twistd that runs it (default: the one beside the test interpreter), e.g. an older checkout's, to compare."""
         self.base = base
+        self.twistd = twistd
         self.nri_socket = nri_socket
         self.environ = {**os.environ, **(environ or {})}
         self.socket = base / "koordrp" / "koordrp.sock"
@@ -53,7 +56,7 @@ class KoordrpProcess:
 
     def argv(self) -> list[str]:
         return [
-            twistd_path(),
+            self.twistd or twistd_path(),
             "-n",
             "--pidfile=",
             f"--logfile={self.logfile}",
