@@ -140,9 +140,12 @@ class HookClients:
         return client
 
     def retain(self, endpoints: Iterable[str]) -> None:
+        """The servers registered now: a new one's client is made (it connects) at once, others' are closed."""
         keep = set(endpoints)
         for endpoint in [e for e in self._clients if e not in keep]:
             self._clients.pop(endpoint).close()
+        for endpoint in keep:
+            self.get(endpoint)
 
     def close_all(self) -> None:
         self.retain(())

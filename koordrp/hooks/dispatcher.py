@@ -54,7 +54,7 @@ class Dispatcher:
         self._answering = Answering(reactor, socket_identity)
 
     def retain(self, endpoints: Iterable[str]) -> None:
-        """The servers registered now: the channels and silences of others are let go."""
+        """The servers registered now: a new one's channel connects, the channels and silences of others are let go."""
         kept = list(endpoints)
         self._clients.retain(kept)
         self._answering.retain(kept)

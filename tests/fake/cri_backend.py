@@ -52,6 +52,8 @@ class FakeCRIBackend(FakeGrpcServer):
     """The container ids ListContainers answers with."""
     watches_ending: threading.Event = field(default_factory=threading.Event)
     """Set: every open health watch ends with UNAVAILABLE, as when the runtime goes away."""
+    before_answering: Callable[[str], None] | None = None
+    """Called with the method of each unary call the runtime has done, before it answers."""
 
     def start(self) -> "FakeCRIBackend":
         self._serve(lambda server: None, handlers=[_Handler(self)])
@@ -164,7 +166,10 @@ class _Handler(BytesHandler):
 
             def unary(request: bytes, context: grpc.ServicerContext) -> bytes:
                 backend.record(method, request, context)
-                return behaviour(request, context)
+                answer = behaviour(request, context)
+                if backend.before_answering is not None:
+                    backend.before_answering(method)
+                return answer
 
             return grpc.unary_unary_rpc_method_handler(unary)
 

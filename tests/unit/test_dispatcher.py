@@ -1,6 +1,7 @@
 """Hook stages against real hook servers on unix sockets: chaining, policies, timeouts."""
 
 import os
+import socket
 from typing import cast
 
 import grpc
@@ -57,6 +58,18 @@ class DispatcherTests(TestCase):
         self.dispatcher.retain(frozenset({kept}))
         self.assertIs(self.clients.get(kept), kept_client)
         self.assertIsNot(self.clients.get(gone), gone_client)
+
+    def test_a_registered_servers_channel_connects_before_its_first_call(self) -> None:
+        # The first call then pays no connection set-up inside its caller's deadline (containerd's, in NRI mode).
+        path = os.path.join(self.dir, "listening.sock")
+        listening = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.addCleanup(listening.close)
+        listening.bind(path)
+        listening.listen(1)
+        listening.settimeout(30)  # a bound, not a measure: the connection comes at once, or the test fails
+        self.dispatcher.retain(frozenset({path}))
+        connection, _ = listening.accept()
+        connection.close()
 
     @inlineCallbacks
     def test_post_stages_are_not_waited_for_and_drain_waits_for_them(self):  # type: ignore[no-untyped-def]

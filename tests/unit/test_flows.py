@@ -752,6 +752,29 @@ class CancellationTests(FlowTestCase):
         going_on.callback(None)
         self.assertEqual(len(self.flushLoggedErrors(KeyError)), 1)
 
+    def test_a_failure_after_the_forward_is_said_and_the_runtimes_answer_stands(self) -> None:
+        # The runtime made the pod: kubelet must hear so, even if koordrp's own bookkeeping then fails.
+        class Broken(NoCheckpoint):
+            def write(self, kind: Kind, identifier: str, data: bytes | None) -> None:
+                raise KeyError(identifier)
+
+        self.store = Store(Broken())
+        self.parts = replace(self.parts, store=self.store)
+        outcome = self.drive(flows.run_pod_sandbox, CRIWire().sandbox({}))
+        self.assertEqual(outcome, Reply(True, "created-1"))
+        self.assertEqual(len(self.flushLoggedErrors(KeyError)), 1)
+        self.calls[-1].ended()
+        self.assertEqual([line["outcome"] for line in self.call_lines()], ["OK"])
+
+    def test_a_failure_before_the_forward_refuses_the_call(self) -> None:
+        async def fails(call: Call[Reply]) -> Reply:
+            raise KeyError("c-1")
+
+        outcome = self.drive(fails)
+        assert isinstance(outcome, adapters.Refusal)
+        self.assertEqual(outcome.kind, adapters.RefusalKind.INTERNAL)
+        self.assertEqual(len(self.flushLoggedErrors(KeyError)), 1)
+
     def stop_cancelled(self, runtime_state: ContainerState) -> None:
         self.put_container()
         self.subscribe(POST_STOP)

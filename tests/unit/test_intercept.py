@@ -1,6 +1,7 @@
 """Intercepted lifecycle calls on real grpc servers: a stand-in CRI backend and a real hook server."""
 
 import os
+import threading
 import time
 from concurrent import futures
 from typing import cast
@@ -100,6 +101,33 @@ class InterceptTests(TestCase):
         self.assertEqual((stored.sandbox_id, dict(stored.given.container_envs)), ("sandbox-1", {"A": "1", "HOOKED": "1"}))
         self.assertEqual(dict(stored.asked.container_envs), {"A": "1"})
         self.assertEqual(self.hook_server.calls("PreCreateContainerHook")[0].pod_meta.uid, "u")
+
+    @inlineCallbacks
+    def test_kubelet_has_the_runtimes_answer_while_the_reactor_is_busy(self):  # type: ignore[no-untyped-def]
+        # The runtime's answer to the forward is kubelet's: it is handed over from grpc's thread once the
+        # reactor has it (its bookkeeping follows), not once the reactor got round to it.
+        answered = threading.Event()
+        held: list[bool] = []
+
+        def hold_the_reactor() -> None:
+            held.append(answered.wait(timeout=30))
+
+        def runtime_answers(method: str) -> None:
+            if method == CREATE:
+                cast(IReactorFromThreads, reactor).callFromThread(hold_the_reactor)
+
+        self.backend.before_answering = runtime_answers
+
+        def create() -> bytes:
+            try:
+                return self.call(CREATE, create_request_bytes())
+            finally:
+                answered.set()
+
+        response = yield deferToThread(create)
+        self.assertEqual(cri.CreateContainerResponse.FromString(response).container_id, "created-1")
+        self.assertEqual(held, [True])
+        self.assertIsNotNone(self.store.container("created-1"))  # then the reactor did the rest
 
     @inlineCallbacks
     def test_bytes_a_fail_policy_pre_hook_must_see_but_cannot_be_read_are_invalid_argument(self):  # type: ignore[no-untyped-def]
