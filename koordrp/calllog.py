@@ -144,4 +144,7 @@ class CallRecord:
 
 
 def write(record: CallRecord, outcome: str, seconds: float) -> None:
-    log.info(FORMAT, **record.fields(outcome, seconds))
+    fields = record.fields(outcome, seconds)
+    # Formatted here, once, with str.format: twisted.logger's own formatting of FORMAT costs twice the whole
+    # line again, on every lifecycle call. The fields stay in the event, for JSON logs.
+    log.info("{call_line}", call_line=FORMAT.format(**fields), **fields)
