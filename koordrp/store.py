@@ -129,12 +129,13 @@ class Store:
         """How many times a kept file could not be read (each costs one warning)."""
 
     def pod(self, sandbox_id: str) -> StoredPod | None:
-        stored = self._pods.get(sandbox_id)
-        return None if stored is None else stored.copy()
+        """The pod's entry itself, to read and never to change: the store replaces an entry, it never changes
+        one, so no copy is made on each lifecycle call's way."""
+        return self._pods.get(sandbox_id)
 
     def container(self, container_id: str) -> StoredContainer | None:
-        stored = self._containers.get(container_id)
-        return None if stored is None else stored.copy()
+        """The container's entry itself, to read and never to change (``pod``)."""
+        return self._containers.get(container_id)
 
     def has_pod(self, sandbox_id: str) -> bool:
         return sandbox_id in self._pods

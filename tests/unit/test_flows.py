@@ -711,6 +711,41 @@ class IdentityRules(FlowTestCase):
             called[method] = set(self.stages.hooks_run()) | {post.hook for post in self.announced}
         self.assertEqual(called, {method: set(hooks) for method, hooks in flows.METHOD_HOOKS.items()})
 
+    def test_no_flow_changes_a_store_entry_it_reads(self) -> None:
+        """The store hands out its entries themselves (no copy on every call's way): flows only read them."""
+        changes = hook.ContainerResourceHookResponse(
+            container_envs={"HOOKED": "1"},
+            container_annotations={"hooked": "1"},
+            container_resources=hook.LinuxContainerResources(cpu_shares=7, cpuset_cpus="1"),
+            pod_cgroup_parent="/moved",
+        )
+        for hook_type in HookType:
+            self.stages.answers[hook_type] = (
+                hook.PodSandboxHookResponse(labels={"hooked": "1"}, cgroup_parent="/moved")
+                if hook_type in (PRE_RUN, POST_STOP_POD)
+                else changes
+            )
+        for flow, args in (
+            (flows.run_pod_sandbox, (CRIWire().sandbox({}),)),
+            (flows.create_container, (CRIWire().container("s-1", []),)),
+            (flows.start_container, ("c-1",)),
+            (flows.update_container_resources, (CRIWire().update("c-1", 512),)),
+            (flows.stop_container, ("c-1",)),
+            (flows.stop_pod_sandbox, ("s-1",)),
+            (flows.update_pod_sandbox_resources, (CRIWire().resize("s-1", 2000),)),
+        ):
+            self.store = Store()
+            self.parts = replace(self.parts, store=self.store)
+            self.put_pod()
+            self.put_container()
+            self.subscribe(*HookType)
+            pod, container = self.store.pod("s-1"), self.store.container("c-1")
+            assert pod is not None and container is not None
+            before = [entry.SerializeToString() for entry in (pod.asked, pod.given, container.asked, container.given)]
+            self.drive(flow, *args)
+            after = [entry.SerializeToString() for entry in (pod.asked, pod.given, container.asked, container.given)]
+            self.assertEqual(after, before, flow.__name__)
+
 
 class CancellationTests(FlowTestCase):
     """The caller gives up: what the call waits for is cancelled, and the store and post hooks say what happened."""

@@ -7,7 +7,7 @@ from twisted.logger import ILogObserver, LogEvent, LogLevel, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 
 from koordrp.checkpoint import CheckpointError, DirectoryCheckpoint, Kind, Parsed
-from koordrp.hooks.messages import ContainerHookRequest, PodHookRequest
+from koordrp.hooks.messages import ContainerHookRequest, PodHookRequest, Resources
 from koordrp.store import ContainerState, Store, StoredContainer, StoredPod
 
 
@@ -28,15 +28,15 @@ def given(stored: StoredPod | None) -> PodHookRequest | None:
 
 
 class StoreTests(SynchronousTestCase):
-    def test_what_goes_in_and_out_is_a_copy(self) -> None:
+    def test_what_goes_in_is_a_copy_and_an_entry_read_is_replaced_not_changed(self) -> None:
         store = Store()
         original = pod("a")
         store.put_pod("p1", original, original)
         original.pod_meta.name = "changed by the caller"
-        got = store.pod("p1")
-        assert got is not None
-        got.asked.labels["x"] = "y"
-        self.assertEqual(store.pod("p1"), StoredPod(pod("a"), pod("a")))
+        read = store.pod("p1")
+        self.assertEqual(read, StoredPod(pod("a"), pod("a")))
+        store.resize_pod("p1", Resources(cpu_shares=2), None)
+        self.assertEqual(read, StoredPod(pod("a"), pod("a")))  # what a call read stays as it read it
 
     def test_forgetting_a_pod_forgets_its_containers(self) -> None:
         store = Store()
