@@ -30,7 +30,13 @@ then two chained, it prints:
   every millisecond koordrp adds before Start makes the slow one likelier, so that run's ratio says
   as much about containerd as about koordrp.
 
+To compare commits on one machine in one run, ``--other LABEL=TWISTD`` (repeatable) also measures the
+koordrp another checkout's virtualenv runs (e.g. ``--other 3a2cb84=../old/.venv/bin/twistd``), in
+front of the same containerd, on pods of its own, its calls shuffled into the same rounds; the
+figures of each koordrp are printed, then side by side.
+
     .venv/bin/python -m benchmarks.hooks [--pods 40] [--rounds 300] [--servers 1 2] [--pod-pause 0.5] [--nri-pods 40]
+        [--other LABEL=TWISTD ...]
 """
 
 import argparse

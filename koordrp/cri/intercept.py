@@ -2,7 +2,8 @@
 
 A handler runs on a grpc worker thread: it parses kubelet's bytes, crosses into the reactor once to
 start the flow (``Call``), and waits for its outcome, which it turns into the grpc answer
-(``answer``: the one place an outcome becomes a grpc answer). Hook calls, the runtime's call and read-backs
+(``answer``: the one place an outcome becomes a grpc answer). The runtime's answer to the forward
+reaches the worker straight from grpc's thread, once the reactor has it (``_Exchange``). Hook calls, the runtime's call and read-backs
 are Deferreds on the reactor. When grpc says the RPC has ended (answered, cancelled by kubelet, or
 past its deadline), the reactor hears of it once: an unfinished flow is cancelled, which cancels
 what it waits for upstream, and the call's end (post stages, log line, metrics) follows.
