@@ -18,7 +18,9 @@ from tests.fake.cri_backend import FakeCRIBackend
 from tests.support.tempdirs import short_tempdir
 
 
-def wait_until(predicate, timeout: float = 5.0) -> bool:  # type: ignore[no-untyped-def]
+def wait_until(predicate, timeout: float = 30.0) -> bool:  # type: ignore[no-untyped-def]
+    """Whether ``predicate()`` came true within ``timeout`` seconds: a generous bound for a loaded machine (5 s
+    failed under a soak's load), never a measure of speed."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
