@@ -46,7 +46,7 @@ from koordrp.tap import DEFAULT_NRI_PLUGIN_INDEX, DEFAULT_NRI_PLUGIN_NAME
 from tests.support.containerd import PROJECT_ROOT, Containerd
 from tests.support.cri_objects import container_config, pod_sandbox_config
 from tests.support.hook_registration import register
-from tests.support.images import BUSYBOX_REF, ImageSet, build_test_images
+from tests.support.images import BUSYBOX_REF, build_test_images
 from tests.support.koordrp_process import KoordrpProcess
 from tests.support.pods import TIMEOUT, remove_pod
 from tests.support.stack import start_containerd
@@ -163,7 +163,7 @@ def first_hook_calls(
     found = []
     runtime = containerd.runtime()
     for restart in range(restarts):
-        offset = len(koordrp.log())
+        offset = len(koordrp.whole_log())  # its log may be rotated meanwhile
         synchronized = synchronizations(containerd, KOORDRP_PLUGIN)
         koordrp.stop()
         koordrp.start()
@@ -171,7 +171,7 @@ def first_hook_calls(
         sandboxes = [phased_pod_start(runtime, pod_name("first", f"{restart}-{pod}"), logs)[1] for pod in range(2)]
         for sandbox_id in sandboxes:
             remove_pod(runtime, sandbox_id)
-        calls = HOOK_CALL.findall(koordrp.log()[offset:])
+        calls = HOOK_CALL.findall(koordrp.whole_log()[offset:])
         if not calls:
             continue
         hook, first = calls[0]
