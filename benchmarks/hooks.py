@@ -18,11 +18,8 @@ then two chained, it prints:
   - a skipped call over a pass-through = the skipped call - the same call through the minimal
     pass-through; and, as issue 13 first measured it, (skipped - direct) - (ContainerStatus through
     koordrp - directly), which compares with a different call's pass-through;
-* **NRI mode** (``--nri-pods``): the same pod start on containerd 1.7 with NRI enabled, without a plugin,
-  with a minimal NRI plugin (benchmarks/minimal_nri_plugin.py), with koordrp as its NRI plugin (with no
-  hook server, and with the echo server on every hook point),
-  and through koordrp's proxy in front of the one without a plugin: one pod each way per round, in
-  random order.
+* **NRI mode** (``--nri-pods``): benchmarks/nri_starts.py's pod starts on containerd 2.1 with NRI, against
+  containerd/nri's Go stub.
 * **pod start**: RunPodSandbox + CreateContainer + StartContainer, directly and through koordrp, one
   pod each way per round in random order; the ratio of the p50 sums. Twice: back to back, and each
   pod after a pause (``--pod-pause``), as pods start on a node. containerd's StartContainer takes
@@ -53,7 +50,7 @@ from typing import Any, Callable, Iterator
 import grpc
 from cri_api.v1 import api_pb2, api_pb2_grpc
 
-from benchmarks import minimal_nri_plugin, minimal_passthrough
+from benchmarks import minimal_passthrough, nri_starts
 from benchmarks.echo_hook_server import HookServerProcess
 from benchmarks.stats import quantile, thread_cpu_ns
 from koordrp.api.cri.v1 import api_pb2 as koordrp_cri
@@ -67,9 +64,7 @@ from tests.support.hook_registration import register
 from tests.support.images import BUSYBOX_REF
 from tests.support.koordrp_process import KoordrpProcess
 from tests.support.pods import TIMEOUT, remove_pod, start_container
-from tests.support.containerd import Containerd
-from tests.support.images import build_test_images
-from tests.support.stack import containerd_and_koordrp, start_containerd
+from tests.support.stack import containerd_and_koordrp
 
 # A post hook or the call's log line may still be running in koordrp when its caller has the answer:
 # waiting this long before reading koordrp's CPU time charges it to the call that caused it. Every
@@ -406,7 +401,7 @@ def main() -> None:
     )
     parser.add_argument("--servers", type=int, nargs="+", default=[1, 2], help="numbers of chained hook servers")
     parser.add_argument(
-        "--nri-pods", type=int, default=40, help="pod starts each way on containerd 1.7: no plugin, NRI mode, proxy (0: none)"
+        "--nri-pods", type=int, default=40, help="pod starts each way of benchmarks/nri_starts.py (0: none)"
     )
     parser.add_argument(
         "--other",
@@ -436,7 +431,7 @@ def main() -> None:
         ]
         measure(args, containerd.runtime(), minimal, koordrps, echo_servers, base / "logs")
         if args.nri_pods:
-            nri_pod_starts(base, echo_servers[0], args.nri_pods, args.pod_pause)
+            nri_starts.measure(base / "nri", args.nri_pods)
 
 
 class OtherKoordrp(KoordrpProcess):
@@ -455,60 +450,6 @@ def made_koordrp(label: str, process: KoordrpProcess, channel: grpc.Channel, log
     return Koordrp(label, process, runtime, hooked, skipped)
 
 
-NRI_WAYS = {
-    "minimal plugin": "benchmarks/minimal_nri_plugin.py: answers every event at once, what any plugin costs",
-    "NRI, no hooks": "koordrp as containerd's NRI plugin, no hook server registered",
-    "NRI plugin": "koordrp as containerd's NRI plugin, the echo server on every hook point",
-    "proxy": "koordrp's proxy in front of the containerd without a plugin, the echo server on every hook point",
-}
-
-
-def nri_pod_starts(base: Path, server: HookServerProcess, pods: int, pause: float) -> None:
-    """Pod starts on containerd 1.7 (NRI enabled) without a plugin, and each of ``NRI_WAYS``; one pod each
-    way per round. Each NRI way has a containerd of its own (a plugin is every pod's)."""
-    images = build_test_images(base / "nri-images")
-    every_hook = [hook.value for hook in HookType]
-    with ExitStack() as stack:
-
-        def containerd(name: str) -> Containerd:
-            started = start_containerd(images, base / name, release="1.7", nri=True)
-            stack.callback(started.stop)
-            return started
-
-        def koordrp(name: str, runtime: Containerd, nri: bool, hooks: bool) -> KoordrpProcess:
-            process = KoordrpProcess(base / name, runtime.endpoint, nri_socket=runtime.paths.nri_socket if nri else None)
-            process.base.mkdir()
-            if hooks:
-                register(process.base / "hookserver.d", "echo", str(server.socket), every_hook)
-            process.start()
-            stack.callback(process.stop)
-            process.wait_for_servers(1 if hooks else 0)
-            return process
-
-        bare, minimal, idle, plugged = (containerd(name) for name in ("cd-bare", "cd-minimal", "cd-idle", "cd-plugged"))
-        stack.enter_context(minimal_nri_plugin.running(str(minimal.paths.nri_socket)))
-        koordrp("nri-idle", idle, nri=True, hooks=False)
-        koordrp("nri-plugin", plugged, nri=True, hooks=True)
-        proxy = koordrp("nri-proxy", bare, nri=False, hooks=True)
-        channel = stack.enter_context(proxy.channel())
-        ways = {
-            "no plugin": bare.runtime(),
-            "minimal plugin": minimal.runtime(),
-            "NRI, no hooks": idle.runtime(),
-            "NRI plugin": plugged.runtime(),
-            "proxy": proxy.runtime(channel),
-        }
-        print("\n== containerd 1.7, NRI enabled: pod start without a plugin, and ==")
-        for way, what in NRI_WAYS.items():
-            print(f"   {way:<14} {what}")
-        for round_pause in (0.0, pause):
-            times = pod_starts(ways, pods, base / "nri-logs", "nri", round_pause)
-            bare_p50 = statistics.median(times["no plugin"])
-            when = "back to back" if not round_pause else f"each after a {round_pause:g} s pause"
-            print(f"  pod start, {pods} pods each way, {when}: no plugin p50 {ms(bare_p50)}")
-            for way in NRI_WAYS:
-                p50 = statistics.median(times[way])
-                print(f"    {way:<14} p50 {ms(p50)}, added {ms(p50 - bare_p50)}, ratio of the p50s {p50 / bare_p50:.3f}")
 
 
 @contextmanager

@@ -4,16 +4,21 @@ measuring process's GIL."""
 import contextlib
 import subprocess
 import sys
-from typing import Iterator
+from typing import Iterator, Sequence
 
 
 @contextlib.contextmanager
-def running_module(module: str, *args: str) -> Iterator["subprocess.Popen[bytes]"]:
-    """``python -m module args`` until the block ends; entered once it printed ``ready``."""
-    process = subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.PIPE)
+def running(argv: Sequence[str]) -> Iterator["subprocess.Popen[bytes]"]:
+    """``argv`` until the block ends; entered once it printed ``ready``."""
+    process = subprocess.Popen(list(argv), stdout=subprocess.PIPE)
     try:
         assert process.stdout is not None and process.stdout.readline().strip() == b"ready"
         yield process
     finally:
         process.terminate()
         process.wait(10)
+
+
+def running_module(module: str, *args: str) -> contextlib.AbstractContextManager["subprocess.Popen[bytes]"]:
+    """``python -m module args`` until the block ends; entered once it printed ``ready``."""
+    return running([sys.executable, "-m", module, *args])

@@ -1,5 +1,6 @@
 """The figures benchmarks print, and how their samples are taken."""
 
+import math
 import os
 import time
 from typing import Callable
@@ -31,3 +32,14 @@ def thread_cpu_ns(pid: int) -> int:
         except FileNotFoundError:
             pass  # a thread that ended meanwhile
     return total
+
+
+def median_interval(samples: list[float], z: float = 1.96) -> tuple[float, float]:
+    """A distribution-free confidence interval of the median (95 % with the default ``z``): the order
+    statistics whose ranks lie ``z`` standard deviations of Binomial(n, 1/2) either side of n/2."""
+    ordered = sorted(samples)
+    count = len(ordered)
+    reach = z * math.sqrt(count) / 2
+    low = max(0, math.floor(count / 2 - reach) - 1)
+    high = min(count - 1, math.ceil(count / 2 + reach))
+    return ordered[low], ordered[high]
