@@ -38,8 +38,8 @@ from google.protobuf.message import Message
 
 from koordrp.api.cri.v1 import api_pb2 as cri
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
-from koordrp.cri.translate import as_hook_resources, pod_hook_request
-from koordrp.hooks.messages import placed_in_pod
+from koordrp.cri.translate import as_hook_resources, image_name, pod_hook_request
+from koordrp.hooks.messages import placed_in_pod, with_image_name
 from koordrp.text import json_type
 
 __all__ = [
@@ -130,7 +130,9 @@ def container_info_from_status(
     metadata = _metadata(config, status, what)
     container = hook.ContainerResourceHookRequest(
         container_meta=hook.ContainerMetadata(name=metadata.name, attempt=metadata.attempt, id=status.id),
-        container_annotations=dict(config.annotations),
+        # The image as hooks were shown it at create, from the request containerd kept (not containerd's
+        # own annotation, which 1.6 and 1.7 write as the name they resolved).
+        container_annotations=with_image_name(config.annotations, image_name(config.image)),
         container_envs=_envs(written.get("envs"), _spec_env(info, what), f"{what} config"),
     )
     container.container_resources.CopyFrom(_container_resources(status, config, info, what))

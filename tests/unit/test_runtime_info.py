@@ -35,6 +35,7 @@ from koordrp.cri.runtime_info import (
     container_sandbox_id,
     pod_info_from_status,
 )
+from koordrp.hooks.messages import IMAGE_NAME_ANNOTATION
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
@@ -79,7 +80,8 @@ def expected_container(resources: hook.LinuxContainerResources) -> hook.Containe
     return hook.ContainerResourceHookRequest(
         pod_meta=pod.pod_meta,
         container_meta=hook.ContainerMetadata(name="ri-ctr", attempt=2, id=CONTAINER_ID),
-        container_annotations={"ctr-anno": "x", "eq": "k=v=w"},
+        # The image as the request containerd kept names it, as hooks were shown it at create.
+        container_annotations={"ctr-anno": "x", "eq": "k=v=w", IMAGE_NAME_ANNOTATION: "localhost/koordrp/busybox:1"},
         container_resources=resources,
         pod_resources=pod.resources,
         pod_annotations=pod.annotations,
@@ -232,6 +234,7 @@ class ContainerInfoTests(SynchronousTestCase):
                     name="ri-pod", uid="11111111-2222-3333-4444-555555555555", namespace="ri-ns"
                 ),
                 container_meta=hook.ContainerMetadata(name="ri-hugepages", id=HUGEPAGES_CONTAINER_ID),
+                container_annotations={IMAGE_NAME_ANNOTATION: "localhost/koordrp/busybox:1"},
                 container_resources=hook.LinuxContainerResources(
                     cpu_shares=2,
                     hugepage_limits=[
@@ -294,13 +297,20 @@ class ContainerInfoTests(SynchronousTestCase):
 
     def test_config_without_optional_fields(self) -> None:
         def strip(info: dict[str, Any]) -> None:
-            for key in ("envs", "annotations", "linux"):
+            for key in ("envs", "annotations", "linux", "image"):
                 info["config"].pop(key)
 
         info = container_info_from_status(edit_info(container_status(), strip), None)
         self.assertEqual(dict(info.container_envs), {})
         self.assertEqual(dict(info.container_annotations), {})
         self.assertEqual(info.container_resources, CREATED_RESOURCES)  # from the status
+
+    def test_the_image_is_the_one_kubelet_named(self) -> None:
+        def user_specified(info: dict[str, Any]) -> None:
+            info["config"]["image"] = {"image": "sha256:" + "0" * 64, "user_specified_image": "busybox"}
+
+        info = container_info_from_status(edit_info(container_status(), user_specified), None)
+        self.assertEqual(info.container_annotations[IMAGE_NAME_ANNOTATION], "busybox")
 
     def test_sandbox_id(self) -> None:
         self.assertEqual(container_sandbox_id(container_status()), POD_ID)
