@@ -29,7 +29,8 @@ def runtime_available() -> None:
 
 def docs_example(defining: str) -> str:
     """The docs' ```python block that defines ``defining``."""
-    [source] = [block for block in re.findall(r"^```python\n(.*?)^```", DOCS, re.MULTILINE | re.DOTALL) if defining in block]
+    blocks: list[str] = re.findall(r"^```python\n(.*?)^```", DOCS, re.MULTILINE | re.DOTALL)
+    [source] = [block for block in blocks if defining in block]
     return source
 
 
