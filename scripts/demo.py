@@ -311,8 +311,9 @@ def show_summary(calls: Calls, log: Path) -> None:
 def show_calls(proxy: KoordrpProcess, nri: bool) -> None:
     print("\nkoordrp's log, one line per lifecycle call:")
     if nri:
-        # containerd tells its plugin of a call as NRI events: the line times the event, not kubelet's call.
-        print("  (NRI mode: each line is containerd's NRI event for the call, timed from the event to koordrp's answer)")
+        # containerd tells its plugin of a call as NRI events: the line times them, not kubelet's call.
+        print("  (NRI mode: a line's time runs from containerd's NRI event to its word that it did the call,")
+        print("  not the CRI call's above: a stop or removal is told once done, so its time is koordrp's alone)")
     lines = [line.split("] ", 1)[1] for line in proxy.log_lines("[koordrp.calls#info]")]
     for line in lines:
         print("  " + line)
