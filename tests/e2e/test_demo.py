@@ -8,15 +8,13 @@ what the docs' sentences say to write.
 """
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.e2e.conftest import require_runtime
+from tests.support.modules import ROOT, run_python_module
 
-ROOT = Path(__file__).resolve().parents[2]
 DOCS = (ROOT / "docs" / "hook-server.md").read_text()
 
 ADVICE = "not built from the request"
@@ -38,15 +36,8 @@ def demo(tmp_path: Path, server: str, *args: str) -> str:
     """``scripts/demo --hook-server`` with ``server`` as its file; its whole output, stderr included (it must exit 0)."""
     path = tmp_path / "author_server.py"
     path.write_text(server)
-    result = subprocess.run(
-        [sys.executable, "-m", "scripts.demo", "--hook-server", str(path), *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = run_python_module("scripts.demo", "--hook-server", str(path), *args)
     output = result.stdout + result.stderr
-    assert result.returncode == 0, output
     assert "cleaned up" in output
     return output
 

@@ -1,16 +1,13 @@
 """The README's demo and the benchmark keep working (short runs; the figures are not judged here)."""
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.e2e.conftest import require, require_runtime
 from tests.support.containerd import RELEASES
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.modules import ROOT, run_python_module
 
 
 @pytest.fixture(autouse=True)
@@ -19,11 +16,7 @@ def runtime_available() -> None:
 
 
 def run_module(module: str, *args: str, status: int = 0) -> str:
-    result = subprocess.run(
-        [sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
-    assert result.returncode == status, result.stdout + result.stderr
-    return result.stdout
+    return run_python_module(module, *args, status=status).stdout
 
 
 def kubepods_cgroups() -> list[Path]:
