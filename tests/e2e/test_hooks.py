@@ -358,6 +358,41 @@ def test_after_a_restart_hooks_get_the_same_information(
     assert (after.container_resources.cpu_shares, after.container_resources.memory_limit_in_bytes) == (0, 64 << 20)
 
 
+@pytest.mark.parametrize("mode", PROXY_MODES, indirect=True)
+def test_after_a_restart_the_image_is_still_a_name(
+    containerd: Containerd, images: ImageSet, servers: dict[str, FakeHookServer], workdir: Path, hooks_dir: Path
+) -> None:
+    # A hook that changes nothing: no state file, so after the restart the container is read back from
+    # containerd, which (1.6, 1.7) kept only the image's id kubelet sent, not the pod spec's name.
+    watcher = hook_server(servers, workdir, "watcher")
+    register(hooks_dir, "watcher", watcher.path, ["PreStartContainer", "PostStopContainer"])
+    pod = pod_sandbox_config("image-restart", log_directory=workdir / "ir")
+    container = container_config(
+        "app", image=images.busybox.image_id, user_specified_image=BUSYBOX_REF, command=["sleep", "3600"]
+    )
+    runtime = containerd.runtime()
+    sandbox_id = runtime.RunPodSandbox(api_pb2.RunPodSandboxRequest(config=pod), timeout=TIMEOUT).pod_sandbox_id
+    try:
+        for step in ("start", "stop"):  # each through a koordrp of its own
+            koordrp = KoordrpProcess(workdir, containerd.endpoint)
+            koordrp.start()
+            try:
+                with koordrp.channel() as channel:
+                    through = koordrp.runtime(channel)
+                    if step == "start":
+                        container_id = start_container(through, sandbox_id, pod, container)
+                    else:
+                        through.StopContainer(api_pb2.StopContainerRequest(container_id=container_id, timeout=0))
+            finally:
+                koordrp.stop()
+    finally:
+        remove_pod(runtime, sandbox_id)
+    assert not (workdir / "state" / "containers" / container_id).exists()  # read back, not kept
+    started, stopped = watcher.calls("PreStartContainerHook")[-1], watcher.calls("PostStopContainerHook")[-1]
+    assert started.container_annotations[IMAGE_NAME_ANNOTATION] == BUSYBOX_REF
+    assert stopped.container_annotations[IMAGE_NAME_ANNOTATION] == BUSYBOX_REF
+
+
 def test_environment_values_from_hooks_are_never_logged(
     koordrp: KoordrpProcess, runtime: Any, servers: dict[str, FakeHookServer], workdir: Path, hooks_dir: Path
 ) -> None:

@@ -305,12 +305,29 @@ class ContainerInfoTests(SynchronousTestCase):
         self.assertEqual(dict(info.container_annotations), {})
         self.assertEqual(info.container_resources, CREATED_RESOURCES)  # from the status
 
-    def test_the_image_is_the_one_kubelet_named(self) -> None:
-        def user_specified(info: dict[str, Any]) -> None:
-            info["config"]["image"] = {"image": "sha256:" + "0" * 64, "user_specified_image": "busybox"}
+    def test_the_image_is_the_one_kubelet_named_as_far_as_containerd_kept_it(self) -> None:
+        image_id = "sha256:" + "0" * 64
 
-        info = container_info_from_status(edit_info(container_status(), user_specified), None)
-        self.assertEqual(info.container_annotations[IMAGE_NAME_ANNOTATION], "busybox")
+        def image(spec: dict[str, str], annotation: str | None = None) -> dict[str, str]:
+            def edit(info: dict[str, Any]) -> None:
+                info["config"]["image"] = spec
+                if annotation is None:
+                    info["runtimeSpec"]["annotations"].pop(IMAGE_NAME_ANNOTATION)
+                else:
+                    info["runtimeSpec"]["annotations"][IMAGE_NAME_ANNOTATION] = annotation
+
+            return dict(container_info_from_status(edit_info(container_status(), edit), None).container_annotations)
+
+        # containerd 2 keeps the pod spec's name kubelet sent.
+        shown = image({"image": image_id, "user_specified_image": "busybox"}, "busybox")
+        self.assertEqual(shown[IMAGE_NAME_ANNOTATION], "busybox")
+        # 1.6 and 1.7 keep only the id: the name containerd gave the image, not the id.
+        shown = image({"image": image_id}, "docker.io/library/busybox:latest")
+        self.assertEqual(shown[IMAGE_NAME_ANNOTATION], "docker.io/library/busybox:latest")
+        self.assertEqual(image({"image": image_id})[IMAGE_NAME_ANNOTATION], image_id)
+        # A name in the request (crictl) is what hooks were shown at create.
+        shown = image({"image": "busybox"}, "docker.io/library/busybox:latest")
+        self.assertEqual(shown[IMAGE_NAME_ANNOTATION], "busybox")
 
     def test_sandbox_id(self) -> None:
         self.assertEqual(container_sandbox_id(container_status()), POD_ID)
