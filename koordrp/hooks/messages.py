@@ -191,11 +191,14 @@ def merge_pod_response(
 
 def merge_container_response(request: ContainerHookRequest, response: hook.ContainerResourceHookResponse) -> Changes:
     changes: Changes = []
-    annotations = dict(response.container_annotations)
-    image = annotations.pop(IMAGE_NAME_ANNOTATION, None)
-    _merge_map(request.container_annotations, annotations, "container_annotations", changes)
+    answered: Mapping[str, str] = response.container_annotations
     shown = request.container_annotations.get(IMAGE_NAME_ANNOTATION)
-    if image is not None and image != shown:  # an echo (reply()) changes nothing; another name is named, not taken
+    image = answered.get(IMAGE_NAME_ANNOTATION)
+    other_image = image is not None and image != shown  # an echo (reply()) changes nothing, and costs no copy
+    if other_image:
+        answered = {key: value for key, value in answered.items() if key != IMAGE_NAME_ANNOTATION}
+    _merge_map(request.container_annotations, answered, "container_annotations", changes)
+    if other_image:  # named in the call's line, not taken
         path = f"container_annotations[{IMAGE_NAME_ANNOTATION}]"
         changes.append(Change(path, added=shown is None, applied=False, why=RUNTIME_OWNS_IMAGE_NAME))
     if response.HasField("container_resources"):
