@@ -2,21 +2,29 @@
 
     scripts/demo [--hook-server path/to/server.py] [--pod-label K=V] [--pod-annotation K=V]
                  [--qos besteffort|burstable|guaranteed] [--pod-cgroup-parent PATH] [--env K=V]
-                 [--cpu-shares N] [--cpuset CPUS] [--memory-mib N] [--failure-policy Fail] [--repeat-stops]
-                 [--mode proxy|nri]
+                 [--image NAME] [--cpu-shares N] [--cpuset CPUS] [--memory-mib N]
+                 [--failure-policy Ignore|Fail] [--repeat-stops] [--mode proxy|nri]
 
 The hook server is the example (koordrp/examples/cpuset_qos.py: it pins containers of pods
 annotated ``demo.koordrp.io/cpuset`` to those CPUs and injects ``POD_QOS_CLASS`` from the pod's QoS
 label), or a file of your own defining a ``koordrp.sdk.HookServer``, served as
-``python -m koordrp.sdk`` serves it. Every CRI call the demo makes goes through koordrp's socket and
-is printed with its answer; then what containerd received (the pod's labels, annotations and cgroup
-parent; the container's environment, resources and annotations), what the container itself sees,
-koordrp's log lines and metrics, and the hook server's own output. The pod's cgroup parent is the one
-kubelet gives a pod of its QoS class (``/kubepods/burstable/pod<uid>`` unless ``--qos`` says
-otherwise). With ``--repeat-stops`` the container is stopped twice, and a second one is left running
-for the pod's stop: each shows PostStopContainer firing once. A hook server that fails to start ends
-the demo at once, its error first; what the SDK warned of comes first in the summary. Nothing is left
-behind: containerd, koordrp, the hook server, the pod, its cgroups and the temporary directory all go.
+``python -m koordrp.sdk`` serves it, with its own failure policy unless ``--failure-policy`` says
+otherwise. The example's pod carries what the example acts on (a QoS label, a cpuset annotation, an
+environment variable); a pod for your own server carries only what the flags give it, and the demo
+says which at the start. Every CRI call the demo makes goes through koordrp's socket and is printed
+with its answer, a refused or failed one as ``FAILED`` with its status and message, after which the
+demo goes on with what can still be done; then what containerd received (the pod's labels,
+annotations and cgroup parent; the container's environment, resources and annotations), what the
+container itself sees, a summary, koordrp's log lines and metrics, and the hook server's own output.
+The pod's cgroup parent is the one kubelet gives a pod of its QoS class
+(``/kubepods/burstable/pod<uid>`` unless ``--qos`` says otherwise). The container's image is
+busybox, named as ``--image`` says (built here under that name): the demo names it as kubelet
+does, by the image's id and as the pod spec writes it. With ``--repeat-stops`` the container is
+stopped twice, and a second one is left running for the pod's stop: each shows PostStopContainer
+firing once. A hook server that fails to start ends the demo at once, its error first; what the SDK
+warned of is in the summary. Nothing is left behind: containerd, koordrp, the hook server, the pod,
+its cgroups and the temporary directory all go. The demo exits 0 once it has shown all this, the
+CRI calls' failures included: they are what it shows.
 
 With ``--mode nri`` the containerd is Debian 13's 1.7 (``.deps/trixie``, from scripts/bootstrap)
 with NRI enabled, koordrp runs as its NRI plugin, and the demo's CRI calls go to containerd itself,
@@ -25,6 +33,7 @@ as kubelet's do on such a node; koordrp's lines say what NRI could not apply.
 
 import argparse
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -34,14 +43,16 @@ import urllib.request
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, TypeVar, cast
 
+import grpc
 from cri_api.v1 import api_pb2, api_pb2_grpc
 from google.protobuf.json_format import MessageToDict
 
+from tests.support.containerd import Containerd, ContainerdError
 from tests.support.cri_objects import container_config, linux_resources, pod_sandbox_config
 from tests.support.daemons import cgroup_dirs, remove_cgroup
-from tests.support.images import BUSYBOX_REF
+from tests.support.images import BUSYBOX_REF, SLEEP_FOREVER_CMD, BuiltImage, build_image_archive
 from tests.support.koordrp_process import KoordrpProcess
 from tests.support.stack import containerd_and_koordrp
 
@@ -52,6 +63,13 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "koordrp" / "examples" / "cpuset
 
 # Where kubelet (cgroupfs driver) puts a pod of each QoS class.
 QOS_PARENTS = {"guaranteed": "/kubepods/pod{uid}", "burstable": "/kubepods/burstable/pod{uid}", "besteffort": "/kubepods/besteffort/pod{uid}"}
+
+# An image reference as a pod spec writes it: [registry[:port]/]path[:tag], in lower case (no digest: the
+# demo builds the image, so it has no digest to name).
+_REFERENCE = re.compile(
+    r"(?:[a-z0-9][a-z0-9.-]*(?::[0-9]+)?/)?[a-z0-9]+(?:[._-][a-z0-9]+)*(?:/[a-z0-9]+(?:[._-][a-z0-9]+)*)*"
+    r"(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?"
+)
 
 
 @dataclass
@@ -66,6 +84,8 @@ class Pod:
     memory_mib: int = 0
     uid: str = field(default_factory=lambda: str(uuid.uuid4()))
     cgroup_parent: str = ""
+    image: str = BUSYBOX_REF
+    """The container's image as the pod spec writes it."""
 
 
 # What the example hook server acts on, when the demo runs it and the command line says nothing else.
@@ -83,20 +103,43 @@ def pairs(values: list[str] | None, what: str) -> dict[str, str] | None:
     return found
 
 
+def full_reference(name: str) -> str:
+    """``name`` as containerd names the image (docker's rule): ``busybox`` is ``docker.io/library/busybox:latest``."""
+    first, slash, _ = name.partition("/")
+    if not slash or not ("." in first or ":" in first or first == "localhost"):
+        name = f"docker.io/{name}" if slash else f"docker.io/library/{name}"
+    return name if ":" in name.rsplit("/", 1)[1] else f"{name}:latest"
+
+
 def options(argv: list[str] | None = None) -> tuple[argparse.Namespace, Pod]:
     parser = argparse.ArgumentParser(prog="scripts/demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--hook-server", type=Path, default=EXAMPLE, help="a file defining a HookServer [the example]")
-    parser.add_argument("--pod-label", action="append", metavar="K=V")
-    parser.add_argument("--pod-annotation", action="append", metavar="K=V")
+    parser.add_argument(
+        "--pod-label", action="append", metavar="K=V", help="[the example's pod: koordinator.sh/qosClass=LS; yours: none]"
+    )
+    parser.add_argument(
+        "--pod-annotation", action="append", metavar="K=V", help="[the example's pod: demo.koordrp.io/cpuset=0; yours: none]"
+    )
     parser.add_argument(
         "--qos", choices=tuple(QOS_PARENTS), default="burstable", help="the pod's QoS class: where kubelet puts its cgroup"
     )
     parser.add_argument("--pod-cgroup-parent", metavar="PATH", help="the pod's cgroup parent [the --qos class's]")
-    parser.add_argument("--env", action="append", metavar="K=V", help="the container's environment")
+    parser.add_argument(
+        "--env", action="append", metavar="K=V", help="the container's environment [the example's: GREETING=hello; yours: none]"
+    )
+    parser.add_argument(
+        "--image",
+        default=BUSYBOX_REF,
+        metavar="NAME",
+        help=f"the container's image as the pod spec names it, e.g. registry.example/team/app:1 (busybox, built "
+        f"under that name) [{BUSYBOX_REF}]",
+    )
     parser.add_argument("--cpu-shares", type=int, default=0)
     parser.add_argument("--cpuset", default="", help="the container's cpuset as kubelet would ask, e.g. 0")
     parser.add_argument("--memory-mib", type=int, default=0, help="the container's memory limit")
-    parser.add_argument("--failure-policy", choices=("Ignore", "Fail"), default="Ignore")
+    parser.add_argument(
+        "--failure-policy", choices=("Ignore", "Fail"), help="[the hook server's own: its failure_policy, else Ignore]"
+    )
     parser.add_argument(
         "--mode",
         choices=("proxy", "nri"),
@@ -109,7 +152,9 @@ def options(argv: list[str] | None = None) -> tuple[argparse.Namespace, Pod]:
         help="stop the container twice, and stop the pod with a second container running: PostStopContainer fires once each",
     )
     parsed = parser.parse_args(argv)
-    pod = Pod(cpu_shares=parsed.cpu_shares, cpuset=parsed.cpuset, memory_mib=parsed.memory_mib)
+    if not _REFERENCE.fullmatch(parsed.image):
+        parser.error(f"--image {parsed.image!r} is not an image name such as registry.example/team/app:1")
+    pod = Pod(cpu_shares=parsed.cpu_shares, cpuset=parsed.cpuset, memory_mib=parsed.memory_mib, image=parsed.image)
     pod.cgroup_parent = parsed.pod_cgroup_parent or QOS_PARENTS[parsed.qos].format(uid=pod.uid)
     for name, values in (("labels", parsed.pod_label), ("annotations", parsed.pod_annotation), ("env", parsed.env)):
         given = pairs(values, name)
@@ -120,11 +165,40 @@ def options(argv: list[str] | None = None) -> tuple[argparse.Namespace, Pod]:
     return parsed, pod
 
 
-def step(method: str, call: Callable[[], Answer], show: Callable[[Answer], Any] = lambda answer: "ok") -> Answer:
-    started = time.perf_counter()
-    answer = call()
-    print(f"  {method:<18} {(time.perf_counter() - started) * 1000:7.1f} ms  {show(answer)}")
-    return answer
+def describe(parsed: argparse.Namespace, pod: Pod) -> None:
+    """What the pod carries, and whence: an author's server must not wonder where the example's label went."""
+    print(f"the pod: labels {json.dumps(pod.labels, sort_keys=True)}, annotations {json.dumps(pod.annotations, sort_keys=True)}")
+    print(f"  its container: image {pod.image}, env {json.dumps(pod.env, sort_keys=True)}")
+    if parsed.hook_server == EXAMPLE:
+        print("  (what the example acts on, unless --pod-label, --pod-annotation or --env say otherwise)")
+    else:
+        print("  (for your server, only what --pod-label, --pod-annotation and --env give: the example's are its own)")
+
+
+class Calls:
+    """The CRI calls the demo makes, each printed with its answer; a refused or failed one is printed, kept for
+    the summary, and the demo goes on."""
+
+    def __init__(self) -> None:
+        self.made = 0
+        self.failed: list[str] = []
+
+    def step(
+        self, method: str, call: Callable[[], Answer], show: Callable[[Answer], Any] = lambda answer: "ok"
+    ) -> Answer | None:
+        """``call``'s answer (None: it failed, and says so)."""
+        self.made += 1
+        started = time.perf_counter()
+        try:
+            answer = call()
+        except grpc.RpcError as error:
+            failed = cast(grpc.Call, error)
+            text = f"FAILED: {failed.code().name}: {failed.details()}"
+            print(f"  {method:<18} {(time.perf_counter() - started) * 1000:7.1f} ms  {text}")
+            self.failed.append(f"{method} {text}")
+            return None
+        print(f"  {method:<18} {(time.perf_counter() - started) * 1000:7.1f} ms  {show(answer)}")
+        return answer
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -149,9 +223,11 @@ def run(parsed: argparse.Namespace, pod: Pod, base: Path) -> None:
         print(f"private containerd {containerd.release} on {containerd.endpoint}")
         if nri:
             print(f"koordrp (twistd -n koordrp {' '.join(proxy.mode_args())}) is its NRI plugin, metrics on {metrics}")
-            print("the CRI calls below go to containerd, as kubelet's do on an NRI node; containerd calls koordrp")
         else:
             print(f"koordrp (twistd -n koordrp) on {proxy.endpoint}, metrics on {metrics}")
+        if pod.image != BUSYBOX_REF:
+            import_as(containerd, base, pod.image)
+        describe(parsed, pod)
         hook_server = start_hook_server(parsed.hook_server, base, parsed.failure_policy)
         log = base / "hook-server.log"
         try:
@@ -163,25 +239,33 @@ def run(parsed: argparse.Namespace, pod: Pod, base: Path) -> None:
             registration = next((base / "hookserver.d").glob("*.json"))
             print(f"hook server {parsed.hook_server} (served by python -m koordrp.sdk), registered by {registration}:")
             print("  " + " ".join(registration.read_text().split()))
+            calls = Calls()
             if nri:
-                walk_a_pod(containerd.runtime(), base, pod, parsed.repeat_stops)
+                print("\nCRI calls made to containerd, as kubelet's on an NRI node (containerd calls koordrp, its NRI plugin):")
+                last = walk_a_pod(containerd.runtime(), containerd.images(), base, pod, parsed.repeat_stops, calls, nri)
             else:
+                print("\nCRI calls made through koordrp, as kubelet would make them:")
                 with proxy.channel() as channel:
-                    walk_a_pod(api_pb2_grpc.RuntimeServiceStub(channel), base, pod, parsed.repeat_stops)
-            proxy.log_lines("[koordrp.calls#info] RemovePodSandbox")  # the last call's line, just after its answer
-            summary = warnings(log)
-            if summary:
-                print("\nsummary: the hook server warned (koordrp.sdk):")
-                for line in summary:
-                    print("  " + line)
-            print("\nkoordrp's log, one line per lifecycle call:")
-            for line in proxy.log_lines("[koordrp.calls#info]"):
-                print("  " + line.split("] ", 1)[1])
+                    runtime, images = api_pb2_grpc.RuntimeServiceStub(channel), api_pb2_grpc.ImageServiceStub(channel)
+                    last = walk_a_pod(runtime, images, base, pod, parsed.repeat_stops, calls, nri)
+            proxy.log_lines(f"[koordrp.calls#info] {last}")  # the last call's line, just after its answer
+            show_summary(calls, log)
+            show_calls(proxy, nri)
             show_metrics(metrics)
         finally:
             hook_server.terminate()
             hook_server.wait(10)
         show_server_output(log)
+
+
+def import_as(containerd: Containerd, base: Path, name: str) -> None:
+    """busybox under ``name``, imported as containerd names it: a pod spec may name it so."""
+    built: BuiltImage = build_image_archive(base / "images" / "named.tar", full_reference(name), SLEEP_FOREVER_CMD)
+    try:
+        containerd.import_images([built])
+    except ContainerdError as error:
+        raise SystemExit(f"demo: --image {name}: containerd did not take the image: {error}") from None
+    print(f"image {name} (busybox) imported as {built.ref}")
 
 
 def _ancestors(path: str) -> list[str]:
@@ -209,6 +293,34 @@ def warnings(log: Path) -> list[str]:
     return [line for line in log.read_text(errors="replace").splitlines() if " koordrp.sdk WARNING " in line]
 
 
+def show_summary(calls: Calls, log: Path) -> None:
+    print("\nsummary:")
+    if calls.failed:
+        print(f"  {len(calls.failed)} of the {calls.made} CRI calls failed:")
+        for line in calls.failed:
+            print("    " + line)
+    else:
+        print(f"  all {calls.made} CRI calls answered")
+    warned = warnings(log)
+    if warned:
+        print("  the hook server warned (koordrp.sdk):")
+        for line in warned:
+            print("    " + line)
+
+
+def show_calls(proxy: KoordrpProcess, nri: bool) -> None:
+    print("\nkoordrp's log, one line per lifecycle call:")
+    if nri:
+        # containerd tells its plugin of a call as NRI events: the line times them, not kubelet's call.
+        print("  (NRI mode: a line's time runs from containerd's NRI event to its word that it did the call,")
+        print("  not the CRI call's above: a stop or removal is told once done, so its time is koordrp's alone)")
+    lines = [line.split("] ", 1)[1] for line in proxy.log_lines("[koordrp.calls#info]")]
+    for line in lines:
+        print("  " + line)
+    if any(": sent" in line for line in lines):
+        print("  (sent: a post hook, made once the call has answered and not waited for; koordrp_hook_calls_total says how it went)")
+
+
 def show_server_output(log: Path) -> None:
     print("\nthe hook server's own output:")
     for line in log.read_text(errors="replace").splitlines():
@@ -221,12 +333,15 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def start_hook_server(file: Path, base: Path, policy: str) -> subprocess.Popen[bytes]:
-    """The hook server in ``file``, served on a socket named after it and registered in koordrp's directory."""
+def start_hook_server(file: Path, base: Path, policy: str | None) -> subprocess.Popen[bytes]:
+    """The hook server in ``file``, served on a socket named after it and registered in koordrp's directory,
+    with its own failure policy unless ``policy`` names one."""
     output = open(base / "hook-server.log", "wb")
     socket_path = base / f"{file.stem.replace('_', '-')}.sock"
     command = [sys.executable, "-m", "koordrp.sdk", str(file), "--socket", str(socket_path)]
-    command += ["--register-in", str(base / "hookserver.d"), "--failure-policy", policy]
+    command += ["--register-in", str(base / "hookserver.d")]
+    if policy is not None:
+        command += ["--failure-policy", policy]
     with output:
         return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=output)
 
@@ -247,9 +362,23 @@ def show_metrics(base_url: str) -> None:
             print("  " + line)
 
 
-def walk_a_pod(runtime: api_pb2_grpc.RuntimeServiceStub, base: Path, wanted: Pod, repeat_stops: bool) -> None:
-    print("\nCRI calls made through koordrp:")
-    step("Version", lambda: runtime.Version(api_pb2.VersionRequest()), lambda v: f"{v.runtime_name} {v.runtime_version}")
+def walk_a_pod(
+    runtime: api_pb2_grpc.RuntimeServiceStub,
+    images: api_pb2_grpc.ImageServiceStub,
+    base: Path,
+    wanted: Pod,
+    repeat_stops: bool,
+    calls: Calls,
+    nri: bool,
+) -> str:
+    """The pod's life, as far as its calls let it go; the last lifecycle call made (its line is koordrp's last)."""
+    calls.step("Version", lambda: runtime.Version(api_pb2.VersionRequest()), lambda v: f"{v.runtime_name} {v.runtime_version}")
+    # kubelet names the image by the id ImageStatus gives, and as the pod spec writes it.
+    status = calls.step(
+        "ImageStatus",
+        lambda: images.ImageStatus(api_pb2.ImageStatusRequest(image=api_pb2.ImageSpec(image=wanted.image)), timeout=60),
+        lambda answer: f"{wanted.image} is {answer.image.id[:19]}…",
+    )
     pod = pod_sandbox_config(
         "demo",
         namespace="default",
@@ -259,81 +388,122 @@ def walk_a_pod(runtime: api_pb2_grpc.RuntimeServiceStub, base: Path, wanted: Pod
         log_directory=base / "pod-logs",
         cgroup_parent=wanted.cgroup_parent,
     )
-    sandbox = step(
+    sandbox = calls.step(
         "RunPodSandbox",
         lambda: runtime.RunPodSandbox(api_pb2.RunPodSandboxRequest(config=pod), timeout=60),
         lambda answer: f"sandbox {answer.pod_sandbox_id[:13]}",
     )
+    if sandbox is None:
+        return "RunPodSandbox"
+    sid = sandbox.pod_sandbox_id
     resources = linux_resources(
         cpu_shares=wanted.cpu_shares, cpuset_cpus=wanted.cpuset, memory_limit_in_bytes=wanted.memory_mib << 20
     )
+    image_id = status.image.id if status is not None and status.image.id else wanted.image
     config = container_config(
-        "app", image=BUSYBOX_REF, command=["sleep", "3600"], env=wanted.env, log_path="app.log", resources=resources
+        "app",
+        image=image_id,
+        user_specified_image=wanted.image,
+        command=["sleep", "3600"],
+        env=wanted.env,
+        log_path="app.log",
+        resources=resources,
     )
-    created = step(
+    created = calls.step(
         "CreateContainer",
         lambda: runtime.CreateContainer(
-            api_pb2.CreateContainerRequest(pod_sandbox_id=sandbox.pod_sandbox_id, config=config, sandbox_config=pod),
-            timeout=60,
+            api_pb2.CreateContainerRequest(pod_sandbox_id=sid, config=config, sandbox_config=pod), timeout=60
         ),
         lambda answer: f"container {answer.container_id[:13]}",
     )
-    cid, sid = created.container_id, sandbox.pod_sandbox_id
-    step("StartContainer", lambda: runtime.StartContainer(api_pb2.StartContainerRequest(container_id=cid)))
+    if created is None:
+        show_received(runtime, sid, None, nri)
+        print()
+    else:
+        use_the_container(runtime, calls, pod, sid, created.container_id, resources, image_id, repeat_stops, nri)
+    calls.step(
+        "StopPodSandbox",
+        lambda: runtime.StopPodSandbox(api_pb2.StopPodSandboxRequest(pod_sandbox_id=sid)),
+        lambda answer: "ok (its running sidecar stops with it)" if repeat_stops and created is not None else "ok",
+    )
+    calls.step("RemovePodSandbox", lambda: runtime.RemovePodSandbox(api_pb2.RemovePodSandboxRequest(pod_sandbox_id=sid)))
+    return "RemovePodSandbox"
+
+
+def use_the_container(
+    runtime: api_pb2_grpc.RuntimeServiceStub,
+    calls: Calls,
+    pod: Any,
+    sid: str,
+    cid: str,
+    resources: Any,
+    image_id: str,
+    repeat_stops: bool,
+    nri: bool,
+) -> None:
+    started = calls.step("StartContainer", lambda: runtime.StartContainer(api_pb2.StartContainerRequest(container_id=cid)))
     # kubelet sends the container's resources again on a resize or a CPU manager update: a server that
     # changes them at create should answer PreUpdateContainerResources too, or the update undoes it.
     update = api_pb2.UpdateContainerResourcesRequest(container_id=cid, linux=resources)
-    step("UpdateResources", lambda: runtime.UpdateContainerResources(update, timeout=60))
-    show_received(runtime, sid, cid)
+    calls.step("UpdateResources", lambda: runtime.UpdateContainerResources(update, timeout=60))
+    show_received(runtime, sid, cid, nri)
     print("\nwhat the container sees:")
-    step(
-        "ExecSync env",
-        lambda: runtime.ExecSync(api_pb2.ExecSyncRequest(container_id=cid, cmd=["env"], timeout=10)),
-        lambda answer: " ".join(sorted(answer.stdout.decode().split())),
-    )
-    step(
-        "ExecSync cpuset",
-        lambda: runtime.ExecSync(
-            api_pb2.ExecSyncRequest(container_id=cid, cmd=["cat", "/sys/fs/cgroup/cpuset/cpuset.cpus"], timeout=10)
-        ),
-        lambda answer: f"cpuset.cpus = {answer.stdout.decode().strip() or answer.stderr.decode().strip()}",
-    )
+    if started is None:
+        print("  nothing: it did not start")
+    else:
+        calls.step(
+            "ExecSync env",
+            lambda: runtime.ExecSync(api_pb2.ExecSyncRequest(container_id=cid, cmd=["env"], timeout=10)),
+            lambda answer: " ".join(sorted(answer.stdout.decode().split())),
+        )
+        calls.step(
+            "ExecSync cpuset",
+            lambda: runtime.ExecSync(
+                api_pb2.ExecSyncRequest(container_id=cid, cmd=["cat", "/sys/fs/cgroup/cpuset/cpuset.cpus"], timeout=10)
+            ),
+            lambda answer: f"cpuset.cpus = {answer.stdout.decode().strip() or answer.stderr.decode().strip()}",
+        )
     print()
     stop = api_pb2.StopContainerRequest(container_id=cid, timeout=0)
-    step("StopContainer", lambda: runtime.StopContainer(stop))
+    calls.step("StopContainer", lambda: runtime.StopContainer(stop))
     if repeat_stops:
         # kubelet stops again what is stopped already: the repeat owes no PostStopContainer.
-        step("StopContainer", lambda: runtime.StopContainer(stop), lambda answer: "ok (again: no post hook)")
-        second = container_config("sidecar", image=BUSYBOX_REF, command=["sleep", "3600"], log_path="sidecar.log")
-        created = step(
+        calls.step("StopContainer", lambda: runtime.StopContainer(stop), lambda answer: "ok (again: no post hook)")
+        second = container_config("sidecar", image=image_id, command=["sleep", "3600"], log_path="sidecar.log")
+        sidecar = calls.step(
             "CreateContainer",
             lambda: runtime.CreateContainer(
                 api_pb2.CreateContainerRequest(pod_sandbox_id=sid, config=second, sandbox_config=pod), timeout=60
             ),
             lambda answer: f"container {answer.container_id[:13]} (sidecar, left running)",
         )
-        step("StartContainer", lambda: runtime.StartContainer(api_pb2.StartContainerRequest(container_id=created.container_id)))
-    step("RemoveContainer", lambda: runtime.RemoveContainer(api_pb2.RemoveContainerRequest(container_id=cid)))
-    step(
-        "StopPodSandbox",
-        lambda: runtime.StopPodSandbox(api_pb2.StopPodSandboxRequest(pod_sandbox_id=sid)),
-        lambda answer: "ok (its running sidecar stops with it)" if repeat_stops else "ok",
-    )
-    step("RemovePodSandbox", lambda: runtime.RemovePodSandbox(api_pb2.RemovePodSandboxRequest(pod_sandbox_id=sid)))
+        if sidecar is not None:
+            start = api_pb2.StartContainerRequest(container_id=sidecar.container_id)
+            calls.step("StartContainer", lambda: runtime.StartContainer(start))
+    calls.step("RemoveContainer", lambda: runtime.RemoveContainer(api_pb2.RemoveContainerRequest(container_id=cid)))
 
 
-def show_received(runtime: api_pb2_grpc.RuntimeServiceStub, sandbox_id: str, container_id: str) -> None:
-    """What containerd was given, from its verbose statuses: the requests koordrp sent it."""
-    pod_info = json.loads(
-        runtime.PodSandboxStatus(api_pb2.PodSandboxStatusRequest(pod_sandbox_id=sandbox_id, verbose=True)).info["info"]
-    )
-    status = runtime.ContainerStatus(api_pb2.ContainerStatusRequest(container_id=container_id, verbose=True))
+def show_received(runtime: api_pb2_grpc.RuntimeServiceStub, sandbox_id: str, container_id: str | None, nri: bool) -> None:
+    """What containerd was given, from its verbose statuses: the requests koordrp sent it (in NRI mode kubelet's:
+    koordrp's changes reach the container through NRI, into its runtime spec)."""
+    print("\nwhat containerd received:" + (" (NRI mode: kubelet's requests; koordrp's changes are in the runtime spec)" if nri else ""))
+    try:
+        pod_info = json.loads(
+            runtime.PodSandboxStatus(api_pb2.PodSandboxStatusRequest(pod_sandbox_id=sandbox_id, verbose=True)).info["info"]
+        )
+        print(f"  pod labels          {json.dumps(pod_info['config'].get('labels', {}), sort_keys=True)}")
+        print(f"  pod annotations     {json.dumps(pod_info['config'].get('annotations', {}), sort_keys=True)}")
+        print(f"  pod cgroup parent   {pod_info['config'].get('linux', {}).get('cgroup_parent', '') or '(none)'}")
+        if container_id is None:
+            print("  container           none: CreateContainer failed")
+            return
+        status = runtime.ContainerStatus(api_pb2.ContainerStatusRequest(container_id=container_id, verbose=True))
+    except grpc.RpcError as error:
+        print(f"  containerd could not say: {cast(grpc.Call, error).code().name}: {cast(grpc.Call, error).details()}")
+        return
     info = json.loads(status.info["info"])
     config, spec = info["config"], info["runtimeSpec"]
-    print("\nwhat containerd received:")
-    print(f"  pod labels          {json.dumps(pod_info['config'].get('labels', {}), sort_keys=True)}")
-    print(f"  pod annotations     {json.dumps(pod_info['config'].get('annotations', {}), sort_keys=True)}")
-    print(f"  pod cgroup parent   {pod_info['config'].get('linux', {}).get('cgroup_parent', '') or '(none)'}")
+    print(f"  container image     {json.dumps(config.get('image', {}), sort_keys=True)}")
     print(f"  container env       {' '.join(env['key'] + '=' + env.get('value', '') for env in config.get('envs', []))}")
     print(f"  container annotations {json.dumps(config.get('annotations', {}), sort_keys=True)}")
     print(f"  container resources {json.dumps(config.get('linux', {}).get('resources', {}), sort_keys=True)}")

@@ -30,6 +30,7 @@ from __future__ import annotations
 import base64
 import functools
 import json
+import re
 from typing import Any, Callable, TypeVar, overload
 
 from google.protobuf import json_format
@@ -38,8 +39,8 @@ from google.protobuf.message import Message
 
 from koordrp.api.cri.v1 import api_pb2 as cri
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
-from koordrp.cri.translate import as_hook_resources, pod_hook_request
-from koordrp.hooks.messages import placed_in_pod
+from koordrp.cri.translate import as_hook_resources, image_name, pod_hook_request
+from koordrp.hooks.messages import IMAGE_NAME_ANNOTATION, placed_in_pod, with_image_name
 from koordrp.text import json_type
 
 __all__ = [
@@ -55,6 +56,9 @@ SANDBOX_NAMESPACE_ANNOTATION = "io.kubernetes.cri.sandbox-namespace"
 SANDBOX_UID_ANNOTATION = "io.kubernetes.cri.sandbox-uid"
 
 INT64_MIN, INT64_MAX, UINT64_MAX = -(2**63), 2**63 - 1, 2**64 - 1
+
+# How kubelet names an image by its id (what ImageStatus answered).
+_IMAGE_ID = re.compile(r"sha256:[0-9a-f]{64}")
 
 
 class RuntimeInfoError(ValueError):
@@ -130,7 +134,7 @@ def container_info_from_status(
     metadata = _metadata(config, status, what)
     container = hook.ContainerResourceHookRequest(
         container_meta=hook.ContainerMetadata(name=metadata.name, attempt=metadata.attempt, id=status.id),
-        container_annotations=dict(config.annotations),
+        container_annotations=with_image_name(config.annotations, _image_read_back(config, info, what)),
         container_envs=_envs(written.get("envs"), _spec_env(info, what), f"{what} config"),
     )
     container.container_resources.CopyFrom(_container_resources(status, config, info, what))
@@ -142,6 +146,18 @@ def container_info_from_status(
         container.pod_meta.namespace = annotations.get(SANDBOX_NAMESPACE_ANNOTATION, "")
         container.pod_meta.uid = annotations.get(SANDBOX_UID_ANNOTATION, "")
     return container
+
+
+def _image_read_back(config: cri.ContainerConfig, info: dict[str, Any], what: str) -> str:
+    """The image as hooks were shown it at create (``translate.image_name``), as far as containerd kept it.
+
+    containerd 2 keeps ``user_specified_image``; 1.6 and 1.7 drop it (their CRI schema predates it) and
+    keep only ``image``, which from kubelet is the image's id: then the name containerd gave the image
+    itself (its own annotation, as NRI mode on 1.7 shows it) is told rather than an id.
+    """
+    if config.image.user_specified_image or not _IMAGE_ID.fullmatch(config.image.image):
+        return image_name(config.image)
+    return _spec_annotations(info, what).get(IMAGE_NAME_ANNOTATION) or config.image.image
 
 
 @_only_runtime_info_errors

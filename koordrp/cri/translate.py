@@ -13,7 +13,7 @@ from google.protobuf.message import Message
 from koordrp.api.cri.v1 import api_pb2 as cri
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
 from koordrp.adapters import Written
-from koordrp.hooks.messages import ContainerHookRequest, PodHookRequest, merged_envs
+from koordrp.hooks.messages import ContainerHookRequest, PodHookRequest, merged_envs, with_image_name
 
 
 def as_hook_resources(resources: cri.LinuxContainerResources) -> hook.LinuxContainerResources:
@@ -69,12 +69,24 @@ def envs_of(config: cri.ContainerConfig) -> dict[str, str]:
     return dict(variable for variable in variables if variable is not None)
 
 
+def image_name(image: cri.ImageSpec) -> str:
+    """The container's image as hooks are shown it (``io.kubernetes.cri.image-name``): the image as the pod spec
+    names it, which kubelet sends as ``user_specified_image``, else the reference the request names.
+
+    It is the name containerd 2 gives the container itself, where NRI mode's hooks read it (containerd
+    1.6 and 1.7 give the name they resolved the reference to instead). kubelet's ``image`` is the
+    image's id (``sha256:…``), which names nothing a rule could match; the name is read from the
+    request, without asking the runtime, which would cost every create a call.
+    """
+    return image.user_specified_image or image.image
+
+
 def container_hook_request(request: cri.CreateContainerRequest) -> ContainerHookRequest:
     """The container of a CreateContainer request, placed under the pod's cgroup parent its sandbox config names."""
     config = request.config
     container = ContainerHookRequest(
         container_meta=hook.ContainerMetadata(name=config.metadata.name, attempt=config.metadata.attempt),
-        container_annotations=dict(config.annotations),
+        container_annotations=with_image_name(config.annotations, image_name(config.image)),
         container_envs=envs_of(config),
         pod_cgroup_parent=request.sandbox_config.linux.cgroup_parent,
     )

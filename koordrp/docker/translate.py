@@ -35,6 +35,7 @@ from koordrp.hooks.messages import (
     oci_env_map,
     oci_env_variable,
     placed_in_pod,
+    with_image_name,
 )
 from koordrp.text import json_type
 
@@ -127,6 +128,17 @@ def _env(holder: Mapping[str, Any], what: str) -> list[str]:
         if not isinstance(entry, str):
             raise DockerShapeError(f"{what}.Env[{index}] is {json_type(entry)}, not a string")
     return list(value)
+
+
+def _image(holder: Mapping[str, Any], what: str) -> str:
+    """The image a create body (or inspect's Config, which keeps it as created) names: cri-dockerd's copy of
+    kubelet's ``image`` (cri-dockerd passes on no ``user_specified_image``)."""
+    value = holder.get("Image")
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise DockerShapeError(f"{what}.Image is {json_type(value)}, not a string")
+    return value
 
 
 def _resources(holder: Mapping[str, Any], what: str, keys: tuple[tuple[str, str], ...]) -> hook.LinuxContainerResources:
@@ -304,6 +316,7 @@ def _container_request(
     name: _Name,
     labels: Mapping[str, str],
     env: list[str],
+    image: str,
     host: Mapping[str, Any] | None,
     what: str,
     cgroup_driver: str | None,
@@ -312,7 +325,7 @@ def _container_request(
     _, annotations = _split_labels(labels, "container")
     container = ContainerHookRequest(
         container_meta=hook.ContainerMetadata(name=name.container, attempt=name.attempt),
-        container_annotations=annotations,
+        container_annotations=with_image_name(annotations, image),
         container_envs=oci_env_map(env),
     )
     own_parent = ""
@@ -342,7 +355,8 @@ def _container_create(name: str, body: object, cgroup_driver: str | None) -> Con
     _require_kind(labels, "container", "create body")
     host = _optional_object(create, "HostConfig", "create body")
     env = _env(create, "create body")
-    return _container_request(_Name(name, "container"), labels, env, host, "create body", cgroup_driver)
+    image = _image(create, "create body")
+    return _container_request(_Name(name, "container"), labels, env, image, host, "create body", cgroup_driver)
 
 
 def update_resources(body: object) -> hook.LinuxContainerResources:
@@ -388,8 +402,9 @@ def stored_container_from_inspect(
         raise DockerShapeError(f"inspect.Id is {json_type(container_id)}, not a container id")
     host = _optional_object(found, "HostConfig", "inspect")
     env = _env(config, "inspect.Config")
+    image = _image(config, "inspect.Config")
     name = _Name(found.get("Name"), "container")
-    container = _container_request(name, labels, env, host, "inspect", cgroup_driver)
+    container = _container_request(name, labels, env, image, host, "inspect", cgroup_driver)
     container.container_meta.id = container_id
     return container if pod is None else placed_in_pod(container, pod)
 

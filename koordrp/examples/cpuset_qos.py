@@ -6,7 +6,8 @@
 PreCreateContainer:
 
 * a pod annotated ``demo.koordrp.io/cpuset: "0-1"`` gets each of its containers pinned to those
-  CPUs (``cpuset_cpus``); a malformed value fails the hook call rather than reaching the runtime;
+  CPUs (``cpuset_cpus``); a malformed value is refused (``Refuse``) rather than sent to the runtime:
+  with the Fail policy the container is not created, and kubelet is told why;
 * every container gets ``POD_QOS_CLASS`` set from its pod's ``koordinator.sh/qosClass`` label, or
   ``NONE`` when the pod has none.
 
@@ -21,7 +22,7 @@ import logging
 import re
 
 from koordrp.api.runtime.v1alpha1 import api_pb2
-from koordrp.sdk import HookServer, command, reply
+from koordrp.sdk import HookServer, Refuse, command, reply
 
 CPUSET_ANNOTATION = "demo.koordrp.io/cpuset"
 QOS_LABEL = "koordinator.sh/qosClass"
@@ -39,10 +40,11 @@ class CpusetQoS(HookServer):
 
     def PreCreateContainer(self, request: api_pb2.ContainerResourceHookRequest) -> api_pb2.ContainerResourceHookResponse:
         response = reply(request)
-        cpuset = request.pod_annotations.get(CPUSET_ANNOTATION, "").replace(" ", "")
+        annotated = request.pod_annotations.get(CPUSET_ANNOTATION, "")
+        cpuset = annotated.replace(" ", "")
         if cpuset:
             if not _CPU_LIST.match(cpuset):
-                raise ValueError(f"annotation {CPUSET_ANNOTATION}={cpuset!r} is not a CPU list like 0-1 or 0,2")
+                raise Refuse(f"annotation {CPUSET_ANNOTATION}={annotated!r} is not a CPU list like 0-1 or 0,2")
             response.container_resources.cpuset_cpus = cpuset
         response.container_envs[QOS_ENV] = request.pod_labels.get(QOS_LABEL, NO_QOS)
         return response

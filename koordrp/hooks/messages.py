@@ -71,6 +71,21 @@ Changes = list[Change]
 
 NOT_APPLYING_POD_RESOURCES = "the registration does not set apply-pod-resources"
 
+IMAGE_NAME_ANNOTATION = "io.kubernetes.cri.image-name"
+"""containerd's annotation naming a container's image. In NRI mode hooks are shown containerd's own; the
+proxy and Docker mode show the image their request names under the same key, so that a hook reads the
+image one way in every mode. The runtime sets it, not the request: hooks cannot change it."""
+
+RUNTIME_OWNS_IMAGE_NAME = "the runtime names the image itself: hooks are shown it and cannot change it"
+
+
+def with_image_name(annotations: Mapping[str, str], image: str) -> dict[str, str]:
+    """A container's annotations as hooks are shown them: with its image under IMAGE_NAME_ANNOTATION, if it names one."""
+    shown = dict(annotations)
+    if image:
+        shown[IMAGE_NAME_ANNOTATION] = image
+    return shown
+
 
 def _set(target: Message, name: str, value: object, prefix: str, changes: Changes) -> None:
     before = getattr(target, name)
@@ -176,7 +191,16 @@ def merge_pod_response(
 
 def merge_container_response(request: ContainerHookRequest, response: hook.ContainerResourceHookResponse) -> Changes:
     changes: Changes = []
-    _merge_map(request.container_annotations, response.container_annotations, "container_annotations", changes)
+    answered: Mapping[str, str] = response.container_annotations
+    shown = request.container_annotations.get(IMAGE_NAME_ANNOTATION)
+    image = answered.get(IMAGE_NAME_ANNOTATION)
+    other_image = image is not None and image != shown  # an echo (reply()) changes nothing, and costs no copy
+    if other_image:
+        answered = {key: value for key, value in answered.items() if key != IMAGE_NAME_ANNOTATION}
+    _merge_map(request.container_annotations, answered, "container_annotations", changes)
+    if other_image:  # named in the call's line, not taken
+        path = f"container_annotations[{IMAGE_NAME_ANNOTATION}]"
+        changes.append(Change(path, added=shown is None, applied=False, why=RUNTIME_OWNS_IMAGE_NAME))
     if response.HasField("container_resources"):
         changes += merge_resources(request.container_resources, response.container_resources, "container_resources.")
     if response.pod_cgroup_parent:

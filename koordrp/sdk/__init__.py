@@ -21,7 +21,10 @@ not ``pre_create_container`` nor the RPC's ``PreCreateContainerHook``), or regis
 Answer with ``reply(request)`` changed where you want, as koordlet answers: koordrp merges an
 answer into the request the way Koordinator's proxy does, so a resources message in it sets the
 cpuset to what it says (the empty string clears kubelet's cpuset), and ``reply`` starts from the
-request's own values. Returning ``None`` changes nothing.
+request's own values. Returning ``None`` changes nothing; raising ``Refuse(reason)`` refuses the
+call. A server declares its registration's failure policy and timeout as class (or instance)
+attributes, ``failure_policy = "Fail"`` and ``timeout_seconds = 2``; ``serve()``'s arguments and
+the command line's flags win over them.
 
 Where a handler runs (the Twisted reactor or an asyncio loop, following txaio's choice) and how its
 answer is awaited is told in ``koordrp.sdk.loops``; how the registration is written, in
@@ -44,11 +47,12 @@ import grpc
 
 from koordrp.api.runtime.v1alpha1 import api_pb2
 from koordrp.hooks.types import HOOKS_BY_NAME, FailurePolicy, HookType
-from koordrp.sdk import registration
-from koordrp.sdk.loops import SERVICE, AsyncioThread, Calls
+from koordrp.sdk import advice, registration
+from koordrp.sdk.loops import REFUSED, SERVICE, AsyncioThread, Calls, Refuse
 from koordrp.unix import grpc_target, prepare_listening_path, umask
 
 __all__ = [
+    "REFUSED",
     "SERVICE",
     "ContainerHandler",
     "ContainerResourceHookRequest",
@@ -59,6 +63,7 @@ __all__ = [
     "PodHandler",
     "PodSandboxHookRequest",
     "PodSandboxHookResponse",
+    "Refuse",
     "RunningServer",
     "hook_type",
     "reply",
@@ -148,7 +153,8 @@ def reply(
     """The answer that changes nothing: every field the answer has, copied from ``request``.
 
     Change what you want in it and return it. Starting from an empty answer instead, a resources
-    message you add carries an empty cpuset, which clears the container's.
+    message you add carries an empty cpuset, which clears the container's (the SDK warns of such an
+    answer: it knows the ones ``reply`` built for the request at hand).
     """
     if isinstance(request, api_pb2.PodSandboxHookRequest):
         pod = api_pb2.PodSandboxHookResponse(
@@ -164,6 +170,7 @@ def reply(
     )
     if request.HasField("container_resources"):
         container.container_resources.CopyFrom(request.container_resources)
+    advice.built(request, container)
     return container
 
 
@@ -174,10 +181,24 @@ class HookServer:
     request)``), or register functions on an instance with :meth:`hook`. A subclass method whose
     name is a hook spelt another way (``pre_create_container``, ``PreCreateContainerHook``) is an
     error at class creation: silently never being called would be worse.
+
+    ``failure_policy`` and ``timeout_seconds`` are what the registration says unless ``serve()`` (or
+    the command line, which passes them to it) says otherwise: set them on a subclass or an instance.
     """
+
+    failure_policy: FailurePolicy | str = FailurePolicy.IGNORE
+    """``Fail``: koordrp fails the CRI call when this server refuses it, fails, or does not answer in time."""
+    timeout_seconds: float | None = None
+    """The most one call may take (None: koordrp's --hook-timeout, within the CRI call's deadline)."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        # A misspelt policy or a bad timeout is said where it is written, not at the first serve().
+        try:
+            registration.checked_policy(cls.failure_policy)
+            registration.checked_timeout(cls.timeout_seconds)
+        except ValueError as error:
+            raise TypeError(f"{cls.__name__}: {error}") from None
         for attribute, value in vars(cls).items():
             if attribute in HOOKS_BY_NAME or not callable(value):
                 continue
@@ -234,7 +255,7 @@ class HookServer:
         *,
         register_in: str | None = None,
         name: str | None = None,
-        failure_policy: FailurePolicy | str = "Ignore",
+        failure_policy: FailurePolicy | str | None = None,
         timeout_seconds: float | None = None,
         max_workers: int = 16,
     ) -> RunningServer:
@@ -243,9 +264,10 @@ class HookServer:
         The socket's directory is created if missing and a stale socket left by a dead server is
         replaced; a socket another live process serves is not (``koordrp.unix.SocketInUse``).
         With ``register_in`` (a hookserver.d directory), ``<name>.json`` is written there once the
-        socket accepts calls, listing the hooks that have handlers; ``name`` defaults to the
-        socket's file name without its extension. Handlers registered after this call are not
-        served by this server.
+        socket accepts calls, listing the hooks that have handlers, with ``failure_policy`` and
+        ``timeout_seconds`` (None: the server's own attributes); ``name`` defaults to the socket's
+        file name without its extension. Handlers registered after this call are not served by
+        this server.
         """
         if not self._handlers:
             raise ValueError("this hook server has no handlers: define or register at least one")
@@ -257,13 +279,16 @@ class HookServer:
                 closest,
             )
         path = registration.socket_path(socket_path)
+        # Checked whether or not it is written: a server registered by hand is told as early.
+        document = registration.registration_document(
+            path,
+            self._handlers,
+            self.failure_policy if failure_policy is None else failure_policy,
+            self.timeout_seconds if timeout_seconds is None else timeout_seconds,
+        )
         written = None
         if register_in is not None:
-            written = registration.Registration(
-                directory=register_in,
-                name=registration.registration_name(name, path),
-                document=registration.registration_document(path, self._handlers, failure_policy, timeout_seconds),
-            )
+            written = registration.Registration(register_in, registration.registration_name(name, path), document)
         return RunningServer(path, dict(self._handlers), written, max_workers)
 
 

@@ -10,6 +10,7 @@ in front of a real containerd.
 """
 
 import importlib.util
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -17,10 +18,15 @@ from koordrp.sdk import HookServer, command
 
 
 def load(path: Path) -> ModuleType:
-    spec = importlib.util.spec_from_file_location("hook_server_under_test", path)
+    """The file as a module named after it (``pin_me.py`` is ``pin_me``, as ``import pin_me`` names it), so that
+    its loggers (``logging.getLogger(__name__)``) and its classes name the author's module."""
+    name = path.stem if path.stem.isidentifier() else "hook_server"
+    spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise SystemExit(f"{path}: not a Python file")
     module = importlib.util.module_from_spec(spec)
+    # Listed, unless the name is another module's, for what looks a class's module up (pickle, dataclasses).
+    sys.modules.setdefault(name, module)
     spec.loader.exec_module(module)
     return module
 

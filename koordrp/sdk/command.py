@@ -21,8 +21,13 @@ def parser(prog: str, description: str, *, socket: str | None = None, name: str 
     options.add_argument(
         "--name", default=name, help="registration file name, without .json" + ("" if name else " [default: the socket's]")
     )
-    options.add_argument("--failure-policy", choices=("Ignore", "Fail"), default="Ignore")
-    options.add_argument("--timeout-seconds", type=float, help="how long koordrp waits for one call")
+    # Without the flags, the server's own failure_policy and timeout_seconds: the command line only overrides.
+    options.add_argument(
+        "--failure-policy", choices=("Ignore", "Fail"), help="[default: the server's failure_policy, Ignore unless it sets one]"
+    )
+    options.add_argument(
+        "--timeout-seconds", type=float, help="how long koordrp waits for one call [default: the server's timeout_seconds]"
+    )
     return options
 
 

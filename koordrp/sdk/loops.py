@@ -20,10 +20,12 @@ values, an asyncio future or a coroutine. The SDK uses txaio's per-framework API
 raises into a future of that framework, and ``add_callbacks`` hands the outcome to the waiting grpc
 thread. The SDK never makes txaio's choice itself.
 
-A handler that raises (or whose Deferred or coroutine fails) fails the call with ``INTERNAL`` and
-the exception's message; koordrp then applies the registration's failure policy. A hook with no
-handler answers ``UNIMPLEMENTED``. When the caller gives up (koordrp's timeout), the handler's
-Deferred or task is cancelled.
+A handler that raises ``Refuse(reason)`` refuses the call: it fails with ``FAILED_PRECONDITION`` and
+the reason as its message, logged in one line. Any other exception (or a Deferred or coroutine that
+fails so) is a bug in the handler: ``INTERNAL``, the exception's type and message, and its traceback
+in the log. koordrp applies the registration's failure policy to both. A hook with no handler
+answers ``UNIMPLEMENTED``. When the caller gives up (koordrp's timeout), the handler's Deferred or
+task is cancelled.
 """
 
 from __future__ import annotations
@@ -41,13 +43,34 @@ import txaio.tx
 from twisted.internet.defer import Deferred
 
 from koordrp.api.runtime.v1alpha1 import api_pb2
-from koordrp.hooks.messages import HookRequest
+from koordrp.hooks.messages import HookRequest, subject_text
 from koordrp.hooks.types import HookType
 from koordrp.sdk import advice
 
 log = logging.getLogger("koordrp.sdk")
 
 SERVICE = "runtime.v1alpha1.RuntimeHookService"
+
+REFUSED = grpc.StatusCode.FAILED_PRECONDITION
+"""The status of a refused call. The request is well formed and koordrp may call (not INVALID_ARGUMENT,
+not PERMISSION_DENIED, which would send an operator after koordrp's rights on the socket): the pod or
+container does not meet the server's condition, and asking again will not change that until the pod
+or the server does, which is what FAILED_PRECONDITION says."""
+
+
+class Refuse(Exception):
+    """Raised by a handler to refuse the call: ``reason`` reaches koordrp as the message of a
+    FAILED_PRECONDITION status, and the server logs one line (no traceback: it is an answer, not a bug).
+
+    What follows is the registration's failure policy: with ``Fail`` the CRI call fails with the
+    reason in its message and the runtime is not called; with ``Ignore`` koordrp logs a warning and
+    the call goes on without this server's answer. Post hooks cannot refuse: their failures are only
+    logged.
+    """
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
 
 
 def response_type(hook: HookType) -> type[api_pb2.PodSandboxHookResponse] | type[api_pb2.ContainerResourceHookResponse]:
@@ -234,10 +257,13 @@ class Calls:
         self, hook: HookType, handler: Callable[[Any], object], request: HookRequest, context: grpc.ServicerContext
     ) -> object:
         try:
-            result = self._run(self._loop_for(handler), handler, request, context)
-            answer = _checked(hook, result)
-            self._advise(hook, request, answer)
+            with advice.handed(request):
+                answer = _checked(hook, self._run(self._loop_for(handler), handler, request, context))
+                self._advise(hook, request, answer)
             return answer
+        except Refuse as refusal:
+            log.info("%s refused for %s: %s", hook.value, subject_text(request), refusal.reason)
+            context.abort(REFUSED, refusal.reason)
         except concurrent.futures.TimeoutError:
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"{hook.value} handler did not answer in time")
         except (concurrent.futures.CancelledError, asyncio.CancelledError):

@@ -33,23 +33,42 @@ def registration_name(name: str | None, socket_path: str) -> str:
     return name
 
 
+def checked_policy(failure_policy: FailurePolicy | str) -> FailurePolicy:
+    if isinstance(failure_policy, FailurePolicy):
+        return failure_policy
+    try:
+        return FailurePolicy(failure_policy)
+    except ValueError:
+        known = " or ".join(repr(policy.value) for policy in FailurePolicy)
+        raise ValueError(f"failure_policy must be {known}, not {failure_policy!r}") from None
+
+
+def checked_timeout(timeout_seconds: float | None) -> float | None:
+    if timeout_seconds is not None and (
+        isinstance(timeout_seconds, bool)
+        or not isinstance(timeout_seconds, (int, float))
+        or not (math.isfinite(timeout_seconds) and timeout_seconds > 0)
+    ):
+        raise ValueError(f"timeout_seconds must be a positive finite number, not {timeout_seconds!r}")
+    return timeout_seconds
+
+
 def registration_document(
     socket_path: str,
     handlers: Mapping[HookType, object],
     failure_policy: FailurePolicy | str,
     timeout_seconds: float | None,
 ) -> dict[str, object]:
-    policy = failure_policy if isinstance(failure_policy, FailurePolicy) else FailurePolicy(failure_policy)
+    """The registration koordrp (and Koordinator's proxy) reads: ``timeout-seconds`` is koordrp's own field."""
     document: dict[str, object] = {
         "remote-endpoint": socket_path,
-        "failure-policy": policy.value,
+        "failure-policy": checked_policy(failure_policy).value,
         # In HookType order, so that the file does not change from one start to the next.
         "runtime-hooks": [hook.value for hook in HookType if hook in handlers],
     }
-    if timeout_seconds is not None:
-        if isinstance(timeout_seconds, bool) or not (math.isfinite(timeout_seconds) and timeout_seconds > 0):
-            raise ValueError(f"timeout_seconds must be a positive finite number, not {timeout_seconds!r}")
-        document["timeout-seconds"] = timeout_seconds
+    timeout = checked_timeout(timeout_seconds)
+    if timeout is not None:
+        document["timeout-seconds"] = timeout
     return document
 
 

@@ -16,6 +16,7 @@ import grpc
 import pytest
 
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
+from koordrp.hooks.messages import IMAGE_NAME_ANNOTATION
 from koordrp.trouble import RETRY_CAP_SECONDS
 from tests.e2e.conftest import hook_server, wait_registered
 from tests.fake.hook_server import FakeHookServer, koordlet_cpuset_rule
@@ -153,6 +154,7 @@ def test_kubernetes_creates_go_through_the_hooks(
     server.behaviours["PreCreateContainerHook"] = lambda request: hook.ContainerResourceHookResponse(
         container_envs={"KOORDRP_TEST": "1"},
         container_resources=hook.LinuxContainerResources(cpu_shares=512, cpuset_cpus="0"),
+        container_annotations={IMAGE_NAME_ANNOTATION: "registry.example/other:1"},  # not the hook's to change
     )
     register(workdir / "hookserver.d", "tuner", server.path,
              ["PreRunPodSandbox", "PreCreateContainer", "PreStartContainer", "PostStopContainer"])
@@ -165,6 +167,9 @@ def test_kubernetes_creates_go_through_the_hooks(
         assert inspect["HostConfig"]["CgroupParent"] == "/koordrp-docker-e2e"
         assert "KOORDRP_TEST=1" in inspect["Config"]["Env"]
         assert inspect["Config"]["Env"].index("FROM_KUBELET=a=b") < inspect["Config"]["Env"].index("KOORDRP_TEST=1")
+        # The hooks are shown the body's image under containerd's key; dockerd is given nothing of it.
+        assert server.calls("PreCreateContainerHook")[-1].container_annotations[IMAGE_NAME_ANNOTATION] == BUSYBOX_REF
+        assert (inspect["Config"]["Image"], inspect["Config"]["Labels"].get(f"annotation.{IMAGE_NAME_ANNOTATION}")) == (BUSYBOX_REF, None)
         sandbox = json.loads(dockerd.docker("inspect", sandbox_id, check=True).stdout)[0]
         assert sandbox["HostConfig"]["CgroupParent"] == "/koordrp-docker-e2e"
         env = dockerd.docker("exec", container_id, "env", check=True).stdout.split()
@@ -173,6 +178,7 @@ def test_kubernetes_creates_go_through_the_hooks(
         assert cpus.strip() == "0"
         started = server.calls("PreStartContainerHook")[-1]
         assert (started.pod_meta.name, started.container_meta.name) == ("tuned", "app")
+        assert started.container_annotations[IMAGE_NAME_ANNOTATION] == BUSYBOX_REF
         # Hooks are shown what kubelet asked (no CPU shares), not what PreCreateContainer made of it.
         assert started.container_resources.cpu_shares == 0 and "KOORDRP_TEST" not in started.container_envs
         assert post(proxy.socket, f"/containers/{container_id}/stop?t=1") == 204

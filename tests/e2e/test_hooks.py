@@ -16,13 +16,14 @@ import pytest
 from cri_api.v1 import api_pb2
 
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
+from koordrp.hooks.messages import IMAGE_NAME_ANNOTATION, RUNTIME_OWNS_IMAGE_NAME
 from tests.e2e.conftest import Runtimes, hook_server, wait_registered
 from tests.fake.hook_server import FakeHookServer
 from tests.support.containerd import Containerd
 from tests.support.cri_objects import container_config, linux_resources, pod_sandbox_config
 from tests.support.hook_registration import register
 from tests.support.dockerd import remove_cgroup
-from tests.support.images import BUSYBOX_REF
+from tests.support.images import BUSYBOX_REF, ImageSet
 from tests.support.koordrp_process import KoordrpProcess
 from tests.support.pods import TIMEOUT, remove_pod, running_container, runtime_spec, start_container
 
@@ -118,6 +119,37 @@ def test_pre_hooks_change_what_the_container_gets(
             assert change in create, create
     finally:
         remove_cgroup_parent()
+
+
+def test_hooks_see_the_image_kubelet_named_in_every_mode_and_cannot_change_it(
+    koordrp: KoordrpProcess,
+    runtime: Any,
+    images: ImageSet,
+    servers: dict[str, FakeHookServer],
+    workdir: Path,
+    hooks_dir: Path,
+) -> None:
+    server = hook_server(servers, workdir, "images")
+    server.behaviours[CREATE] = lambda request: hook.ContainerResourceHookResponse(
+        container_envs={"IMAGE": request.container_annotations.get(IMAGE_NAME_ANNOTATION, "(none)")},
+        container_annotations={IMAGE_NAME_ANNOTATION: "registry.example/other:1"},
+    )
+    register(hooks_dir, "images", server.path, ["PreCreateContainer", "PreStartContainer"])
+    wait_registered(koordrp, 1)
+    # As kubelet names it: by the image's id, and as the pod spec writes it.
+    kubelets = {"image": images.busybox.image_id, "user_specified_image": BUSYBOX_REF}
+    with running_container(runtime, "imaged", workdir, container_options=kubelets) as pod:
+        assert f"IMAGE={BUSYBOX_REF}" in container_env(runtime, pod.container_id)
+        # containerd's own annotation, whatever the hook answered (1.6 and 1.7 resolve the id to the image's
+        # only name; 2.1 takes the pod spec's)...
+        assert runtime_spec(runtime, pod.container_id)["annotations"][IMAGE_NAME_ANNOTATION] == BUSYBOX_REF
+        # ... and nothing of it in the request the runtime was sent.
+        status = runtime.ContainerStatus(api_pb2.ContainerStatusRequest(container_id=pod.container_id, verbose=True))
+        assert IMAGE_NAME_ANNOTATION not in json.loads(status.info["info"])["config"].get("annotations", {})
+        [started] = server.calls("PreStartContainerHook")
+        assert started.container_annotations[IMAGE_NAME_ANNOTATION] == BUSYBOX_REF
+    [create] = koordrp.log_lines("[koordrp.calls#info] CreateContainer pod default/imaged")
+    assert f"left alone ({RUNTIME_OWNS_IMAGE_NAME}) annotations ~{IMAGE_NAME_ANNOTATION}" in create, create
 
 
 def test_servers_chain_in_file_name_order(
@@ -324,6 +356,41 @@ def test_after_a_restart_hooks_get_the_same_information(
     assert after.pod_annotations["koordrp.test/pod"] == "tuned"
     assert dict(after.container_envs) == {"B": "2", "A": "1"}
     assert (after.container_resources.cpu_shares, after.container_resources.memory_limit_in_bytes) == (0, 64 << 20)
+
+
+@pytest.mark.parametrize("mode", PROXY_MODES, indirect=True)
+def test_after_a_restart_the_image_is_still_a_name(
+    containerd: Containerd, images: ImageSet, servers: dict[str, FakeHookServer], workdir: Path, hooks_dir: Path
+) -> None:
+    # A hook that changes nothing: no state file, so after the restart the container is read back from
+    # containerd, which (1.6, 1.7) kept only the image's id kubelet sent, not the pod spec's name.
+    watcher = hook_server(servers, workdir, "watcher")
+    register(hooks_dir, "watcher", watcher.path, ["PreStartContainer", "PostStopContainer"])
+    pod = pod_sandbox_config("image-restart", log_directory=workdir / "ir")
+    container = container_config(
+        "app", image=images.busybox.image_id, user_specified_image=BUSYBOX_REF, command=["sleep", "3600"]
+    )
+    runtime = containerd.runtime()
+    sandbox_id = runtime.RunPodSandbox(api_pb2.RunPodSandboxRequest(config=pod), timeout=TIMEOUT).pod_sandbox_id
+    try:
+        for step in ("start", "stop"):  # each through a koordrp of its own
+            koordrp = KoordrpProcess(workdir, containerd.endpoint)
+            koordrp.start()
+            try:
+                with koordrp.channel() as channel:
+                    through = koordrp.runtime(channel)
+                    if step == "start":
+                        container_id = start_container(through, sandbox_id, pod, container)
+                    else:
+                        through.StopContainer(api_pb2.StopContainerRequest(container_id=container_id, timeout=0))
+            finally:
+                koordrp.stop()
+    finally:
+        remove_pod(runtime, sandbox_id)
+    assert not (workdir / "state" / "containers" / container_id).exists()  # read back, not kept
+    started, stopped = watcher.calls("PreStartContainerHook")[-1], watcher.calls("PostStopContainerHook")[-1]
+    assert started.container_annotations[IMAGE_NAME_ANNOTATION] == BUSYBOX_REF
+    assert stopped.container_annotations[IMAGE_NAME_ANNOTATION] == BUSYBOX_REF
 
 
 def test_environment_values_from_hooks_are_never_logged(

@@ -1,14 +1,9 @@
 """A short soak: pods, kubelet's polling and hook config reloads at once lose no hook call and leave nothing."""
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 from tests.e2e.conftest import require_runtime
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.modules import run_python_module
 
 
 @pytest.fixture(autouse=True)
@@ -19,15 +14,8 @@ def runtime_available() -> None:
 def test_short_soak_loses_nothing_and_leaves_nothing() -> None:
     # 40 pods take about 15 s on 8 workers; 30 s bounds a slow machine, and the script still
     # finishes and checks whatever it started.
-    result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.soak", "--seconds", "30", "--pods", "40"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = run_python_module("benchmarks.soak", "--seconds", "30", "--pods", "40")
     output = result.stdout + result.stderr
-    assert result.returncode == 0, output
     assert "hook calls: nothing lost" in result.stdout, output
     assert "\nerrors: 0\n" in result.stdout, output
     assert "left behind: 0 pods, 0 containers listed through koordrp; 0 pods, 0 containers" in result.stdout, output
@@ -45,16 +33,11 @@ def cells(output: str, figure: str) -> list[str]:
 def test_a_short_node_soak_leaks_no_descriptor_and_its_store_comes_back() -> None:
     # Proxy mode: a node of 6 pods churned for 3 s, then 2 x 6 s between the checkpoints, every 4th
     # removal behind koordrp's back, a hook server restarted every 3 s, another wedged in each stretch.
-    result = subprocess.run(
-        [
-            sys.executable, "-m", "benchmarks.node_soak", "--mode", "proxy", "--pods", "6", "--workers", "3",
-            "--minutes", "0.2", "--warmup-minutes", "0.05", "--behind-every", "4", "--restart-every", "3",
-            "--wedge-seconds", "3", "--reconcile-interval", "1",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    result = run_python_module(
+        "benchmarks.node_soak", "--mode", "proxy", "--pods", "6", "--workers", "3", "--minutes", "0.2",
+        "--warmup-minutes", "0.05", "--behind-every", "4", "--restart-every", "3", "--wedge-seconds", "3",
+        "--reconcile-interval", "1",
+        status=None,
     )
     output = result.stdout + result.stderr
     assert "\nverdict (proxy: " in result.stdout, output

@@ -1,16 +1,13 @@
 """The README's demo and the benchmark keep working (short runs; the figures are not judged here)."""
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.e2e.conftest import require, require_runtime
 from tests.support.containerd import RELEASES
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.modules import ROOT, run_python_module
 
 
 @pytest.fixture(autouse=True)
@@ -19,11 +16,7 @@ def runtime_available() -> None:
 
 
 def run_module(module: str, *args: str, status: int = 0) -> str:
-    result = subprocess.run(
-        [sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
-    assert result.returncode == status, result.stdout + result.stderr
-    return result.stdout
+    return run_python_module(module, *args, status=status).stdout
 
 
 def kubepods_cgroups() -> list[Path]:
@@ -98,7 +91,7 @@ def test_a_hook_server_that_cannot_start_ends_the_demo_at_once_with_its_error_fi
     assert "CRI calls made through koordrp" not in output
 
 
-def test_what_the_sdk_warns_of_comes_first_in_the_summary(tmp_path: Path) -> None:
+def test_what_the_sdk_warns_of_is_in_the_summary(tmp_path: Path) -> None:
     server = tmp_path / "fresh.py"
     server.write_text(
         "from koordrp.sdk import ContainerResourceHookResponse, HookServer, LinuxContainerResources\n\n\n"
@@ -107,9 +100,11 @@ def test_what_the_sdk_warns_of_comes_first_in_the_summary(tmp_path: Path) -> Non
         "    def PostStopContainers(self, request):\n        pass\n"
     )
     output = run_module("scripts.demo", "--hook-server", str(server), "--cpuset", "1", "--cpu-shares", "512")
-    summary = output.index("summary: the hook server warned (koordrp.sdk):")
+    summary = output.index("\nsummary:\n")
     assert summary < output.index("koordrp's log, one line per lifecycle call")
-    warned = output[summary:].splitlines()[1:3]
+    lines = output[summary:].splitlines()
+    assert lines[3] == "  the hook server warned (koordrp.sdk):", lines
+    warned = lines[4:6]
     assert "Fresh.PostStopContainers looks like a handler but is no hook" in warned[0]
     assert 'the PreCreateContainer answer clears cpuset_cpus "1" that the request had' in warned[1]
     assert 'resources.cpuset_cpus "1"→""' in output  # koordrp's line still says what changed

@@ -97,6 +97,7 @@ def container_config(
     name: str,
     *,
     image: str = BUSYBOX_REF,
+    user_specified_image: str = "",
     command: Sequence[str] = (),
     args: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
@@ -110,7 +111,8 @@ def container_config(
     """Return a ContainerConfig; `log_path` is relative to the pod's log_directory.
 
     The namespace options mirror those of `pod_sandbox_config` (pass the same
-    `share_pid`), as kubelet sends the pod's options with each container.
+    `share_pid`), as kubelet sends the pod's options with each container. kubelet names the image by its
+    id in `image` and as the pod spec writes it in `user_specified_image`.
     """
     linux = api_pb2.LinuxContainerConfig()
     if resources is not None:
@@ -118,7 +120,7 @@ def container_config(
     linux.security_context.namespace_options.CopyFrom(_namespace_options(share_pid))
     return api_pb2.ContainerConfig(
         metadata=api_pb2.ContainerMetadata(name=name, attempt=attempt),
-        image=api_pb2.ImageSpec(image=image),
+        image=api_pb2.ImageSpec(image=image, user_specified_image=user_specified_image),
         command=list(command),
         args=list(args),
         envs=[api_pb2.KeyValue(key=k, value=v) for k, v in (env or {}).items()],

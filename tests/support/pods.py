@@ -57,9 +57,8 @@ def running_container(
     pod = pod_sandbox_config(name, log_directory=logs / name, **pod_options)
     sandbox_id = runtime.RunPodSandbox(api_pb2.RunPodSandboxRequest(config=pod), timeout=TIMEOUT).pod_sandbox_id
     try:
-        container = container_config(
-            name, image=BUSYBOX_REF, command=list(command), log_path=f"{name}.log", **(container_options or {})
-        )
+        options = {"image": BUSYBOX_REF, **(container_options or {})}
+        container = container_config(name, command=list(command), log_path=f"{name}.log", **options)
         yield RunningContainer(sandbox_id, start_container(runtime, sandbox_id, pod, container), pod)
     finally:
         remove_pod(runtime, sandbox_id)

@@ -4,7 +4,7 @@ import copy
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from koordrp import flows
+from koordrp import flows, sdk
 from koordrp.api.cri.v1 import api_pb2 as cri
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
 from koordrp.cri import translate
@@ -88,6 +88,53 @@ class BuildTests(SynchronousTestCase):
         self.assertEqual(dict(container.container_envs), {"B": "2", "A": "x=y"})
         self.assertEqual(container.container_resources.cpuset_cpus, "0-1")
         self.assertEqual(container.pod_resources.cpu_shares, 1024)
+
+
+class ImageTests(SynchronousTestCase):
+    """Hooks are shown the image under containerd's own annotation, and nothing of it reaches the runtime."""
+
+    def kubelets(self) -> cri.CreateContainerRequest:
+        request = create_request()
+        # As kubelet sends it: the image's id, and the pod spec's image as written.
+        request.config.image.CopyFrom(cri.ImageSpec(image="sha256:" + "4f" * 32, user_specified_image="nginx:1.27"))
+        return request
+
+    def test_the_image_as_the_pod_spec_names_it_else_as_the_request_does(self) -> None:
+        sent = translate.container_hook_request(self.kubelets())
+        self.assertEqual(dict(sent.container_annotations), {"c": "1", messages.IMAGE_NAME_ANNOTATION: "nginx:1.27"})
+        crictl = create_request()
+        crictl.config.image.image = "docker.io/library/busybox:1.36"
+        shown = translate.container_hook_request(crictl).container_annotations
+        self.assertEqual(shown[messages.IMAGE_NAME_ANNOTATION], "docker.io/library/busybox:1.36")
+        self.assertNotIn(messages.IMAGE_NAME_ANNOTATION, translate.container_hook_request(create_request()).container_annotations)
+
+    def test_an_echoed_image_leaves_the_request_as_kubelet_sent_it(self) -> None:
+        request = self.kubelets()
+        original = request.SerializeToString()
+        sent, container = placed(request, translate.pod_hook_request(run_pod_request()))
+        changes = messages.merge_container_response(container, sdk.reply(container))
+        self.assertEqual(changes, [])
+        self.assertIsNone(translate.CreateContainer(request).rewritten(sent, container).request)
+        self.assertEqual(request.SerializeToString(), original)
+
+    def test_an_image_a_hook_names_otherwise_is_left_alone_and_never_sent(self) -> None:
+        request = self.kubelets()
+        sent, container = placed(request, translate.pod_hook_request(run_pod_request()))
+        answer = sdk.reply(container)
+        answer.container_annotations[messages.IMAGE_NAME_ANNOTATION] = "forbidden/app:1"
+        answer.container_annotations["d"] = "4"
+        changes = messages.merge_container_response(container, answer)
+        self.assertEqual(
+            [(change.path, change.applied, change.why) for change in changes],
+            [
+                ("container_annotations[d]", True, ""),
+                (f"container_annotations[{messages.IMAGE_NAME_ANNOTATION}]", False, messages.RUNTIME_OWNS_IMAGE_NAME),
+            ],
+        )
+        self.assertEqual(container.container_annotations[messages.IMAGE_NAME_ANNOTATION], "nginx:1.27")
+        written = translate.CreateContainer(request).rewritten(sent, container).request
+        assert written is not None
+        self.assertEqual(dict(cri.CreateContainerRequest.FromString(written).config.annotations), {"c": "1", "d": "4"})
 
 
 class EnvValuesThatAreNotTextTests(SynchronousTestCase):

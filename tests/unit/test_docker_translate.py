@@ -282,7 +282,9 @@ CONTAINER_INSPECT = """{
     "CpuShares": 204, "Memory": 268435456, "CpuPeriod": 100000, "CpuQuota": 50000,
     "CpusetCpus": "0-3", "CpusetMems": "", "MemorySwap": 268435456, "OomScoreAdj": 968
   },
+  "Image": "sha256:4f2a1d1c0e2b3a4f5d6e7f8091a2b3c4d5e6f708192a3b4c5d6e7f8091a2b3c4",
   "Config": {
+    "Image": "sha256:4f2a1d1c0e2b3a4f5d6e7f8091a2b3c4d5e6f708192a3b4c5d6e7f8091a2b3c4",
     "Env": ["KUBERNETES_SERVICE_HOST=10.96.0.1", "MODE=slow", "PATH=/usr/bin:/bin", "HOOKED=yes"],
     "Labels": {
       "annotation.io.kubernetes.container.hash": "8a3b2c1d",
@@ -444,6 +446,8 @@ class ContainerRequestTests(SynchronousTestCase):
                 "io.kubernetes.container.terminationMessagePath": "/dev/termination-log",
                 "io.kubernetes.container.terminationMessagePolicy": "File",
                 "io.kubernetes.pod.terminationGracePeriod": "30",
+                # The image the body names (kubelet's id, as cri-dockerd passes it on), under containerd's key.
+                messages.IMAGE_NAME_ANNOTATION: "sha256:4f2a1d1c0e2b3a4f5d6e7f8091a2b3c4d5e6f708192a3b4c5d6e7f8091a2b3c4",
             },
         )
         self.assertEqual(
@@ -571,6 +575,18 @@ class SandboxApplyTests(SynchronousTestCase):
 
 
 class ContainerApplyTests(SynchronousTestCase):
+    def test_the_image_hooks_are_shown_is_never_written(self) -> None:
+        body = container_body()
+        body["Image"] = "registry.example/forbidden/app:1"
+        before = placed(own_request(body), stored_pod())
+        self.assertEqual(before.container_annotations[messages.IMAGE_NAME_ANNOTATION], "registry.example/forbidden/app:1")
+        after = copy_of(before)
+        answer = hook.ContainerResourceHookResponse(container_annotations={messages.IMAGE_NAME_ANNOTATION: "allowed/app:1"})
+        [change] = messages.merge_container_response(after, answer)
+        self.assertFalse(change.applied)
+        self.assertFalse(translate.apply_to_container_create(body, before, after, "systemd"))
+        self.assertNotIn(f"annotation.{messages.IMAGE_NAME_ANNOTATION}", body["Labels"])
+
     def test_resources_annotations_and_envs(self) -> None:
         body = container_body()
         before = container_request()
@@ -801,6 +817,8 @@ class InspectTests(SynchronousTestCase):
         self.assertEqual(container.container_annotations["node.koordinator.sh/cpuset"], "0-3")
         self.assertEqual(container.container_resources.cpuset_cpus, "0-3")
         self.assertEqual(container.container_envs["HOOKED"], "yes")
+        # As the create named it (Config keeps it so), as hooks were shown it then.
+        self.assertEqual(container.container_annotations[messages.IMAGE_NAME_ANNOTATION], json.loads(CONTAINER_INSPECT)["Config"]["Image"])
 
     def test_container_without_its_pod(self) -> None:
         container = translate.stored_container_from_inspect(json.loads(CONTAINER_INSPECT), None, "systemd")
@@ -863,6 +881,9 @@ class MalformedTests(SynchronousTestCase):
             body = container_body()
             body["Env"] = env
             self.assertShapeError(translate.ContainerCreate, CONTAINER_NAME, body, "systemd")
+        body = container_body()
+        body["Image"] = ["busybox"]
+        self.assertShapeError(translate.ContainerCreate, CONTAINER_NAME, body, "systemd")
         self.assertShapeError(translate.update_resources, [])
         self.assertShapeError(translate.update_resources, {"CpuQuota": "1"})
         self.assertShapeError(translate.ContainerUpdate, CONTAINER_ID, [])

@@ -35,6 +35,7 @@ from koordrp.cri.runtime_info import (
     container_sandbox_id,
     pod_info_from_status,
 )
+from koordrp.hooks.messages import IMAGE_NAME_ANNOTATION
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
@@ -79,7 +80,8 @@ def expected_container(resources: hook.LinuxContainerResources) -> hook.Containe
     return hook.ContainerResourceHookRequest(
         pod_meta=pod.pod_meta,
         container_meta=hook.ContainerMetadata(name="ri-ctr", attempt=2, id=CONTAINER_ID),
-        container_annotations={"ctr-anno": "x", "eq": "k=v=w"},
+        # The image as the request containerd kept names it, as hooks were shown it at create.
+        container_annotations={"ctr-anno": "x", "eq": "k=v=w", IMAGE_NAME_ANNOTATION: "localhost/koordrp/busybox:1"},
         container_resources=resources,
         pod_resources=pod.resources,
         pod_annotations=pod.annotations,
@@ -232,6 +234,7 @@ class ContainerInfoTests(SynchronousTestCase):
                     name="ri-pod", uid="11111111-2222-3333-4444-555555555555", namespace="ri-ns"
                 ),
                 container_meta=hook.ContainerMetadata(name="ri-hugepages", id=HUGEPAGES_CONTAINER_ID),
+                container_annotations={IMAGE_NAME_ANNOTATION: "localhost/koordrp/busybox:1"},
                 container_resources=hook.LinuxContainerResources(
                     cpu_shares=2,
                     hugepage_limits=[
@@ -294,13 +297,37 @@ class ContainerInfoTests(SynchronousTestCase):
 
     def test_config_without_optional_fields(self) -> None:
         def strip(info: dict[str, Any]) -> None:
-            for key in ("envs", "annotations", "linux"):
+            for key in ("envs", "annotations", "linux", "image"):
                 info["config"].pop(key)
 
         info = container_info_from_status(edit_info(container_status(), strip), None)
         self.assertEqual(dict(info.container_envs), {})
         self.assertEqual(dict(info.container_annotations), {})
         self.assertEqual(info.container_resources, CREATED_RESOURCES)  # from the status
+
+    def test_the_image_is_the_one_kubelet_named_as_far_as_containerd_kept_it(self) -> None:
+        image_id = "sha256:" + "0" * 64
+
+        def image(spec: dict[str, str], annotation: str | None = None) -> dict[str, str]:
+            def edit(info: dict[str, Any]) -> None:
+                info["config"]["image"] = spec
+                if annotation is None:
+                    info["runtimeSpec"]["annotations"].pop(IMAGE_NAME_ANNOTATION)
+                else:
+                    info["runtimeSpec"]["annotations"][IMAGE_NAME_ANNOTATION] = annotation
+
+            return dict(container_info_from_status(edit_info(container_status(), edit), None).container_annotations)
+
+        # containerd 2 keeps the pod spec's name kubelet sent.
+        shown = image({"image": image_id, "user_specified_image": "busybox"}, "busybox")
+        self.assertEqual(shown[IMAGE_NAME_ANNOTATION], "busybox")
+        # 1.6 and 1.7 keep only the id: the name containerd gave the image, not the id.
+        shown = image({"image": image_id}, "docker.io/library/busybox:latest")
+        self.assertEqual(shown[IMAGE_NAME_ANNOTATION], "docker.io/library/busybox:latest")
+        self.assertEqual(image({"image": image_id})[IMAGE_NAME_ANNOTATION], image_id)
+        # A name in the request (crictl) is what hooks were shown at create.
+        shown = image({"image": "busybox"}, "docker.io/library/busybox:latest")
+        self.assertEqual(shown[IMAGE_NAME_ANNOTATION], "busybox")
 
     def test_sandbox_id(self) -> None:
         self.assertEqual(container_sandbox_id(container_status()), POD_ID)

@@ -88,6 +88,7 @@ class ServingTestCase(TestCase):
         logger = logging.getLogger(sdk.__name__)
         logger.addHandler(handler)
         self.patch(logger, "propagate", False)
+        self.patch(logger, "level", logging.INFO)  # as a server started by koordrp.sdk.command logs
         self.addCleanup(logger.removeHandler, handler)
 
     def serve(self, server: HookServer, **options: Any) -> RunningServer:
@@ -257,6 +258,40 @@ class FailureTests(ServingTestCase):
         assert record.exc_info is not None
         self.assertIsInstance(record.exc_info[1], ValueError)
 
+    async def test_a_refusal_is_failed_precondition_with_the_reason_and_one_line_without_traceback(self) -> None:
+        class Strict(HookServer):
+            def PreCreateContainer(self, request: api_pb2.ContainerResourceHookRequest) -> None:
+                raise sdk.Refuse("image forbidden/app:1 is not allowed on this node")
+
+            def PreStartContainer(self, request: api_pb2.ContainerResourceHookRequest) -> "Deferred[None]":
+                def refuse() -> None:
+                    raise sdk.Refuse("later, from a Deferred")
+
+                return task.deferLater(reactor, 0, refuse)
+
+            async def PreRunPodSandbox(self, request: api_pb2.PodSandboxHookRequest) -> None:
+                await asyncio.sleep(0)
+                raise sdk.Refuse("from a coroutine")
+
+        self.serve(Strict())
+        for hook, request, reason in [
+            (HookType.PRE_CREATE_CONTAINER, container_request(), "image forbidden/app:1 is not allowed on this node"),
+            (HookType.PRE_START_CONTAINER, container_request(), "later, from a Deferred"),
+            (HookType.PRE_RUN_POD_SANDBOX, pod_request(), "from a coroutine"),
+        ]:
+            error = await self.failed_call(hook, request)
+            self.assertEqual((error.code(), error.details()), (grpc.StatusCode.FAILED_PRECONDITION, reason))
+        self.assertIs(sdk.REFUSED, grpc.StatusCode.FAILED_PRECONDITION)
+        self.assertEqual(
+            [(record.levelno, record.getMessage(), record.exc_info) for record in self.logged],
+            [
+                (logging.INFO, "PreCreateContainer refused for pod default/web container app: "
+                 "image forbidden/app:1 is not allowed on this node", None),
+                (logging.INFO, "PreStartContainer refused for pod default/web container app: later, from a Deferred", None),
+                (logging.INFO, "PreRunPodSandbox refused for pod default/web: from a coroutine", None),
+            ],
+        )
+
     async def test_failing_deferred_and_coroutine(self) -> None:
         server = HookServer()
 
@@ -385,16 +420,73 @@ class AnswerAdviceTests(ServingTestCase):
         await self.call(HookType.PRE_CREATE_CONTAINER, self.kubelets())
         self.assertEqual(self.advice(), [])
 
-    def test_what_counts_as_built_from_the_request(self) -> None:
+    async def test_a_copy_that_changes_every_number_the_request_had_is_still_a_copy(self) -> None:
+        class Batch(HookServer):
+            def PreCreateContainer(self, request: api_pb2.ContainerResourceHookRequest) -> api_pb2.ContainerResourceHookResponse:
+                answer = reply(request)
+                answer.container_resources.cpu_shares = 256
+                answer.container_resources.cpuset_cpus = ""
+                return answer
+
+        self.serve(Batch())
+        request = container_request(container_resources=api_pb2.LinuxContainerResources(cpu_shares=512, cpuset_cpus="1"))
+        response = await self.call(HookType.PRE_CREATE_CONTAINER, request)
+        self.assertEqual(response.container_resources, api_pb2.LinuxContainerResources(cpu_shares=256))
+        self.assertEqual(self.advice(), [])
+
+    async def test_a_fresh_answer_is_warned_about_whatever_else_the_request_had(self) -> None:
+        class Fresh(HookServer):
+            def PreCreateContainer(self, request: api_pb2.ContainerResourceHookRequest) -> api_pb2.ContainerResourceHookResponse:
+                return api_pb2.ContainerResourceHookResponse(container_resources=api_pb2.LinuxContainerResources(cpu_shares=256))
+
+        self.serve(Fresh())
+        only_a_cpuset = container_request(container_resources=api_pb2.LinuxContainerResources(cpuset_cpus="1"))
+        await self.call(HookType.PRE_CREATE_CONTAINER, only_a_cpuset)
+        [warning] = self.advice()
+        self.assertIn('the PreCreateContainer answer clears cpuset_cpus "1" that the request had', warning)
+
+    async def test_a_reply_built_in_a_coroutine_or_for_another_call_is_told_apart(self) -> None:
+        kept: list[api_pb2.ContainerResourceHookResponse] = []
+
+        class Mixed(HookServer):
+            async def PreCreateContainer(self, request: api_pb2.ContainerResourceHookRequest) -> api_pb2.ContainerResourceHookResponse:
+                await asyncio.sleep(0)
+                answer = reply(request)
+                answer.container_resources.cpuset_cpus = ""
+                return answer
+
+            def PreUpdateContainerResources(self, request: api_pb2.ContainerResourceHookRequest) -> api_pb2.ContainerResourceHookResponse:
+                if kept:  # the second call answers with what reply() built for the first one's request
+                    return kept[0]
+                kept.append(reply(request))
+                kept[0].container_resources.cpuset_cpus = ""
+                return kept[0]
+
+        self.serve(Mixed())
+        await self.call(HookType.PRE_CREATE_CONTAINER, self.kubelets())
+        self.assertEqual(self.advice(), [])
+        await self.call(HookType.PRE_UPDATE_CONTAINER_RESOURCES, self.kubelets())
+        self.assertEqual(self.advice(), [])
+        await self.call(HookType.PRE_UPDATE_CONTAINER_RESOURCES, self.kubelets())
+        [warning] = self.advice()
+        self.assertIn("PreUpdateContainerResources answer clears", warning)
+
+    def test_outside_a_call_every_answer_counts_as_fresh(self) -> None:
         request = self.kubelets()
         fresh = api_pb2.ContainerResourceHookResponse(container_resources=api_pb2.LinuxContainerResources(cpu_shares=2))
         self.assertEqual(advice.cleared(request, fresh), ['cpuset_cpus "1"'])
         fresh.container_resources.cpuset_cpus = "0"
         self.assertEqual(advice.cleared(request, fresh), [])  # it sets the cpuset it means
         self.assertEqual(advice.cleared(request, api_pb2.ContainerResourceHookResponse(container_envs={"A": "2"})), [])
-        only_a_cpuset = container_request(container_resources=api_pb2.LinuxContainerResources(cpuset_cpus="1"))
-        # Nothing in such a request tells a copy from a fresh answer: no advice rather than a wrong one.
-        self.assertEqual(advice.cleared(only_a_cpuset, fresh), [])
+        copy = reply(request)
+        copy.container_resources.cpuset_cpus = ""
+        self.assertEqual(advice.cleared(request, copy), ['cpuset_cpus "1"'])  # no handler held the request
+        with advice.handed(request):
+            copy = reply(request)
+            copy.container_resources.cpuset_cpus = ""
+            self.assertEqual(advice.cleared(request, copy), [])
+            self.assertEqual(advice.cleared(request, copied(copy)), ['cpuset_cpus "1"'])
+        self.assertEqual(advice.cleared(request, copy), ['cpuset_cpus "1"'])
 
 
 class ExampleServerTests(ServingTestCase):
@@ -428,11 +520,13 @@ class ExampleServerTests(ServingTestCase):
         self.assertEqual(response, api_pb2.ContainerResourceHookResponse(container_envs={"POD_QOS_CLASS": "NONE"}))
         self.assertFalse(response.HasField("container_resources"))
 
-    async def test_malformed_cpuset_fails_the_call(self) -> None:
+    async def test_malformed_cpuset_is_refused(self) -> None:
         request = container_request(pod_annotations={"demo.koordrp.io/cpuset": "all of them"})
         error = await self.failed_call(HookType.PRE_CREATE_CONTAINER, request)
-        self.assertEqual(error.code(), grpc.StatusCode.INTERNAL)
-        self.assertIn("demo.koordrp.io/cpuset", error.details())
+        self.assertEqual(error.code(), sdk.REFUSED)
+        self.assertEqual(
+            error.details(), "annotation demo.koordrp.io/cpuset='all of them' is not a CPU list like 0-1 or 0,2"
+        )
 
     async def test_pod_sandbox_changes_nothing(self) -> None:
         response = await self.call(HookType.PRE_RUN_POD_SANDBOX, pod_request())
@@ -540,6 +634,34 @@ class RegistrationTests(SynchronousTestCase):
         document = self.registration("koord-pinning")
         self.assertEqual(document["failure-policy"], "Ignore")
         self.assertNotIn("timeout-seconds", document)
+
+    def test_a_server_declares_its_policy_and_timeout_and_serve_overrides_them(self) -> None:
+        class Strict(HookServer):
+            failure_policy = "Fail"
+            timeout_seconds = 2.0
+
+            def PreCreateContainer(self, request: api_pb2.ContainerResourceHookRequest) -> None:
+                return None
+
+        self.server = Strict()
+        running = self.serve()
+        self.assertEqual((self.registration()["failure-policy"], self.registration()["timeout-seconds"]), ("Fail", 2))
+        running.stop(0)
+        self.server.timeout_seconds = 0.5  # an instance's own, over its class's
+        running = self.serve(failure_policy=FailurePolicy.IGNORE)
+        self.assertEqual((self.registration()["failure-policy"], self.registration()["timeout-seconds"]), ("Ignore", 0.5))
+
+    def test_a_bad_declared_policy_or_timeout_is_an_error_where_it_is_written(self) -> None:
+        with self.assertRaises(TypeError) as raised:
+            type("Typo", (HookServer,), {"failure_policy": "Fial"})
+        self.assertEqual(str(raised.exception), "Typo: failure_policy must be 'Fail' or 'Ignore', not 'Fial'")
+        with self.assertRaises(TypeError):
+            type("Forever", (HookServer,), {"timeout_seconds": float("inf")})
+        server = HookServer()
+        server.hook(HookType.PRE_CREATE_CONTAINER)(lambda request: None)
+        server.failure_policy = "fail"  # an instance's own is checked when it is served, registered or not
+        with self.assertRaises(ValueError):
+            server.serve(self.socket)
 
     def test_koordrp_accepts_it(self) -> None:
         running = self.serve(failure_policy=FailurePolicy.FAIL, timeout_seconds=1.5)
@@ -709,6 +831,53 @@ class ExampleProcessTests(SynchronousTestCase):
         self.assertEqual(process.returncode, 0, output.decode(errors="replace"))
         self.assertFalse(os.path.exists(registration))
         self.assertFalse(os.path.exists(socket_path))
+
+
+class ServedFileTests(SynchronousTestCase):
+    """``python -m koordrp.sdk file.py``: the file's own policy unless a flag says otherwise, its module named after it."""
+
+    def serve_file(self, *flags: str) -> tuple[dict[str, Any], str]:
+        directory = short_tempdir(self)
+        server = os.path.join(directory, "strict_images.py")
+        with open(server, "w") as stream:
+            stream.write(
+                "import logging\n"
+                "from koordrp.sdk import HookServer\n\n"
+                "class StrictImages(HookServer):\n"
+                "    failure_policy = 'Fail'\n\n"
+                "    def PreCreateContainer(self, request):\n"
+                "        return None\n\n"
+                "logging.getLogger(__name__).warning('loaded as %s', StrictImages.__module__)\n"
+            )
+        hookserver_d = os.path.join(directory, "hookserver.d")
+        registration = os.path.join(hookserver_d, "strict.json")
+        command = [sys.executable, "-m", "koordrp.sdk", server, "--socket", os.path.join(directory, "strict.sock")]
+        process = subprocess.Popen(
+            [*command, "--register-in", hookserver_d, *flags],
+            cwd=REPOSITORY,
+            env={**os.environ, "PYTHONPATH": REPOSITORY},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.addCleanup(lambda: None if process.poll() is not None else process.kill())
+        wait_for(lambda: os.path.exists(registration) or process.poll() is not None, 15)
+        self.assertIsNone(process.poll(), "the server exited")
+        with open(registration, "rb") as stream:
+            document: dict[str, Any] = json.load(stream)
+        process.send_signal(signal.SIGTERM)
+        _, output = process.communicate(timeout=15)
+        return document, output
+
+    def test_the_servers_own_policy_is_registered(self) -> None:
+        document, output = self.serve_file()
+        self.assertEqual(document["failure-policy"], "Fail")
+        self.assertNotIn("timeout-seconds", document)
+        self.assertIn("strict_images WARNING loaded as strict_images", output)
+
+    def test_the_command_line_overrides_it(self) -> None:
+        document, _ = self.serve_file("--failure-policy", "Ignore", "--timeout-seconds", "3")
+        self.assertEqual((document["failure-policy"], document["timeout-seconds"]), ("Ignore", 3))
 
 
 class ListHandler(logging.Handler):
