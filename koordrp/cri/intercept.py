@@ -123,6 +123,7 @@ class _Exchange:
         self.outcome: adapters.Outcome[CRIReply] = adapters.CALLER_GONE
         self._offered = threading.Lock()
         self._settled = False
+        self._rpc_over = False
         # Held until the outcome is known: the cheapest hand-off to a waiting thread.
         self._known = threading.Lock()
         self._known.acquire()
@@ -131,6 +132,8 @@ class _Exchange:
         """On the reactor: the flow runs; its outcome is handed to the waiting worker."""
         self.call = call
         call.run(flow).addCallback(self.offer)
+        if self._rpc_over:  # grpc said so before the flow could start
+            self.rpc_ended()
 
     def offer(self, outcome: "adapters.Outcome[CRIReply]") -> None:
         """From the reactor or grpc's thread: the first outcome offered is the worker's."""
@@ -152,7 +155,9 @@ class _Exchange:
     def rpc_ended(self) -> None:
         """On the reactor, once grpc says the RPC is over: an unfinished flow is given up, then the call ends."""
         call = self.call
-        assert call is not None
+        if call is None:
+            self._rpc_over = True
+            return
         call.cancel()  # the outcome is known from here on
         call.ended()
 
@@ -248,11 +253,13 @@ class Interceptor:
                 flow = method.flow(call, method.parse(raw))
             except DecodeError as error:
                 flow = flows.unreadable(call, name, str(error))
-            self.reactor.callFromThread(exchange.start, call, flow)
             ended = exchange.rpc_ended
-            # Once grpc says the RPC is over (answered, cancelled, past its deadline); the reactor
-            # runs these in the order they were handed over, so the flow has started by then.
-            if not context.add_callback(lambda: self.reactor.callFromThread(ended)):
+            # Once grpc says the RPC is over (answered, cancelled, past its deadline). Asked before the flow
+            # is handed over, so that the worker waits, and lets the reactor have the GIL, as soon as it has
+            # handed it; an end that comes before the flow started is kept until it does (``_Exchange``).
+            gone = not context.add_callback(lambda: self.reactor.callFromThread(ended))
+            self.reactor.callFromThread(exchange.start, call, flow)
+            if gone:
                 self.reactor.callFromThread(ended)  # the caller is gone already
             if not exchange.wait(None if timeout is None else timeout + _SLACK_SECONDS):
                 _reactor_stuck(context, name)

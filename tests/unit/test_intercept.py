@@ -4,7 +4,7 @@ import os
 import threading
 import time
 from concurrent import futures
-from typing import cast
+from typing import Any, cast
 
 import grpc
 from cri_api.v1 import api_pb2 as kubelets
@@ -13,17 +13,19 @@ from twisted.internet.defer import Deferred, inlineCallbacks
 from twisted.internet.interfaces import IReactorFromThreads
 from twisted.internet.threads import deferToThread
 from twisted.logger import ILogObserver, LogEvent, globalLogPublisher
-from twisted.trial.unittest import TestCase
+from twisted.internet.task import Clock
+from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from koordrp.api.cri.v1 import api_pb2 as cri
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
 from koordrp.cri import translate
 from koordrp.cri.backend import BackendChannel
-from koordrp.cri.intercept import Interceptor
+from koordrp import adapters, flows
+from koordrp.cri.intercept import Interceptor, _Exchange
 from koordrp.cri.methods import BackendRole
 from koordrp.cri.passthrough import PassThroughHandler
 from koordrp.cri.runtime_lookup import RuntimeLookup
-from koordrp.call import Parts, SkipLabel
+from koordrp.call import Call, Parts, SkipLabel
 from koordrp.hooks.client import HookClients
 from koordrp.hooks.dispatcher import Dispatcher
 from koordrp.hooks.messages import ContainerHookRequest
@@ -31,6 +33,7 @@ from koordrp.hooks.types import FailurePolicy, HookServerConfig, HookServers, Ho
 from koordrp.store import ContainerState, Store
 from koordrp.unix import grpc_target
 from tests.fake.cri_backend import FakeCRIBackend
+from tests.fake.flows import RecordingRuntime, Reply, ScriptedStages
 from tests.fake.hook_server import FakeHookServer
 from tests.support.tempdirs import short_tempdir
 
@@ -226,3 +229,17 @@ class InterceptTests(TestCase):
         # The runtime's 30 s stop heard the deadline pass: it reached the runtime.
         given_up = yield deferToThread(self.backend.stop_given_up.wait, 20)
         self.assertTrue(given_up)
+
+
+class ExchangeTests(SynchronousTestCase):
+    def test_an_rpc_over_before_its_flow_started_ends_the_call_as_it_starts(self) -> None:
+        # grpc may say the RPC is over (kubelet gone) before the reactor started its flow.
+        runtime = RecordingRuntime(answering=Deferred())
+        parts = Parts(Store(), ScriptedStages(), HookServers, SkipLabel("skip", "true"), Clock())
+        call: Call[Reply] = Call(parts, "StopContainer", runtime)
+        exchange = _Exchange()
+        exchange.rpc_ended()
+        exchange.start(cast(Any, call), cast(Any, flows.stop_container(call, "c-1")))
+        self.assertIs(exchange.outcome, adapters.CALLER_GONE)
+        self.assertTrue(exchange.wait(0))
+        self.assertEqual(runtime.cancelled, 1)  # the runtime's call, made as the flow started, is given up
