@@ -149,7 +149,7 @@ async def create_container(call: Call[AnyReply], request: CreateContainer) -> An
             # made meanwhile included); kubelet's values stay what hooks are shown.
             stored = call.store.container(container_id)
             if stored is not None:
-                call.store.revise_container(container_id, stored.asked, copy_changed(stored.given, answered, changes))
+                call.store.revise_container(container_id, stored.asked, copy_changed(copied(stored.given), answered, changes))
 
         call.apply_late(container_id, applied_late)
     return reply

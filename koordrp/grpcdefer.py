@@ -38,8 +38,19 @@ def when_done(
         if not done.called:  # a cancelled Deferred has fired already
             done.callback(result)
 
+    def unread(error: BaseException) -> None:
+        if not done.called:
+            done.errback(error)
+
     def finished(finished: "grpc.Future[Done]") -> None:
-        result = read(finished)
+        if finished.cancelled():
+            return  # by ``cancel``: the Deferred has fired already
+        try:
+            result = read(finished)
+        except BaseException as error:
+            # Never lost on grpc's thread, where nobody would see it: the reactor's Deferred fails with it.
+            reactor.callFromThread(unread, error)
+            return
         reactor.callFromThread(settle, result)
         if told is not None:
             told(result)

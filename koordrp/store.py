@@ -5,7 +5,9 @@ kubelet's updates): every hook request is built from it, so a hook that scales a
 kubelet's, once, however often kubelet repeats an update. ``given`` is what the runtime has, the
 hooks' changes included: a container's pod, where the container lives, is the pod as given. With
 each entry, the state its pod or container is in as far as koordrp knows (it decides which post
-hooks are owed). Every read and write copies, so no caller can change what another one sees.
+hooks are owed). What goes in is copied; what is read is the entry itself, to read and never to
+change: the store replaces an entry, it never changes one, so a caller that changes what it read
+would change what every other caller sees (tests/unit/test_flows.py checks that no flow does).
 
 After a restart the store is rebuilt from the runtime, which knows only ``given``; ``asked`` comes
 back from the checkpoint (``koordrp.checkpoint``), where it is kept whenever it differs. A kept file

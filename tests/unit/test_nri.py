@@ -639,6 +639,8 @@ class LateAnswerTests(LogCapture):
         pending = self.create_past_the_deadline()
         self.created()
         self.assertEqual(pending.cancelled, [])  # not cut at containerd's deadline
+        read_before = self.store.container("c-1")  # what a call holds meanwhile: the store's entry itself
+        assert read_before is not None
         self.late_answer(pending)
         stream, request = self.update_requested()
         [update] = request.update
@@ -646,6 +648,7 @@ class LateAnswerTests(LogCapture):
         self.assertFalse(update.linux.resources.cpu.cpus)  # unchanged: not named
         self.assertEqual([e for e in self.events if e.get("log_namespace") == "koordrp.calls"][-1]["method"], "RunPodSandbox")
         self.containerd.answer(stream, nri.UpdateContainersResponse())
+        self.assertEqual(read_before.given.container_resources.cpu_shares, 2)  # replaced, not changed in place
         self.assertEqual(
             self.create_line(),
             "PreCreateContainer@slow.json: late 2500.0 ms (no answer within 1.9s: went on without it, then applied what "
