@@ -70,10 +70,6 @@ def _read(done: "grpc.Future[HookResponse]", timeout: float) -> "HookResponse | 
     )
 
 
-# grpc's watch of a channel looks again every 0.2 s, and ends at the first look after the unsubscribe.
-_WATCH_ENDS_SECONDS = 0.5
-
-
 def _unwatched(_: grpc.ChannelConnectivity) -> None:
     pass
 
@@ -90,23 +86,12 @@ class HookClient:
         self._channel = grpc.insecure_channel(grpc_target(self.endpoint), options=_CHANNEL_OPTIONS)
         self._stub = api_pb2_grpc.RuntimeHookServiceStub(self._channel)
         self._lost = False
-        self._watched_until = 0.0
         if socket_problem(self.endpoint) is None:
             # Connect now rather than in the first call, which has a deadline (containerd's, in NRI mode) to
             # keep. One attempt: subscribing with try_to_connect starts it, and grpc's watch of the channel
             # ends a moment after the unsubscribe, so a server that is not there costs nothing more.
             self._channel.subscribe(_unwatched, try_to_connect=True)
             self._channel.unsubscribe(_unwatched)
-            self._watched_until = self._clock.seconds() + _WATCH_ENDS_SECONDS
-
-    def _close_channel(self) -> None:
-        """Close the channel once grpc's watch of it has ended: closed under the watch, grpc's thread dies with
-        a traceback."""
-        left = self._watched_until - self._clock.seconds()
-        if left > 0:
-            self._clock.callLater(left, self._channel.close)
-        else:
-            self._channel.close()
 
     def call(self, hook: HookType, request: HookRequest, timeout: float) -> "Deferred[HookResponse]":
         """Call ``hook`` with ``request``; fails with HookCallError, at the latest after ``timeout``."""
@@ -117,7 +102,7 @@ class HookClient:
         if self._lost:
             # A channel that lost its server waits out grpc's reconnect backoff before it tries
             # again; a plugin restarted meanwhile must get the very next call, so start afresh.
-            self._close_channel()
+            self._channel.close()
             self._connect()
         future = getattr(self._stub, hook.rpc_name).future(request, timeout=timeout)
         answered: Deferred[HookResponse] = when_done(future, self._from_threads, partial(_read, timeout=timeout)).addCallback(
@@ -135,7 +120,7 @@ class HookClient:
         return read
 
     def close(self) -> None:
-        self._close_channel()
+        self._channel.close()
 
 
 class HookClients:
