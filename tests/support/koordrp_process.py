@@ -123,15 +123,18 @@ class KoordrpProcess:
         """Everything koordrp has logged, what twistd rotated out included."""
         return "".join(path.read_text(errors="replace") for path in log_files(self.logfile))
 
-    def log_lines(self, containing: str, count: int = 1, timeout: float = 5.0) -> list[str]:
-        """The log lines with ``containing`` in them, once there are ``count`` (or ``timeout`` is up).
+    def log_lines(self, containing: str, count: int = 1, timeout: float = 30.0) -> list[str]:
+        """The whole log lines with ``containing`` in them, once there are ``count`` (or ``timeout``, a generous
+        bound, is up).
 
         A CRI call's line is written just after the call has answered, so it may not be there yet
-        when the caller has its answer.
+        when the caller has its answer, or be there only in part: a line still being written is not read.
         """
         deadline = time.monotonic() + timeout
         while True:
-            lines = [line for line in self.log().splitlines() if containing in line]
+            written = self.log()
+            whole = written[: written.rfind("\n") + 1]
+            lines = [line for line in whole.splitlines() if containing in line]
             if len(lines) >= count or time.monotonic() > deadline:
                 return lines
             time.sleep(0.02)
