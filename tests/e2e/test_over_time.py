@@ -101,6 +101,13 @@ def test_a_slow_server_within_kubelets_deadline_is_heard_with_default_flags(
         remove_pod(runtime, sandbox_id)
 
 
+def create_again(runtime: Any, sandbox_id: str, pod: Any, attempt: int) -> None:
+    """CreateContainer of the pod's one container, as kubelet makes it again after a failure (``attempt``)."""
+    config = container_config(pod.metadata.name, image=BUSYBOX_REF, command=["sleep", "3600"], attempt=attempt)
+    request = api_pb2.CreateContainerRequest(pod_sandbox_id=sandbox_id, config=config, sandbox_config=pod)
+    runtime.CreateContainer(request, timeout=KUBELET_TIMEOUT)
+
+
 def test_a_wedged_server_costs_one_call_then_none_until_a_trial_answers_in_time(
     koordrp: KoordrpProcess, runtime: Any, servers: dict[str, FakeHookServer], workdir: Path, hooks_dir: Path
 ) -> None:
@@ -112,11 +119,7 @@ def test_a_wedged_server_costs_one_call_then_none_until_a_trial_answers_in_time(
     sandbox_id = runtime.RunPodSandbox(api_pb2.RunPodSandboxRequest(config=pod), timeout=KUBELET_TIMEOUT).pod_sandbox_id
     try:
         def create(attempt: int) -> None:
-            config = container_config("patient", image=BUSYBOX_REF, command=["sleep", "3600"], attempt=attempt)
-            runtime.CreateContainer(
-                api_pb2.CreateContainerRequest(pod_sandbox_id=sandbox_id, config=config, sandbox_config=pod),
-                timeout=KUBELET_TIMEOUT,
-            )
+            create_again(runtime, sandbox_id, pod, attempt)
 
         for attempt in range(6):
             create(attempt)
@@ -154,9 +157,7 @@ def test_a_wedged_server_whose_registration_is_removed_is_not_called_again(
     sandbox_id = runtime.RunPodSandbox(api_pb2.RunPodSandboxRequest(config=pod), timeout=KUBELET_TIMEOUT).pod_sandbox_id
     try:
         def create(attempt: int) -> None:
-            config = container_config("unplugged", image=BUSYBOX_REF, command=["sleep", "3600"], attempt=attempt)
-            request = api_pb2.CreateContainerRequest(pod_sandbox_id=sandbox_id, config=config, sandbox_config=pod)
-            runtime.CreateContainer(request, timeout=KUBELET_TIMEOUT)
+            create_again(runtime, sandbox_id, pod, attempt)
 
         create(0)
         [first] = koordrp.log_lines("] CreateContainer pod default/unplugged")
