@@ -5,6 +5,7 @@ reactor. Cancelling the Deferred (the caller went away, a timeout) cancels the g
 server hears of it at once.
 """
 
+from functools import partial
 from typing import Callable, TypeVar
 
 import grpc
@@ -19,14 +20,14 @@ def when_done(
     future: "grpc.Future[Done]",
     reactor: IReactorFromThreads,
     read: "Callable[[grpc.Future[Done]], Result]",
-    told: Callable[[Result], None] | None = None,
+    handed: "Callable[[Result, Callable[[], None]], None] | None" = None,
 ) -> "Deferred[Result]":
     """Fires on the reactor with what ``read`` makes of ``future`` once it is done (its answer or its error).
 
-    ``read`` runs on grpc's thread, so the reactor gets a plain value. ``told``, if given, is told the
-    same value there too, after the reactor was handed it: whoever it wakes learns of the answer after
-    the reactor, in the order the reactor will see it, and need not wait for the reactor to get round
-    to it.
+    ``read`` runs on grpc's thread, so the reactor gets a plain value. ``handed``, if given, is handed
+    that value there instead, with what hands it to the reactor, and must call that once, on whichever
+    thread: a thread waiting for the answer can take it first and wake the reactor as it goes on,
+    rather than wake to find the reactor holding the GIL.
     """
 
     def cancel(_: object) -> None:
@@ -51,9 +52,10 @@ def when_done(
             # Never lost on grpc's thread, where nobody would see it: the reactor's Deferred fails with it.
             reactor.callFromThread(unread, error)
             return
-        reactor.callFromThread(settle, result)
-        if told is not None:
-            told(result)
+        if handed is None:
+            reactor.callFromThread(settle, result)
+        else:
+            handed(result, partial(reactor.callFromThread, settle, result))
 
     future.add_done_callback(finished)
     return done

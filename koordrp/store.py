@@ -1,4 +1,4 @@
-"""What kubelet asked for each pod and container, and what the runtime was given, by id; the reactor's alone.
+"""What kubelet asked for each pod and container, and what the runtime was given, by id; changed on the reactor alone.
 
 Entries are hook requests. ``asked`` is kubelet's request as hooks are shown it (folded over
 kubelet's updates): every hook request is built from it, so a hook that scales a value scales
@@ -7,7 +7,9 @@ hooks' changes included: a container's pod, where the container lives, is the po
 each entry, the state its pod or container is in as far as koordrp knows (it decides which post
 hooks are owed). What goes in is copied; what is read is the entry itself, to read and never to
 change: the store replaces an entry, it never changes one, so a caller that changes what it read
-would change what every other caller sees (tests/unit/test_flows.py checks that no flow does).
+would change what every other caller sees (tests/unit/test_flows.py checks that no flow does). That
+is also why a CRI worker may read an entry without the reactor (``koordrp.flows.goes_ahead``): a
+dict's read is whole under the GIL, and an entry read is one the store had.
 
 After a restart the store is rebuilt from the runtime, which knows only ``given``; ``asked`` comes
 back from the checkpoint (``koordrp.checkpoint``), where it is kept whenever it differs. A kept file

@@ -2,11 +2,15 @@
 
 A handler runs on a grpc worker thread: it parses kubelet's bytes, crosses into the reactor once to
 start the flow (``Call``), and waits for its outcome, which it turns into the grpc answer
-(``answer``: the one place an outcome becomes a grpc answer). The runtime's answer to the forward
-reaches the worker straight from grpc's thread, once the reactor has it (``_Exchange``). Hook calls, the runtime's call and read-backs
-are Deferreds on the reactor. When grpc says the RPC has ended (answered, cancelled by kubelet, or
-past its deadline), the reactor hears of it once: an unfinished flow is cancelled, which cancels
-what it waits for upstream, and the call's end (post stages, log line, metrics) follows.
+(``answer``: the one place an outcome becomes a grpc answer). A call its flow would forward as it
+came, hook-free (``flows.goes_ahead``), is sent to the runtime by the worker itself before the flow
+runs, and waited for on the worker's thread (``call_here``); the worker hands the runtime's answer
+to the flow, then answers. Otherwise the runtime's answer to the flow's forward reaches the worker
+from grpc's thread (``_Exchange``), and the worker hands it on to the flow. Either way the flow has
+the answer before kubelet does. Hook calls, the runtime's call and read-backs are Deferreds on the
+reactor. When grpc says the RPC has ended (answered, cancelled by kubelet, or past its deadline),
+the reactor hears of it once: an unfinished flow is cancelled, which cancels what it waits for
+upstream (a call sent ahead included), and the call's end (post stages, log line, metrics) follows.
 """
 
 import threading
@@ -15,6 +19,7 @@ from typing import Any, Awaitable, Callable, Coroutine, Generic, NoReturn, TypeV
 
 import grpc
 from google.protobuf.message import DecodeError
+from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorFromThreads
 
 from koordrp import adapters
@@ -22,7 +27,7 @@ from koordrp.call import Call, Parts
 from koordrp import flows
 from koordrp.api.cri.v1 import api_pb2 as cri
 from koordrp.cri import translate
-from koordrp.cri.backend import Answer, BackendChannel, Metadata, call_unary
+from koordrp.cri.backend import Answer, BackendChannel, Metadata, call_here, call_unary
 from koordrp.cri.passthrough import relay_status, remaining_timeout
 from koordrp.cri.runtime_lookup import RuntimeLookup
 from koordrp.store import StoredContainer, StoredPod
@@ -60,6 +65,8 @@ class _Method(Generic[Request]):
     parse: Callable[[bytes], Request]
     flow: Callable[["Call[CRIReply]", Request], Flow]
     created_id: Callable[[bytes], str] | None = None
+    subject: Callable[[Request], str] | None = None
+    """The id of the pod or container the request is about, where the call may go ahead (``flows.goes_ahead``)."""
 
 
 def _sandbox_id(raw: bytes) -> str:
@@ -68,6 +75,14 @@ def _sandbox_id(raw: bytes) -> str:
 
 def _container_id(raw: bytes) -> str:
     return cri.CreateContainerResponse.FromString(raw).container_id
+
+
+def _container_of(request: Any) -> str:
+    return str(request.container_id)
+
+
+def _pod_of(request: Any) -> str:
+    return str(request.pod_sandbox_id)
 
 
 # Each method reads its own request type: a table of them can only say Any.
@@ -83,28 +98,39 @@ _METHODS: dict[str, _Method[Any]] = {
         _container_id,
     ),
     "StartContainer": _Method(
-        cri.StartContainerRequest.FromString, lambda call, request: flows.start_container(call, request.container_id)
+        cri.StartContainerRequest.FromString,
+        lambda call, request: flows.start_container(call, request.container_id),
+        subject=_container_of,
     ),
     "UpdateContainerResources": _Method(
         cri.UpdateContainerResourcesRequest.FromString,
         lambda call, request: flows.update_container_resources(call, translate.UpdateContainerResources(request)),
+        subject=_container_of,
     ),
     "StopContainer": _Method(
-        cri.StopContainerRequest.FromString, lambda call, request: flows.stop_container(call, request.container_id)
+        cri.StopContainerRequest.FromString,
+        lambda call, request: flows.stop_container(call, request.container_id),
+        subject=_container_of,
     ),
     "StopPodSandbox": _Method(
-        cri.StopPodSandboxRequest.FromString, lambda call, request: flows.stop_pod_sandbox(call, request.pod_sandbox_id)
+        cri.StopPodSandboxRequest.FromString,
+        lambda call, request: flows.stop_pod_sandbox(call, request.pod_sandbox_id),
+        subject=_pod_of,
     ),
     "RemoveContainer": _Method(
-        cri.RemoveContainerRequest.FromString, lambda call, request: flows.remove_container(call, request.container_id)
+        cri.RemoveContainerRequest.FromString,
+        lambda call, request: flows.remove_container(call, request.container_id),
+        subject=_container_of,
     ),
     "RemovePodSandbox": _Method(
         cri.RemovePodSandboxRequest.FromString,
         lambda call, request: flows.remove_pod_sandbox(call, request.pod_sandbox_id),
+        subject=_pod_of,
     ),
     "UpdatePodSandboxResources": _Method(
         cri.UpdatePodSandboxResourcesRequest.FromString,
         lambda call, request: flows.update_pod_sandbox_resources(call, translate.UpdatePodSandboxResources(request)),
+        subject=_pod_of,
     ),
 }
 
@@ -114,8 +140,9 @@ class _Exchange:
 
     The worker waits for the call's outcome, which comes from the reactor (the flow's outcome) or,
     sooner, from grpc's thread as the runtime answers the forward (``Call.forward``: that answer is
-    the caller's), whichever is first: the reactor has been handed the runtime's answer by then, so the
-    flow's bookkeeping runs while the worker answers kubelet, and before kubelet's next call.
+    the caller's), whichever is first. The worker hands the runtime's answer on to the reactor before
+    it answers the caller, so that the flow's bookkeeping runs while the worker answers, before
+    kubelet's next call, and the reactor wakes for it only once the worker is running.
     """
 
     def __init__(self) -> None:
@@ -124,6 +151,7 @@ class _Exchange:
         self._offered = threading.Lock()
         self._settled = False
         self._rpc_over = False
+        self._hand_over: Callable[[], None] | None = None
         # Held until the outcome is known: the cheapest hand-off to a waiting thread.
         self._known = threading.Lock()
         self._known.acquire()
@@ -136,7 +164,7 @@ class _Exchange:
             self.rpc_ended()
 
     def offer(self, outcome: "adapters.Outcome[CRIReply]") -> None:
-        """From the reactor or grpc's thread: the first outcome offered is the worker's."""
+        """From the reactor: the first outcome offered is the worker's."""
         with self._offered:
             if self._settled:
                 return
@@ -144,13 +172,35 @@ class _Exchange:
             self.outcome = outcome
         self._known.release()
 
-    def runtime_answered(self, answer: Answer) -> None:
-        """On grpc's thread: the runtime answered the forward."""
-        self.offer(CRIReply(answer))
+    def runtime_answered(self, answer: Answer, hand_over: Callable[[], None]) -> None:
+        """On grpc's thread: the runtime answered the forward; ``hand_over`` hands the answer to the reactor.
+
+        A waiting worker takes the answer and hands it over as it wakes; once the worker has its outcome
+        (or stopped waiting), it is handed over here.
+        """
+        with self._offered:
+            if not self._settled:
+                self._settled = True
+                self.outcome = CRIReply(answer)
+                self._hand_over = hand_over
+                self._known.release()
+                return
+        hand_over()
 
     def wait(self, timeout: float | None) -> bool:
-        """In the worker: whether the outcome came within ``timeout`` seconds (None: however long it takes)."""
-        return self._known.acquire(timeout=-1 if timeout is None else timeout)
+        """In the worker: whether the outcome came within ``timeout`` seconds (None: however long it takes).
+
+        The runtime's answer, if it is the outcome, is handed to the reactor on the way out.
+        """
+        known = self._known.acquire(timeout=-1 if timeout is None else timeout)
+        with self._offered:
+            if not known:
+                known = self._known.acquire(blocking=False)  # offered just now
+                self._settled = True  # what comes from now on goes to the reactor where it comes
+            hand_over, self._hand_over = self._hand_over, None
+        if hand_over is not None:
+            hand_over()
+        return known
 
     def rpc_ended(self) -> None:
         """On the reactor, once grpc says the RPC is over: an unfinished flow is given up, then the call ends."""
@@ -180,17 +230,47 @@ class CRIBackend:
         self._metadata = metadata
         self._created_id = created_id
         self._exchange = exchange
+        self._sent: Deferred[Answer] | None = None
 
-    async def forward(self, rewritten: bytes | None, timeout: float | None) -> CRIReply:
+    def send_ahead(self, timeout: float | None) -> Callable[[], Answer]:
+        """From the worker: the call goes to the runtime as it came, before its flow runs (``flows.goes_ahead``).
+
+        Returns what waits, on the worker's thread, for the runtime's answer; the worker hands it to the
+        flow (``hand_over``). Cancelling the flow's forward cancels the call, as ever.
+        """
+        sent, answer = call_here(self._interceptor.upstream_here(self._method), self._raw, timeout, self._metadata)
+
+        def cancel(_: object) -> None:
+            sent.cancel()
+
+        self._sent = Deferred(cancel)
+        return answer
+
+    def hand_over(self, answer: Answer) -> None:
+        """From the worker: the runtime's answer to the call sent ahead, for the flow on the reactor."""
+        sent = self._sent
+        assert sent is not None
+
+        def settle() -> None:
+            if not sent.called:  # a cancelled forward has fired already
+                sent.callback(answer)
+
+        self._interceptor.reactor.callFromThread(settle)
+
+    def _send(self, request: bytes, timeout: float | None) -> "Deferred[Answer]":
         interceptor = self._interceptor
-        answer = await call_unary(
+        return call_unary(
             interceptor.reactor,
             interceptor.upstream(self._method),
-            self._raw if rewritten is None else rewritten,
+            request,
             timeout,
             self._metadata,
             self._exchange.runtime_answered,
         )
+
+    async def forward(self, rewritten: bytes | None, timeout: float | None) -> CRIReply:
+        sent = self._sent
+        answer = await (self._send(self._raw if rewritten is None else rewritten, timeout) if sent is None else sent)
         if answer.ok and self._created_id is not None:
             return CRIReply(answer, self._created_id(answer.raw))
         return CRIReply(answer)
@@ -228,18 +308,25 @@ class Interceptor:
         self.backend = backend
         self.lookup = lookup
         self._parts = parts
-        self._upstreams: dict[str, grpc.UnaryUnaryMultiCallable[bytes, bytes]] = {}
+        paths = [RUNTIME_SERVICE + name for name in _METHODS]
+        channel = backend.channel
+        # grpc-stubs 1.53 predates grpcio's _registered_method and wrongly requires the serializers.
+        self._upstreams: dict[str, grpc.UnaryUnaryMultiCallable[bytes, bytes]] = {
+            path: channel.unary_unary(path, _registered_method=True) for path in paths  # type: ignore[call-arg]
+        }
+        self._upstreams_here: dict[str, grpc.UnaryStreamMultiCallable[bytes, bytes]] = {
+            path: channel.unary_stream(path, _registered_method=True) for path in paths  # type: ignore[call-arg]
+        }
         self.handlers: dict[str, Callable[[bytes, grpc.ServicerContext], bytes]] = {
             RUNTIME_SERVICE + name: self._handler(name, method) for name, method in _METHODS.items()
         }
 
     def upstream(self, method: str) -> "grpc.UnaryUnaryMultiCallable[bytes, bytes]":
-        upstream = self._upstreams.get(method)
-        if upstream is None:
-            upstream = self._upstreams[method] = self.backend.channel.unary_unary(
-                method, _registered_method=True  # type: ignore[call-arg]
-            )
-        return upstream
+        return self._upstreams[method]
+
+    def upstream_here(self, method: str) -> "grpc.UnaryStreamMultiCallable[bytes, bytes]":
+        """``method`` for calls made and waited for on the caller's thread (``call_here``)."""
+        return self._upstreams_here[method]
 
     def _handler(self, name: str, method: _Method[Request]) -> Callable[[bytes, grpc.ServicerContext], bytes]:
         path = RUNTIME_SERVICE + name
@@ -249,10 +336,16 @@ class Interceptor:
             exchange = _Exchange()
             backend = CRIBackend(self, path, raw, tuple(context.invocation_metadata()), method.created_id, exchange)
             call = Call(self._parts, name, backend, timeout)
+            ahead: Callable[[], Answer] | None = None
             try:
-                flow = method.flow(call, method.parse(raw))
+                request = method.parse(raw)
             except DecodeError as error:
                 flow = flows.unreadable(call, name, str(error))
+            else:
+                flow = method.flow(call, request)
+                if method.subject is not None and flows.goes_ahead(call, name, method.subject(request)):
+                    call.went_ahead = True
+                    ahead = backend.send_ahead(timeout)
             ended = exchange.rpc_ended
             # Once grpc says the RPC is over (answered, cancelled, past its deadline). Asked before the flow
             # is handed over, so that the worker waits, and lets the reactor have the GIL, as soon as it has
@@ -261,6 +354,11 @@ class Interceptor:
             self.reactor.callFromThread(exchange.start, call, flow)
             if gone:
                 self.reactor.callFromThread(ended)  # the caller is gone already
+            if ahead is not None:
+                # The runtime's answer is the caller's: the flow has it first, for its bookkeeping.
+                runtime_answer = ahead()
+                backend.hand_over(runtime_answer)
+                return answer(CRIReply(runtime_answer), context, self.backend)
             if not exchange.wait(None if timeout is None else timeout + _SLACK_SECONDS):
                 _reactor_stuck(context, name)
             return answer(exchange.outcome, context, self.backend)

@@ -12,7 +12,7 @@ from typing import Any, Callable, Coroutine, Sequence, cast
 
 from twisted.internet.defer import CancelledError, Deferred, ensureDeferred
 from twisted.internet.task import Clock
-from twisted.logger import ILogObserver, LogEvent, formatEvent, globalLogPublisher
+from twisted.logger import ILogObserver, LogEvent, LogLevel, formatEvent, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 
 from koordrp import adapters
@@ -745,6 +745,82 @@ class IdentityRules(FlowTestCase):
             self.drive(flow, *args)
             after = [entry.SerializeToString() for entry in (pod.asked, pod.given, container.asked, container.given)]
             self.assertEqual(after, before, flow.__name__)
+
+
+class GoingAheadTests(FlowTestCase):
+    """A call its front end may send to the runtime before its flow runs (``flows.goes_ahead``)."""
+
+    # method: its flow, the flow's arguments, the id of what it is about
+    AHEAD: dict[str, tuple[Callable[..., Coroutine[Any, Any, Reply]], tuple[Any, ...], str]] = {
+        "StartContainer": (flows.start_container, ("c-1",), "c-1"),
+        "UpdateContainerResources": (flows.update_container_resources, (CRIWire().update("c-1", 512),), "c-1"),
+        "StopContainer": (flows.stop_container, ("c-1",), "c-1"),
+        "RemoveContainer": (flows.remove_container, ("c-1",), "c-1"),
+        "StopPodSandbox": (flows.stop_pod_sandbox, ("s-1",), "s-1"),
+        "RemovePodSandbox": (flows.remove_pod_sandbox, ("s-1",), "s-1"),
+        "UpdatePodSandboxResources": (flows.update_pod_sandbox_resources, (CRIWire().resize("s-1", 2000),), "s-1"),
+    }
+
+    def ahead(self) -> set[str]:
+        subjects = {method: subject for method, (_, _, subject) in self.AHEAD.items()}
+        subjects.update(RunPodSandbox="", CreateContainer="s-1")
+        return {method for method, subject in subjects.items() if flows.goes_ahead(self.call(method), method, subject)}
+
+    def test_only_calls_about_what_the_store_knows_whose_pre_hook_calls_nobody(self) -> None:
+        self.subscribe(*HookType)
+        self.assertEqual(self.ahead(), set())  # the store knows nothing: the flows read back first
+        self.put_pod()
+        self.put_container()
+        without_pre_hooks = {"StopContainer", "RemoveContainer", "StopPodSandbox", "RemovePodSandbox", "UpdatePodSandboxResources"}
+        self.assertEqual(self.ahead(), without_pre_hooks)
+        self.subscribe(POST_START, POST_STOP, POST_STOP_POD)
+        self.assertEqual(self.ahead(), set(self.AHEAD))
+        self.subscribe(*HookType)
+        skipped = {SKIP.key: SKIP.value}
+        self.put_pod(labels=skipped)
+        self.put_container(labels=skipped)
+        self.assertEqual(self.ahead(), set(self.AHEAD))  # never RunPodSandbox or CreateContainer: they write their own
+
+    def test_a_flow_that_went_ahead_forwards_as_it_came_and_calls_no_pre_hook(self) -> None:
+        changes = hook.ContainerResourceHookResponse(
+            container_annotations={"hooked": "1"}, container_resources=hook.LinuxContainerResources(cpu_shares=7)
+        )
+        for hook_type in HookType:
+            self.stages.answers[hook_type] = changes
+        self.subscribe(*HookType)
+        went_ahead: set[str] = set()
+        for method, (flow, args, subject) in self.AHEAD.items():
+            for labels in ({SKIP.key: SKIP.value}, {}):
+                self.store = Store()
+                self.parts = replace(self.parts, store=self.store)
+                self.runtime.forwarded.clear()
+                self.stages.ran.clear()
+                self.put_pod(labels=labels)
+                self.put_container(labels=labels)
+                call = self.call(method)
+                if not flows.goes_ahead(call, method, subject):
+                    continue
+                went_ahead.add(method)
+                call.went_ahead = True
+                self.successResultOf(call.run(flow(call, *args)))
+                self.assertEqual(self.runtime.forwarded, [None], method)
+                self.assertEqual([ran.hook for ran in self.stages.ran if ran.hook.is_pre], [], method)
+        self.assertEqual(went_ahead, set(self.AHEAD))
+        self.assertEqual([event for event in self.events if event.get("log_level") is LogLevel.error], [])
+
+    def test_a_change_made_after_the_call_went_ahead_is_said_not_sent(self) -> None:
+        # flows.goes_ahead and the flows agree (above); were they ever not to, koordrp says so.
+        self.subscribe(PRE_UPDATE)
+        self.stages.answers[PRE_UPDATE] = hook.ContainerResourceHookResponse(
+            container_resources=hook.LinuxContainerResources(cpu_shares=7)
+        )
+        self.put_pod()
+        self.put_container()
+        call = self.call("UpdateContainerResources")
+        call.went_ahead = True
+        self.successResultOf(call.run(flows.update_container_resources(call, CRIWire().update("c-1", 512))))
+        [error] = [event for event in self.events if event.get("log_level") is LogLevel.error]
+        self.assertIn("the change was not sent", formatEvent(error))
 
 
 class CancellationTests(FlowTestCase):

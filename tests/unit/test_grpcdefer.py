@@ -39,28 +39,39 @@ class AtOnce:
         f(*args, **kwargs)
 
 
-def when(future: StandInFuture, read: Callable[[Any], object], told: Callable[[object], None] | None = None) -> "Deferred[object]":
-    return when_done(cast("grpc.Future[object]", future), cast(Any, AtOnce()), read, told)
+def when(
+    future: StandInFuture, read: Callable[[Any], object], handed: Callable[[object, Callable[[], None]], None] | None = None
+) -> "Deferred[object]":
+    return when_done(cast("grpc.Future[object]", future), cast(Any, AtOnce()), read, handed)
 
 
 class WhenDoneTests(SynchronousTestCase):
-    def test_the_reactor_has_the_value_before_whoever_is_told(self) -> None:
-        future, order = StandInFuture(), cast(list[tuple[str, object]], [])
-        done = when(future, lambda _: "answer", lambda value: order.append(("told", value)))
-        done.addCallback(lambda value: order.append(("reactor", value)))
+    def test_the_reactor_has_the_value_once_whoever_is_handed_it_hands_it_over(self) -> None:
+        future, handed = StandInFuture(), cast(list[tuple[object, Callable[[], None]]], [])
+        done = when(future, lambda _: "answer", lambda value, hand_over: handed.append((value, hand_over)))
         future.finish()
-        self.assertEqual(order, [("reactor", "answer"), ("told", "answer")])
+        [(value, hand_over)] = handed
+        self.assertEqual(value, "answer")
+        self.assertNoResult(done)
+        hand_over()
+        self.assertEqual(self.successResultOf(done), "answer")
 
-    def test_a_read_that_fails_fails_the_deferred_and_tells_nobody(self) -> None:
-        future, told = StandInFuture(), cast(list[object], [])
+    def test_without_anyone_handed_it_the_reactor_has_the_value_at_once(self) -> None:
+        future = StandInFuture()
+        done = when(future, lambda _: "answer")
+        future.finish()
+        self.assertEqual(self.successResultOf(done), "answer")
+
+    def test_a_read_that_fails_fails_the_deferred_and_hands_nothing(self) -> None:
+        future, handed = StandInFuture(), cast(list[object], [])
 
         def read(_: object) -> object:
             raise KeyError("unreadable")
 
-        done = when(future, read, told.append)
+        done = when(future, read, lambda value, _: handed.append(value))
         future.finish()
         self.failureResultOf(done, KeyError)
-        self.assertEqual(told, [])
+        self.assertEqual(handed, [])
 
     def test_a_cancelled_call_is_not_read(self) -> None:
         future, reads = StandInFuture(), cast(list[object], [])

@@ -19,9 +19,9 @@ from twisted.trial.unittest import SynchronousTestCase, TestCase
 from koordrp.api.cri.v1 import api_pb2 as cri
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
 from koordrp.cri import translate
-from koordrp.cri.backend import BackendChannel
+from koordrp.cri.backend import Answer, BackendChannel
 from koordrp import adapters, flows
-from koordrp.cri.intercept import Interceptor, _Exchange
+from koordrp.cri.intercept import CRIReply, Interceptor, _Exchange
 from koordrp.cri.methods import BackendRole
 from koordrp.cri.passthrough import PassThroughHandler
 from koordrp.cri.runtime_lookup import RuntimeLookup
@@ -243,3 +243,23 @@ class ExchangeTests(SynchronousTestCase):
         self.assertIs(exchange.outcome, adapters.CALLER_GONE)
         self.assertTrue(exchange.wait(0))
         self.assertEqual(runtime.cancelled, 1)  # the runtime's call, made as the flow started, is given up
+
+    def test_the_worker_hands_the_runtimes_answer_to_the_reactor_as_it_wakes(self) -> None:
+        exchange, handed = _Exchange(), cast(list[str], [])
+        answer = Answer(grpc.StatusCode.OK, b"started")
+        exchange.runtime_answered(answer, lambda: handed.append("reactor"))
+        self.assertEqual(handed, [])  # grpc's thread leaves it to the worker it woke
+        self.assertTrue(exchange.wait(None))
+        self.assertEqual(handed, ["reactor"])
+        self.assertEqual(exchange.outcome, CRIReply(answer))
+
+    def test_an_answer_nobody_waits_for_goes_to_the_reactor_where_it_comes(self) -> None:
+        answer = Answer(grpc.StatusCode.OK, b"started")
+        waited_too_long, handed = _Exchange(), cast(list[str], [])
+        self.assertFalse(waited_too_long.wait(0))
+        waited_too_long.runtime_answered(answer, lambda: handed.append("after the worker gave up"))
+        answered_already = _Exchange()
+        answered_already.offer(adapters.CALLER_GONE)
+        answered_already.runtime_answered(answer, lambda: handed.append("after the flow's outcome"))
+        self.assertEqual(handed, ["after the worker gave up", "after the flow's outcome"])
+        self.assertIs(answered_already.outcome, adapters.CALLER_GONE)
