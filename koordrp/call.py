@@ -408,8 +408,8 @@ class Call(Generic[AnyReply]):
         The runtime has done (or refused) what was asked; what a flow does after it (the store, the
         post stages it owes) is koordrp's own bookkeeping and cannot change that answer: a failure
         there is said, and the caller still gets the runtime's answer. A front end may hand that
-        answer over as soon as it comes (CRI does, from grpc's thread), as long as the reactor has it
-        first, so that the caller's next call finds the store as this one leaves it.
+        answer over as soon as it comes (CRI's worker does, as grpc's thread wakes it), as long as the
+        reactor has it queued first, so that the caller's next call finds the store as this one leaves it.
         """
         if self.went_ahead and rewritten is not None:
             # flows.goes_ahead sends only what its flow forwards as it came: this is koordrp's bug, said as one.

@@ -94,14 +94,13 @@ def goes_ahead(call: Call[AnyReply], method: str, subject_id: str) -> bool:
     about_container = _SENT_AS_IT_CAME.get(method)
     if about_container is None:
         return False
-    pre = [hook for hook in METHOD_HOOKS[method] if hook.is_pre]
     if not about_container:
-        pod = call.store.pod(subject_id)
-        return pod is not None and not any(call.would_call(hook, pod.asked) for hook in pre)
+        return call.store.has_pod(subject_id)  # no call about a pod has a pre hook
     container = call.store.container(subject_id)
     if container is None:
         return False
-    if not pre:
+    pre = [hook for hook in METHOD_HOOKS[method] if hook.is_pre]
+    if not any(call.servers.subscribed(hook) for hook in pre):
         return True
     subject = call.container_request(container.asked, container.sandbox_id)
     return not any(call.would_call(hook, subject) for hook in pre)

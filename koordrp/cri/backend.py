@@ -4,7 +4,7 @@ to it as Deferreds."""
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator, cast
+from typing import Callable, cast
 
 import grpc
 from twisted.internet.defer import Deferred
@@ -28,9 +28,6 @@ CHANNEL_OPTIONS: list[tuple[str, int]] = [
 
 ReachabilityReport = Callable[[Reachability, str], None]
 
-# grpc.experimental.ChannelOptions.SingleThreadedUnaryStream (grpc's stubs do not know grpc.experimental).
-_SINGLE_THREADED_UNARY_STREAM = "SingleThreadedUnaryStream"
-
 # grpc health's Watch: a stream the runtime keeps open, telling only of health changes (containerd serves it).
 _WATCH = "/grpc.health.v1.Health/Watch"
 _REWATCH_SECONDS = 1.0
@@ -41,10 +38,7 @@ class BackendChannel:
 
     def __init__(self, path: str, report: ReachabilityReport) -> None:
         self.path = path
-        # A call a worker waits for on its own thread (``call_here``) is made as a unary-stream call, which this
-        # option makes grpc run on the caller's thread: no thread of grpc's between the answer and the worker.
-        options = [*CHANNEL_OPTIONS, (_SINGLE_THREADED_UNARY_STREAM, 1)]
-        self.channel = grpc.insecure_channel(grpc_target(path), options=options)
+        self.channel = grpc.insecure_channel(grpc_target(path), options=CHANNEL_OPTIONS)
         self._tracker = ReachabilityTracker()
         self._report = report
         self._closed = False
@@ -62,12 +56,10 @@ class BackendChannel:
         runtime went away. Any other end is final: a runtime that does not serve the watch answers
         UNIMPLEMENTED, and then costs only that.
         """
-        # Opened as a bidirectional stream (the same exchange on the wire): the channel's unary-stream calls
-        # run on their caller's thread, and only a call grpc's thread serves keeps that thread running.
-        watch = self.channel.stream_stream(_WATCH, None, None)
+        watch = self.channel.unary_stream(_WATCH, _registered_method=True)  # type: ignore[call-arg]
         while not self._closed:
             opened = time.monotonic()
-            held = watch(iter((b"",)), wait_for_ready=True)  # waits while the runtime is away
+            held = watch(b"", wait_for_ready=True)  # waits while the runtime is away
             self._held = cast("grpc.Future[bytes]", held)
             try:
                 for _ in held:
@@ -131,31 +123,6 @@ def call_unary(
     """
     future = method.future(request, timeout=timeout, metadata=metadata)
     return when_done(future, reactor, _answer, handed)
-
-
-def call_here(
-    method: "grpc.UnaryStreamMultiCallable[bytes, bytes]", request: bytes, timeout: float | None, metadata: Metadata
-) -> "tuple[grpc.Future[bytes], Callable[[], Answer]]":
-    """Call the unary method ``method`` names (as a unary-stream call: the same exchange on the wire) on a
-    ``BackendChannel``, whose such calls run on the caller's thread: the call, to cancel from any thread,
-    and what waits for its Answer on this one."""
-    responses = method(request, timeout=timeout, metadata=metadata)
-
-    def answer() -> Answer:
-        try:
-            messages = cast(Iterator[bytes], responses)
-            raw = next(messages, None)
-            for _ in messages:  # the runtime's status follows its one message
-                pass
-        except grpc.RpcError as error:
-            failed = cast(grpc.Call, error)
-            return Answer(failed.code(), details=failed.details() or "", trailing=tuple(failed.trailing_metadata() or ()))
-        trailing = tuple(cast(grpc.Call, responses).trailing_metadata() or ())
-        if raw is None:
-            return Answer(grpc.StatusCode.INTERNAL, details="koordrp: the runtime answered with no message", trailing=trailing)
-        return Answer(grpc.StatusCode.OK, bytes(raw), trailing=trailing)
-
-    return cast("grpc.Future[bytes]", responses), answer
 
 
 def _answer(done: "grpc.Future[bytes]") -> Answer:

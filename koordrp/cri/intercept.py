@@ -4,10 +4,9 @@ A handler runs on a grpc worker thread: it parses kubelet's bytes, crosses into 
 start the flow (``Call``), and waits for its outcome, which it turns into the grpc answer
 (``answer``: the one place an outcome becomes a grpc answer). A call its flow would forward as it
 came, hook-free (``flows.goes_ahead``), is sent to the runtime by the worker itself before the flow
-runs, and waited for on the worker's thread (``call_here``); the worker hands the runtime's answer
-to the flow, then answers. Otherwise the runtime's answer to the flow's forward reaches the worker
-from grpc's thread (``_Exchange``), and the worker hands it on to the flow. Either way the flow has
-the answer before kubelet does. Hook calls, the runtime's call and read-backs are Deferreds on the
+runs, and the flow's forward is answered by it. The runtime's answer reaches the worker from grpc's
+thread (``_Exchange``); the worker hands it to the reactor, then answers, so the reactor has it
+queued before kubelet does. Hook calls, the runtime's call and read-backs are Deferreds on the
 reactor. When grpc says the RPC has ended (answered, cancelled by kubelet, or past its deadline),
 the reactor hears of it once: an unfinished flow is cancelled, which cancels what it waits for
 upstream (a call sent ahead included), and the call's end (post stages, log line, metrics) follows.
@@ -27,7 +26,7 @@ from koordrp.call import Call, Parts
 from koordrp import flows
 from koordrp.api.cri.v1 import api_pb2 as cri
 from koordrp.cri import translate
-from koordrp.cri.backend import Answer, BackendChannel, Metadata, call_here, call_unary
+from koordrp.cri.backend import Answer, BackendChannel, Metadata, call_unary
 from koordrp.cri.passthrough import relay_status, remaining_timeout
 from koordrp.cri.runtime_lookup import RuntimeLookup
 from koordrp.store import StoredContainer, StoredPod
@@ -166,11 +165,10 @@ class _Exchange:
     def offer(self, outcome: "adapters.Outcome[CRIReply]") -> None:
         """From the reactor: the first outcome offered is the worker's."""
         with self._offered:
-            if self._settled:
-                return
-            self._settled = True
-            self.outcome = outcome
-        self._known.release()
+            if not self._settled:
+                self._settled = True
+                self.outcome = outcome
+                self._known.release()
 
     def runtime_answered(self, answer: Answer, hand_over: Callable[[], None]) -> None:
         """On grpc's thread: the runtime answered the forward; ``hand_over`` hands the answer to the reactor.
@@ -232,30 +230,10 @@ class CRIBackend:
         self._exchange = exchange
         self._sent: Deferred[Answer] | None = None
 
-    def send_ahead(self, timeout: float | None) -> Callable[[], Answer]:
-        """From the worker: the call goes to the runtime as it came, before its flow runs (``flows.goes_ahead``).
-
-        Returns what waits, on the worker's thread, for the runtime's answer; the worker hands it to the
-        flow (``hand_over``). Cancelling the flow's forward cancels the call, as ever.
-        """
-        sent, answer = call_here(self._interceptor.upstream_here(self._method), self._raw, timeout, self._metadata)
-
-        def cancel(_: object) -> None:
-            sent.cancel()
-
-        self._sent = Deferred(cancel)
-        return answer
-
-    def hand_over(self, answer: Answer) -> None:
-        """From the worker: the runtime's answer to the call sent ahead, for the flow on the reactor."""
-        sent = self._sent
-        assert sent is not None
-
-        def settle() -> None:
-            if not sent.called:  # a cancelled forward has fired already
-                sent.callback(answer)
-
-        self._interceptor.reactor.callFromThread(settle)
+    def send_ahead(self, timeout: float | None) -> None:
+        """From the worker: the call goes to the runtime as it came, before its flow runs (``flows.goes_ahead``);
+        the flow's forward is answered by it (and cancelling that cancels it)."""
+        self._sent = self._send(self._raw, timeout)
 
     def _send(self, request: bytes, timeout: float | None) -> "Deferred[Answer]":
         interceptor = self._interceptor
@@ -308,14 +286,10 @@ class Interceptor:
         self.backend = backend
         self.lookup = lookup
         self._parts = parts
-        paths = [RUNTIME_SERVICE + name for name in _METHODS]
-        channel = backend.channel
         # grpc-stubs 1.53 predates grpcio's _registered_method and wrongly requires the serializers.
         self._upstreams: dict[str, grpc.UnaryUnaryMultiCallable[bytes, bytes]] = {
-            path: channel.unary_unary(path, _registered_method=True) for path in paths  # type: ignore[call-arg]
-        }
-        self._upstreams_here: dict[str, grpc.UnaryStreamMultiCallable[bytes, bytes]] = {
-            path: channel.unary_stream(path, _registered_method=True) for path in paths  # type: ignore[call-arg]
+            RUNTIME_SERVICE + name: backend.channel.unary_unary(RUNTIME_SERVICE + name, _registered_method=True)  # type: ignore[call-arg]
+            for name in _METHODS
         }
         self.handlers: dict[str, Callable[[bytes, grpc.ServicerContext], bytes]] = {
             RUNTIME_SERVICE + name: self._handler(name, method) for name, method in _METHODS.items()
@@ -323,10 +297,6 @@ class Interceptor:
 
     def upstream(self, method: str) -> "grpc.UnaryUnaryMultiCallable[bytes, bytes]":
         return self._upstreams[method]
-
-    def upstream_here(self, method: str) -> "grpc.UnaryStreamMultiCallable[bytes, bytes]":
-        """``method`` for calls made and waited for on the caller's thread (``call_here``)."""
-        return self._upstreams_here[method]
 
     def _handler(self, name: str, method: _Method[Request]) -> Callable[[bytes, grpc.ServicerContext], bytes]:
         path = RUNTIME_SERVICE + name
@@ -336,7 +306,6 @@ class Interceptor:
             exchange = _Exchange()
             backend = CRIBackend(self, path, raw, tuple(context.invocation_metadata()), method.created_id, exchange)
             call = Call(self._parts, name, backend, timeout)
-            ahead: Callable[[], Answer] | None = None
             try:
                 request = method.parse(raw)
             except DecodeError as error:
@@ -345,7 +314,7 @@ class Interceptor:
                 flow = method.flow(call, request)
                 if method.subject is not None and flows.goes_ahead(call, name, method.subject(request)):
                     call.went_ahead = True
-                    ahead = backend.send_ahead(timeout)
+                    backend.send_ahead(timeout)
             ended = exchange.rpc_ended
             # Once grpc says the RPC is over (answered, cancelled, past its deadline). Asked before the flow
             # is handed over, so that the worker waits, and lets the reactor have the GIL, as soon as it has
@@ -354,11 +323,6 @@ class Interceptor:
             self.reactor.callFromThread(exchange.start, call, flow)
             if gone:
                 self.reactor.callFromThread(ended)  # the caller is gone already
-            if ahead is not None:
-                # The runtime's answer is the caller's: the flow has it first, for its bookkeeping.
-                runtime_answer = ahead()
-                backend.hand_over(runtime_answer)
-                return answer(CRIReply(runtime_answer), context, self.backend)
             if not exchange.wait(None if timeout is None else timeout + _SLACK_SECONDS):
                 _reactor_stuck(context, name)
             return answer(exchange.outcome, context, self.backend)

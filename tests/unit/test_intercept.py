@@ -21,7 +21,7 @@ from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
 from koordrp.cri import translate
 from koordrp.cri.backend import Answer, BackendChannel
 from koordrp import adapters, flows
-from koordrp.cri.intercept import CRIReply, Interceptor, _Exchange
+from koordrp.cri.intercept import _METHODS, CRIReply, Interceptor, _Exchange
 from koordrp.cri.methods import BackendRole
 from koordrp.cri.passthrough import PassThroughHandler
 from koordrp.cri.runtime_lookup import RuntimeLookup
@@ -107,8 +107,8 @@ class InterceptTests(TestCase):
 
     @inlineCallbacks
     def test_kubelet_has_the_runtimes_answer_while_the_reactor_is_busy(self):  # type: ignore[no-untyped-def]
-        # The runtime's answer to the forward is kubelet's: it is handed over from grpc's thread once the
-        # reactor has it (its bookkeeping follows), not once the reactor got round to it.
+        # The runtime's answer to the forward is kubelet's: the worker has it from grpc's thread and hands it
+        # to the reactor (its bookkeeping follows), not once the reactor got round to it.
         answered = threading.Event()
         held: list[bool] = []
 
@@ -195,8 +195,36 @@ class InterceptTests(TestCase):
         self.store.started("c-1")
 
     @inlineCallbacks
-    def test_a_stop_its_caller_cancels_ends_upstream_at_once_frees_its_worker_and_owes_no_post_stop(self):  # type: ignore[no-untyped-def]
+    def test_a_call_its_flow_forwards_as_it_came_goes_ahead_of_a_busy_reactor(self):  # type: ignore[no-untyped-def]
+        # A stop of a container the store knows calls no pre hook: the worker sends it without waiting for the
+        # reactor, which then runs the flow with the runtime's answer.
         self.stored_container()
+        self.backend.slow_call_seconds = 0.0
+        holding, answered = threading.Event(), threading.Event()
+        held: list[bool] = []
+
+        def hold_the_reactor() -> None:
+            holding.set()
+            held.append(answered.wait(timeout=30))
+
+        def stop() -> bytes:
+            cast(IReactorFromThreads, reactor).callFromThread(hold_the_reactor)
+            holding.wait(timeout=30)
+            try:
+                return self.call(STOP, cri.StopContainerRequest(container_id="c-1").SerializeToString())
+            finally:
+                answered.set()
+
+        yield deferToThread(stop)
+        self.assertEqual(held, [True])  # kubelet had its answer while the reactor was held
+        stored = self.store.container("c-1")
+        assert stored is not None
+        self.assertEqual(stored.state, ContainerState.STOPPED)  # then the flow did the rest
+        posts = yield deferToThread(self.hook_server.rpcs_once, 1, 30)
+        self.assertEqual(posts, ["PostStopContainerHook"])
+
+    @inlineCallbacks
+    def cancel_a_stop(self):  # type: ignore[no-untyped-def]
         self.backend.slow_call_seconds = 30.0
         lines = self.call_lines()
         request = cri.StopContainerRequest(container_id="c-1", timeout=30).SerializeToString()
@@ -211,11 +239,22 @@ class InterceptTests(TestCase):
         yield deferToThread(self.call, "/runtime.v1.RuntimeService/Version", b"")
         yield self.wait_for(lines, 1)
         self.assertEqual(lines[0]["outcome"], "CANCELLED")
-        # The runtime did not stop it (it does not even know it): no PostStopContainer, and the store agrees.
+        # The runtime did not stop it (it does not even know it): no PostStopContainer.
         self.assertEqual(self.hook_server.rpcs(), [])
+
+    @inlineCallbacks
+    def test_a_stop_its_caller_cancels_ends_upstream_at_once_frees_its_worker_and_owes_no_post_stop(self):  # type: ignore[no-untyped-def]
+        self.stored_container()  # the stop goes ahead of its flow
+        yield self.cancel_a_stop()
         stored = self.store.container("c-1")
         assert stored is not None
         self.assertEqual(stored.state, ContainerState.RUNNING)
+
+    @inlineCallbacks
+    def test_a_stop_its_flow_forwards_ends_upstream_when_its_caller_cancels(self):  # type: ignore[no-untyped-def]
+        # A container the store does not know is read back by the flow first, which then forwards the stop itself.
+        yield self.cancel_a_stop()
+        self.assertIsNone(self.store.container("c-1"))
 
     @inlineCallbacks
     def test_a_stop_past_its_callers_deadline_ends_upstream_at_the_deadline(self):  # type: ignore[no-untyped-def]
@@ -263,3 +302,9 @@ class ExchangeTests(SynchronousTestCase):
         answered_already.runtime_answered(answer, lambda: handed.append("after the flow's outcome"))
         self.assertEqual(handed, ["after the worker gave up", "after the flow's outcome"])
         self.assertIs(answered_already.outcome, adapters.CALLER_GONE)
+
+
+class MethodTableTests(SynchronousTestCase):
+    def test_every_method_that_may_go_ahead_names_what_it_is_about(self) -> None:
+        named = {name for name, method in _METHODS.items() if method.subject is not None}
+        self.assertEqual(named, set(flows._SENT_AS_IT_CAME))
