@@ -107,6 +107,10 @@ class SkipLabel:
     def skips(self, labels: Mapping[str, str]) -> bool:
         return labels.get(self.key) == self.value
 
+    def skips_subject(self, subject: HookRequest) -> bool:
+        """Whether the pod a hook request is about (or the container's pod) is spared."""
+        return self.skips(subject.labels if isinstance(subject, PodHookRequest) else subject.pod_labels)
+
 
 @dataclass(frozen=True)
 class Parts:
@@ -147,13 +151,17 @@ class Call(Generic[AnyReply]):
         timeout: float | None = None,
         hooks_share: float = HOOKS_SHARE,
         late: LateUpdates | None = None,
+        servers: HookServers | None = None,
+        went_ahead: bool = False,
     ) -> None:
         """``method`` names the call in its log line; ``timeout`` is what is left of the caller's deadline, of
         which the hook stages may take ``hooks_share``; ``late``: the front end can still apply a pre-create
-        answer that comes after the budget (``apply_late``)."""
+        answer that comes after the budget (``apply_late``); ``servers``: the hook servers in force as the
+        call arrived, if the front end took them (default: now); ``went_ahead``: the front end sent the call
+        to the runtime before its flow runs (``koordrp.flows.goes_ahead``)."""
         self.store = parts.store
         self._parts = parts
-        self.servers = parts.registrations()
+        self.servers = parts.registrations() if servers is None else servers
         self.backend = backend
         self.record = CallRecord(method)
         self.lifecycle = method
@@ -169,8 +177,7 @@ class Call(Generic[AnyReply]):
         self._running: Deferred[AnyReply] | None = None
         self._forwarded: AnyReply | None = None
         """The runtime's answer, once the flow has forwarded the call."""
-        self.went_ahead = False
-        """The front end sent the call to the runtime before its flow ran (``koordrp.flows.goes_ahead``)."""
+        self.went_ahead = went_ahead
         self._cancelled = False
         self._flow_over = False
         self._outcome: Outcome[AnyReply] | None = None
@@ -275,14 +282,7 @@ class Call(Generic[AnyReply]):
     def concerns(self, subject: HookRequest) -> None:
         """The call is about this pod or container: its line names it, and its pod's labels say whether hooks are skipped."""
         self.record.subject = subject
-        self._skipping = self._skips(subject)
-
-    def _skips(self, subject: HookRequest) -> bool:
-        return self._parts.skip.skips(subject.labels if isinstance(subject, PodHookRequest) else subject.pod_labels)
-
-    def would_call(self, hook: HookType, subject: HookRequest) -> bool:
-        """Whether a stage of ``hook`` about ``subject`` would call any server."""
-        return bool(self.servers.subscribed(hook)) and not self._skips(subject)
+        self._skipping = self._parts.skip.skips_subject(subject)
 
     def _callees(self, hook: HookType) -> Subscribers:
         """The servers to call: none when nobody subscribed, or when the pod is skipped (counted)."""
@@ -458,10 +458,7 @@ class Call(Generic[AnyReply]):
         return None if stored is None else self.shown(stored)
 
     def container_request(self, container: ContainerHookRequest, sandbox_id: str) -> ContainerHookRequest:
-        """What a hook about a container is shown: ``container`` (kubelet's, copied), in its pod as the pod is now."""
-        request = copied(container)
-        pod = self.store.pod(sandbox_id)
-        return request if pod is None else placed_in_pod(request, pod.given)
+        return container_request(self.store, container, sandbox_id)
 
     async def _read_back(self, kind: str, identifier: str, read: Callable[[], Awaitable[Result | None]]) -> Result | None:
         try:
@@ -497,3 +494,10 @@ class Call(Generic[AnyReply]):
         except LookupFailed:
             return False
         return found is None if stopped is None else found is not None and found.stopped is stopped
+
+
+def container_request(store: Store, container: ContainerHookRequest, sandbox_id: str) -> ContainerHookRequest:
+    """What a hook about a container is shown: ``container`` (kubelet's, copied), in its pod as the pod is now."""
+    request = copied(container)
+    pod = store.pod(sandbox_id)
+    return request if pod is None else placed_in_pod(request, pod.given)

@@ -48,9 +48,9 @@ from koordrp.adapters import (
     UpdatePodSandboxResources,
     Written,
 )
-from koordrp.call import Call, Refused
+from koordrp.call import Call, Parts, Refused, container_request
 from koordrp.hooks.messages import Change, ContainerHookRequest, copied, copy_changed, folded_update, placed_in_pod
-from koordrp.hooks.types import UNREADABLE, HookType
+from koordrp.hooks.types import UNREADABLE, HookServers, HookType
 from koordrp.store import ContainerState
 from koordrp.text import shortened
 
@@ -83,27 +83,26 @@ _SENT_AS_IT_CAME = {
 }
 
 
-def goes_ahead(call: Call[AnyReply], method: str, subject_id: str) -> bool:
-    """Whether ``call`` may go to the runtime before its flow runs: its flow would forward it as it came.
+def goes_ahead(parts: Parts, servers: HookServers, method: str, subject_id: str) -> bool:
+    """Whether a call may go to the runtime before its flow runs: its flow would forward it as it came.
 
     That is a call about a pod or container the store knows (its flow reads nothing back from the
-    runtime first) whose pre hook, if its method has one, would call nobody (no server subscribed, or
-    the pod is skipped). A front end that has the call on a thread of its own (CRI) spares it the
-    wait for the reactor; the flow runs as ever, its forward answered by what was sent ahead.
+    runtime first) whose pre hook, if its method has one, would call nobody among ``servers`` (the
+    ones the call's flow will use): no server subscribed, or the pod is skipped. A front end that has
+    the call on a thread of its own (CRI) spares it the wait for the reactor; the flow runs as ever,
+    its forward answered by what was sent ahead.
     """
     about_container = _SENT_AS_IT_CAME.get(method)
     if about_container is None:
         return False
     if not about_container:
-        return call.store.has_pod(subject_id)  # no call about a pod has a pre hook
-    container = call.store.container(subject_id)
+        return parts.store.has_pod(subject_id)  # no call about a pod has a pre hook
+    container = parts.store.container(subject_id)
     if container is None:
         return False
-    pre = [hook for hook in METHOD_HOOKS[method] if hook.is_pre]
-    if not any(call.servers.subscribed(hook) for hook in pre):
+    if not any(servers.subscribed(hook) for hook in METHOD_HOOKS[method] if hook.is_pre):
         return True
-    subject = call.container_request(container.asked, container.sandbox_id)
-    return not any(call.would_call(hook, subject) for hook in pre)
+    return parts.skip.skips_subject(container_request(parts.store, container.asked, container.sandbox_id))
 
 
 async def _forward_changing(

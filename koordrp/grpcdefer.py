@@ -25,9 +25,8 @@ def when_done(
     """Fires on the reactor with what ``read`` makes of ``future`` once it is done (its answer or its error).
 
     ``read`` runs on grpc's thread, so the reactor gets a plain value. ``handed``, if given, is handed
-    that value there instead, with what hands it to the reactor, and must call that once, on whichever
-    thread: a thread waiting for the answer can take it first and wake the reactor as it goes on,
-    rather than wake to find the reactor holding the GIL.
+    that value there instead, with what fires the Deferred, which it must have run on the reactor: a
+    thread waiting for the answer can take it first and choose when the reactor is woken for it.
     """
 
     def cancel(_: object) -> None:
@@ -55,7 +54,7 @@ def when_done(
         if handed is None:
             reactor.callFromThread(settle, result)
         else:
-            handed(result, partial(reactor.callFromThread, settle, result))
+            handed(result, partial(settle, result))
 
     future.add_done_callback(finished)
     return done

@@ -118,7 +118,7 @@ def call_unary(
 ) -> "Deferred[Answer]":
     """Call ``method`` with ``request``; fires on the reactor with the Answer, whatever it is.
 
-    ``handed`` is handed the Answer on grpc's thread, with what hands it to the reactor (``when_done``).
+    ``handed`` is handed the Answer on grpc's thread, with what fires the Deferred on the reactor (``when_done``).
     Cancelling the Deferred cancels the call upstream at once.
     """
     future = method.future(request, timeout=timeout, metadata=metadata)

@@ -134,23 +134,40 @@ _METHODS: dict[str, _Method[Any]] = {
 }
 
 
+def _before_the_rpcs_end(reactor: IReactorFromThreads, work: Callable[..., object], *args: object) -> None:
+    """Queue ``work`` for the reactor from a worker, without waking it: the RPC's end wakes it.
+
+    grpc reports every RPC's end once the worker has returned (answered, or the caller gone), and the
+    reactor hears of it with ``callFromThread``, which runs what was queued before it, in order. So
+    the reactor does a call's part once, after kubelet has its answer, instead of waking up for each
+    piece while the worker answers and taking the GIL and a core from it. This is Twisted's
+    ``callFromThread`` without its wake-up; a reactor without Twisted's queue is simply woken.
+    """
+    queue = getattr(reactor, "threadCallQueue", None)
+    if queue is None:
+        reactor.callFromThread(work, *args)
+    else:
+        queue.append((work, args, {}))
+
+
 class _Exchange:
     """One intercepted call between its grpc worker and the reactor.
 
     The worker waits for the call's outcome, which comes from the reactor (the flow's outcome) or,
     sooner, from grpc's thread as the runtime answers the forward (``Call.forward``: that answer is
-    the caller's), whichever is first. The worker hands the runtime's answer on to the reactor before
-    it answers the caller, so that the flow's bookkeeping runs while the worker answers, before
-    kubelet's next call, and the reactor wakes for it only once the worker is running.
+    the caller's), whichever is first. The worker queues the runtime's answer for the reactor before
+    it answers the caller, so that the flow's bookkeeping runs before kubelet's next call, once the
+    RPC has ended (``_before_the_rpcs_end``).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, reactor: IReactorFromThreads) -> None:
+        self._reactor = reactor
         self.call: Call[CRIReply] | None = None
         self.outcome: adapters.Outcome[CRIReply] = adapters.CALLER_GONE
         self._offered = threading.Lock()
         self._settled = False
         self._rpc_over = False
-        self._hand_over: Callable[[], None] | None = None
+        self._settle: Callable[[], None] | None = None
         # Held until the outcome is known: the cheapest hand-off to a waiting thread.
         self._known = threading.Lock()
         self._known.acquire()
@@ -170,34 +187,35 @@ class _Exchange:
                 self.outcome = outcome
                 self._known.release()
 
-    def runtime_answered(self, answer: Answer, hand_over: Callable[[], None]) -> None:
-        """On grpc's thread: the runtime answered the forward; ``hand_over`` hands the answer to the reactor.
+    def runtime_answered(self, answer: Answer, settle: Callable[[], None]) -> None:
+        """On grpc's thread: the runtime answered the forward; ``settle`` gives the flow the answer, on the reactor.
 
-        A waiting worker takes the answer and hands it over as it wakes; once the worker has its outcome
-        (or stopped waiting), it is handed over here.
+        A waiting worker takes the answer and queues ``settle`` as it goes on; once the worker has its
+        outcome (or stopped waiting), ``settle`` goes to the reactor from here.
         """
         with self._offered:
             if not self._settled:
                 self._settled = True
                 self.outcome = CRIReply(answer)
-                self._hand_over = hand_over
+                self._settle = settle
                 self._known.release()
                 return
-        hand_over()
+        self._reactor.callFromThread(settle)
 
     def wait(self, timeout: float | None) -> bool:
         """In the worker: whether the outcome came within ``timeout`` seconds (None: however long it takes).
 
-        The runtime's answer, if it is the outcome, is handed to the reactor on the way out.
+        The runtime's answer, if it is the outcome, is queued for the reactor on the way out.
         """
         known = self._known.acquire(timeout=-1 if timeout is None else timeout)
         with self._offered:
             if not known:
                 known = self._known.acquire(blocking=False)  # offered just now
                 self._settled = True  # what comes from now on goes to the reactor where it comes
-            hand_over, self._hand_over = self._hand_over, None
-        if hand_over is not None:
-            hand_over()
+            settle, self._settle = self._settle, None
+        if settle is not None:
+            # Should the RPC have ended already, the flow was given up and settle has nothing to do.
+            _before_the_rpcs_end(self._reactor, settle)
         return known
 
     def rpc_ended(self) -> None:
@@ -303,24 +321,33 @@ class Interceptor:
 
         def handle(raw: bytes, context: grpc.ServicerContext) -> bytes:
             timeout = remaining_timeout(context)
-            exchange = _Exchange()
+            exchange = _Exchange(self.reactor)
             backend = CRIBackend(self, path, raw, tuple(context.invocation_metadata()), method.created_id, exchange)
-            call = Call(self._parts, name, backend, timeout)
+            servers = self._parts.registrations()
+            unreadable: str | None = None
             try:
                 request = method.parse(raw)
             except DecodeError as error:
-                flow = flows.unreadable(call, name, str(error))
-            else:
-                flow = method.flow(call, request)
-                if method.subject is not None and flows.goes_ahead(call, name, method.subject(request)):
-                    call.went_ahead = True
-                    backend.send_ahead(timeout)
+                unreadable = str(error)
+            ahead = (
+                unreadable is None
+                and method.subject is not None
+                and flows.goes_ahead(self._parts, servers, name, method.subject(request))
+            )
+            if ahead:
+                backend.send_ahead(timeout)  # first: the runtime works while the rest is made
+            call = Call(self._parts, name, backend, timeout, servers=servers, went_ahead=ahead)
+            flow = method.flow(call, request) if unreadable is None else flows.unreadable(call, name, unreadable)
             ended = exchange.rpc_ended
-            # Once grpc says the RPC is over (answered, cancelled, past its deadline). Asked before the flow
-            # is handed over, so that the worker waits, and lets the reactor have the GIL, as soon as it has
-            # handed it; an end that comes before the flow started is kept until it does (``_Exchange``).
+            if ahead:
+                # Queued before the RPC's end is watched, so that its end, whenever it comes, finds it queued.
+                _before_the_rpcs_end(self.reactor, exchange.start, call, flow)
+            # Once grpc says the RPC is over (answered, cancelled, past its deadline). Asked before a flow that
+            # forwards is handed over, so that the worker waits, and lets the reactor have the GIL, as soon as it
+            # has handed it; an end that comes before the flow started is kept until it does (``_Exchange``).
             gone = not context.add_callback(lambda: self.reactor.callFromThread(ended))
-            self.reactor.callFromThread(exchange.start, call, flow)
+            if not ahead:
+                self.reactor.callFromThread(exchange.start, call, flow)
             if gone:
                 self.reactor.callFromThread(ended)  # the caller is gone already
             if not exchange.wait(None if timeout is None else timeout + _SLACK_SECONDS):

@@ -764,7 +764,7 @@ class GoingAheadTests(FlowTestCase):
     def ahead(self) -> set[str]:
         subjects = {method: subject for method, (_, _, subject) in self.AHEAD.items()}
         subjects.update(RunPodSandbox="", CreateContainer="s-1")
-        return {method for method, subject in subjects.items() if flows.goes_ahead(self.call(method), method, subject)}
+        return {method for method, subject in subjects.items() if flows.goes_ahead(self.parts, self.servers, method, subject)}
 
     def test_only_calls_about_what_the_store_knows_whose_pre_hook_calls_nobody(self) -> None:
         self.subscribe(*HookType)
@@ -797,11 +797,10 @@ class GoingAheadTests(FlowTestCase):
                 self.stages.ran.clear()
                 self.put_pod(labels=labels)
                 self.put_container(labels=labels)
-                call = self.call(method)
-                if not flows.goes_ahead(call, method, subject):
+                if not flows.goes_ahead(self.parts, self.servers, method, subject):
                     continue
                 went_ahead.add(method)
-                call.went_ahead = True
+                call: Call[Reply] = Call(self.parts, method, self.runtime, servers=self.servers, went_ahead=True)
                 self.successResultOf(call.run(flow(call, *args)))
                 self.assertEqual(self.runtime.forwarded, [None], method)
                 self.assertEqual([ran.hook for ran in self.stages.ran if ran.hook.is_pre], [], method)
@@ -816,8 +815,7 @@ class GoingAheadTests(FlowTestCase):
         )
         self.put_pod()
         self.put_container()
-        call = self.call("UpdateContainerResources")
-        call.went_ahead = True
+        call: Call[Reply] = Call(self.parts, "UpdateContainerResources", self.runtime, went_ahead=True)
         self.successResultOf(call.run(flows.update_container_resources(call, CRIWire().update("c-1", 512))))
         [error] = [event for event in self.events if event.get("log_level") is LogLevel.error]
         self.assertIn("the change was not sent", formatEvent(error))

@@ -4,7 +4,7 @@ import os
 import threading
 import time
 from concurrent import futures
-from typing import Any, cast
+from typing import Any, Callable, cast
 
 import grpc
 from cri_api.v1 import api_pb2 as kubelets
@@ -93,7 +93,7 @@ class InterceptTests(TestCase):
 
     @inlineCallbacks
     def test_hook_changes_reach_the_runtime_with_fields_newer_than_the_stubs(self):  # type: ignore[no-untyped-def]
-        response = yield deferToThread(self.call, CREATE, create_request_bytes())
+        response = yield self.call_to_its_end(CREATE, create_request_bytes())
         self.assertEqual(cri.CreateContainerResponse.FromString(response).container_id, "created-1")
         received = [c for c in self.backend.calls if c.method == CREATE][-1].request
         config = cri.CreateContainerRequest.FromString(received).config
@@ -127,10 +127,12 @@ class InterceptTests(TestCase):
             finally:
                 answered.set()
 
+        lines = self.call_lines()
         response = yield deferToThread(create)
         self.assertEqual(cri.CreateContainerResponse.FromString(response).container_id, "created-1")
         self.assertEqual(held, [True])
-        self.assertIsNotNone(self.store.container("created-1"))  # then the reactor did the rest
+        yield self.wait_for(lines, 1)  # then the reactor did the rest, once the RPC had ended
+        self.assertIsNotNone(self.store.container("created-1"))
 
     @inlineCallbacks
     def test_bytes_a_fail_policy_pre_hook_must_see_but_cannot_be_read_are_invalid_argument(self):  # type: ignore[no-untyped-def]
@@ -151,10 +153,19 @@ class InterceptTests(TestCase):
         self.assertEqual(self.hook_server.rpcs(), [])
 
     @inlineCallbacks
+    def call_to_its_end(self, method: str, request: bytes):  # type: ignore[no-untyped-def]
+        """The call's answer, once its flow has ended too (its line is written): the reactor does its part after
+        the RPC has ended."""
+        lines = self.call_lines()
+        answer = yield deferToThread(self.call, method, request)
+        yield self.wait_for(lines, 1)
+        return answer
+
+    @inlineCallbacks
     def test_remove_forgets_the_pod_and_its_containers(self):  # type: ignore[no-untyped-def]
-        yield deferToThread(self.call, CREATE, create_request_bytes())
+        yield self.call_to_its_end(CREATE, create_request_bytes())
         request = cri.RemovePodSandboxRequest(pod_sandbox_id="sandbox-1").SerializeToString()
-        yield deferToThread(self.call, "/runtime.v1.RuntimeService/RemovePodSandbox", request)
+        yield self.call_to_its_end("/runtime.v1.RuntimeService/RemovePodSandbox", request)
         self.assertEqual(self.store.sizes(), (0, 0))
 
     @inlineCallbacks
@@ -163,7 +174,7 @@ class InterceptTests(TestCase):
         resize = kubelets.UpdatePodSandboxResourcesRequest(
             pod_sandbox_id="sandbox-1", resources=kubelets.LinuxContainerResources(cpu_quota=200000, cpu_period=100000)
         ).SerializeToString()
-        yield deferToThread(self.call, "/runtime.v1.RuntimeService/UpdatePodSandboxResources", resize)
+        yield self.call_to_its_end("/runtime.v1.RuntimeService/UpdatePodSandboxResources", resize)
         stored = self.store.pod("sandbox-1")
         assert stored is not None
         self.assertEqual((stored.asked.resources.cpu_quota, stored.given.resources.cpu_quota), (200000, 200000))
@@ -217,11 +228,12 @@ class InterceptTests(TestCase):
 
         yield deferToThread(stop)
         self.assertEqual(held, [True])  # kubelet had its answer while the reactor was held
-        stored = self.store.container("c-1")
-        assert stored is not None
-        self.assertEqual(stored.state, ContainerState.STOPPED)  # then the flow did the rest
+        # Then the flow did the rest, once the RPC had ended.
         posts = yield deferToThread(self.hook_server.rpcs_once, 1, 30)
         self.assertEqual(posts, ["PostStopContainerHook"])
+        stored = self.store.container("c-1")
+        assert stored is not None
+        self.assertEqual(stored.state, ContainerState.STOPPED)
 
     @inlineCallbacks
     def cancel_a_stop(self):  # type: ignore[no-untyped-def]
@@ -270,37 +282,61 @@ class InterceptTests(TestCase):
         self.assertTrue(given_up)
 
 
+class QueueingReactor:
+    """Twisted's queue of calls from threads, run only when something wakes the reactor (``callFromThread``)."""
+
+    def __init__(self) -> None:
+        self.threadCallQueue: list[tuple[Callable[..., object], tuple[object, ...], dict[str, object]]] = []
+
+    def callFromThread(self, f: Callable[..., object], *args: object) -> None:
+        self.threadCallQueue.append((f, args, {}))
+        self.wake()
+
+    def wake(self) -> None:
+        while self.threadCallQueue:
+            f, args, kwargs = self.threadCallQueue.pop(0)
+            f(*args, **kwargs)
+
+
 class ExchangeTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.reactor = QueueingReactor()
+
+    def exchange(self) -> _Exchange:
+        return _Exchange(cast(IReactorFromThreads, self.reactor))
+
     def test_an_rpc_over_before_its_flow_started_ends_the_call_as_it_starts(self) -> None:
         # grpc may say the RPC is over (kubelet gone) before the reactor started its flow.
         runtime = RecordingRuntime(answering=Deferred())
         parts = Parts(Store(), ScriptedStages(), HookServers, SkipLabel("skip", "true"), Clock())
         call: Call[Reply] = Call(parts, "StopContainer", runtime)
-        exchange = _Exchange()
+        exchange = self.exchange()
         exchange.rpc_ended()
         exchange.start(cast(Any, call), cast(Any, flows.stop_container(call, "c-1")))
         self.assertIs(exchange.outcome, adapters.CALLER_GONE)
         self.assertTrue(exchange.wait(0))
         self.assertEqual(runtime.cancelled, 1)  # the runtime's call, made as the flow started, is given up
 
-    def test_the_worker_hands_the_runtimes_answer_to_the_reactor_as_it_wakes(self) -> None:
-        exchange, handed = _Exchange(), cast(list[str], [])
+    def test_the_worker_queues_the_runtimes_answer_for_the_reactor_which_the_rpcs_end_wakes(self) -> None:
+        exchange, settled = self.exchange(), cast(list[str], [])
         answer = Answer(grpc.StatusCode.OK, b"started")
-        exchange.runtime_answered(answer, lambda: handed.append("reactor"))
-        self.assertEqual(handed, [])  # grpc's thread leaves it to the worker it woke
+        exchange.runtime_answered(answer, lambda: settled.append("settled"))
+        self.assertEqual(self.reactor.threadCallQueue, [])  # grpc's thread leaves it to the worker it woke
         self.assertTrue(exchange.wait(None))
-        self.assertEqual(handed, ["reactor"])
         self.assertEqual(exchange.outcome, CRIReply(answer))
+        self.assertEqual(settled, [])  # queued, the reactor not woken
+        self.reactor.callFromThread(lambda: settled.append("the RPC's end"))
+        self.assertEqual(settled, ["settled", "the RPC's end"])
 
     def test_an_answer_nobody_waits_for_goes_to_the_reactor_where_it_comes(self) -> None:
         answer = Answer(grpc.StatusCode.OK, b"started")
-        waited_too_long, handed = _Exchange(), cast(list[str], [])
+        waited_too_long, settled = self.exchange(), cast(list[str], [])
         self.assertFalse(waited_too_long.wait(0))
-        waited_too_long.runtime_answered(answer, lambda: handed.append("after the worker gave up"))
-        answered_already = _Exchange()
+        waited_too_long.runtime_answered(answer, lambda: settled.append("after the worker gave up"))
+        answered_already = self.exchange()
         answered_already.offer(adapters.CALLER_GONE)
-        answered_already.runtime_answered(answer, lambda: handed.append("after the flow's outcome"))
-        self.assertEqual(handed, ["after the worker gave up", "after the flow's outcome"])
+        answered_already.runtime_answered(answer, lambda: settled.append("after the flow's outcome"))
+        self.assertEqual(settled, ["after the worker gave up", "after the flow's outcome"])
         self.assertIs(answered_already.outcome, adapters.CALLER_GONE)
 
 
