@@ -1,15 +1,17 @@
 """The lifecycle calls in CRI mode: kubelet's requests parsed and run through ``koordrp.flows`` on the reactor.
 
-A handler runs on a grpc worker thread: it parses kubelet's bytes, crosses into the reactor once to
-start the flow (``Call``), and waits for its outcome, which it turns into the grpc answer
-(``answer``: the one place an outcome becomes a grpc answer). A call its flow would forward as it
-came, hook-free (``flows.goes_ahead``), is sent to the runtime by the worker itself before the flow
-runs, and the flow's forward is answered by it. The runtime's answer reaches the worker from grpc's
-thread (``_Exchange``); the worker hands it to the reactor, then answers, so the reactor has it
-queued before kubelet does. Hook calls, the runtime's call and read-backs are Deferreds on the
-reactor. When grpc says the RPC has ended (answered, cancelled by kubelet, or past its deadline),
-the reactor hears of it once: an unfinished flow is cancelled, which cancels what it waits for
-upstream (a call sent ahead included), and the call's end (post stages, log line, metrics) follows.
+A handler runs on a grpc worker thread: it parses kubelet's bytes, hands the flow (``Call``) to the
+reactor, and waits for its outcome, which it turns into the grpc answer (``answer``: the one place an
+outcome becomes a grpc answer). A call its flow would forward as it came, hook-free
+(``flows.goes_ahead``), is sent to the runtime by the worker itself first, and the flow's forward is
+answered by that call. The runtime's answer reaches the worker from grpc's thread (``_Exchange``).
+What the worker hands the reactor (a flow that went ahead, the runtime's answer) is queued without
+waking it (``unwoken``): grpc reports the RPC's end once the worker has answered, and that wakes the
+reactor once for all of it, in order, before kubelet's next call's flow. Hook calls, the runtime's
+call and read-backs are Deferreds on the reactor. When grpc says the RPC has ended (answered,
+cancelled by kubelet, or past its deadline), the reactor hears of it once: a flow still waiting for
+the runtime is cancelled, which cancels what it waits for upstream (a call sent ahead included), and
+the call's end (post stages, log line, metrics) follows.
 """
 
 import threading
@@ -18,6 +20,7 @@ from typing import Any, Awaitable, Callable, Coroutine, Generic, NoReturn, TypeV
 
 import grpc
 from google.protobuf.message import DecodeError
+from twisted.internet.base import ReactorBase
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorFromThreads
 
@@ -134,20 +137,23 @@ _METHODS: dict[str, _Method[Any]] = {
 }
 
 
-def _before_the_rpcs_end(reactor: IReactorFromThreads, work: Callable[..., object], *args: object) -> None:
-    """Queue ``work`` for the reactor from a worker, without waking it: the RPC's end wakes it.
+Queue = Callable[..., None]
 
-    grpc reports every RPC's end once the worker has returned (answered, or the caller gone), and the
-    reactor hears of it with ``callFromThread``, which runs what was queued before it, in order. So
-    the reactor does a call's part once, after kubelet has its answer, instead of waking up for each
-    piece while the worker answers and taking the GIL and a core from it. This is Twisted's
-    ``callFromThread`` without its wake-up; a reactor without Twisted's queue is simply woken.
+
+def unwoken(reactor: IReactorFromThreads) -> Queue:
+    """What queues work for the reactor from another thread without waking it: Twisted's ``callFromThread``
+    without its wake-up. The next ``callFromThread`` wakes the reactor, which runs everything queued, in
+    order. (A reactor whose ``callFromThread`` is not Twisted's own, asyncio's, is woken.)
     """
-    queue = getattr(reactor, "threadCallQueue", None)
-    if queue is None:
-        reactor.callFromThread(work, *args)
-    else:
+    own: object = getattr(type(reactor), "callFromThread", None)
+    if own is not ReactorBase.callFromThread:
+        return reactor.callFromThread
+    queue: list[tuple[Callable[..., object], tuple[object, ...], dict[str, object]]] = getattr(reactor, "threadCallQueue")
+
+    def queued(work: Callable[..., object], *args: object) -> None:
         queue.append((work, args, {}))
+
+    return queued
 
 
 class _Exchange:
@@ -156,16 +162,21 @@ class _Exchange:
     The worker waits for the call's outcome, which comes from the reactor (the flow's outcome) or,
     sooner, from grpc's thread as the runtime answers the forward (``Call.forward``: that answer is
     the caller's), whichever is first. The worker queues the runtime's answer for the reactor before
-    it answers the caller, so that the flow's bookkeeping runs before kubelet's next call, once the
-    RPC has ended (``_before_the_rpcs_end``).
+    it answers the caller, so that the flow's bookkeeping runs before kubelet's next call, without
+    waking the reactor: grpc reports the RPC's end (``end_reported``) once the worker has answered,
+    and that wakes it, once for all of the call's part. (An end reported before, the caller gone or
+    its deadline past, has woken the reactor already: the answer is then handed over with a wake.)
     """
 
-    def __init__(self, reactor: IReactorFromThreads) -> None:
+    def __init__(self, reactor: IReactorFromThreads, unwoken: Queue) -> None:
         self._reactor = reactor
+        self._unwoken = unwoken
         self.call: Call[CRIReply] | None = None
         self.outcome: adapters.Outcome[CRIReply] = adapters.CALLER_GONE
         self._offered = threading.Lock()
         self._settled = False
+        self._runtime_answered = False
+        self._end_reported = False
         self._rpc_over = False
         self._settle: Callable[[], None] | None = None
         # Held until the outcome is known: the cheapest hand-off to a waiting thread.
@@ -195,7 +206,7 @@ class _Exchange:
         """
         with self._offered:
             if not self._settled:
-                self._settled = True
+                self._settled = self._runtime_answered = True
                 self.outcome = CRIReply(answer)
                 self._settle = settle
                 self._known.release()
@@ -213,18 +224,32 @@ class _Exchange:
                 known = self._known.acquire(blocking=False)  # offered just now
                 self._settled = True  # what comes from now on goes to the reactor where it comes
             settle, self._settle = self._settle, None
+            woken = self._end_reported
         if settle is not None:
-            # Should the RPC have ended already, the flow was given up and settle has nothing to do.
-            _before_the_rpcs_end(self._reactor, settle)
+            (self._reactor.callFromThread if woken else self._unwoken)(settle)
         return known
 
+    def end_reported(self) -> None:
+        """On grpc's thread, once the RPC is over (answered, cancelled, past its deadline): the reactor is woken
+        for the call's end (``rpc_ended``), after what was queued for it."""
+        with self._offered:
+            self._end_reported = True
+        self._reactor.callFromThread(self.rpc_ended)
+
     def rpc_ended(self) -> None:
-        """On the reactor, once grpc says the RPC is over: an unfinished flow is given up, then the call ends."""
+        """On the reactor, once grpc says the RPC is over: an unfinished flow is given up, then the call ends.
+
+        Unless the runtime has answered it: its answer is the caller's and is on its way to the flow, which
+        finishes with it (a caller that went just then did not take it, but the runtime did the call).
+        """
         call = self.call
         if call is None:
             self._rpc_over = True
             return
-        call.cancel()  # the outcome is known from here on
+        with self._offered:
+            answered = self._runtime_answered
+        if not answered:
+            call.cancel()  # the outcome is known from here on
         call.ended()
 
 
@@ -301,6 +326,7 @@ class Interceptor:
         self, reactor: IReactorFromThreads, backend: BackendChannel, parts: Parts, lookup: RuntimeLookup
     ) -> None:
         self.reactor = reactor
+        self._unwoken = unwoken(reactor)
         self.backend = backend
         self.lookup = lookup
         self._parts = parts
@@ -321,7 +347,7 @@ class Interceptor:
 
         def handle(raw: bytes, context: grpc.ServicerContext) -> bytes:
             timeout = remaining_timeout(context)
-            exchange = _Exchange(self.reactor)
+            exchange = _Exchange(self.reactor, self._unwoken)
             backend = CRIBackend(self, path, raw, tuple(context.invocation_metadata()), method.created_id, exchange)
             servers = self._parts.registrations()
             unreadable: str | None = None
@@ -338,18 +364,17 @@ class Interceptor:
                 backend.send_ahead(timeout)  # first: the runtime works while the rest is made
             call = Call(self._parts, name, backend, timeout, servers=servers, went_ahead=ahead)
             flow = method.flow(call, request) if unreadable is None else flows.unreadable(call, name, unreadable)
-            ended = exchange.rpc_ended
             if ahead:
-                # Queued before the RPC's end is watched, so that its end, whenever it comes, finds it queued.
-                _before_the_rpcs_end(self.reactor, exchange.start, call, flow)
-            # Once grpc says the RPC is over (answered, cancelled, past its deadline). Asked before a flow that
-            # forwards is handed over, so that the worker waits, and lets the reactor have the GIL, as soon as it
-            # has handed it; an end that comes before the flow started is kept until it does (``_Exchange``).
-            gone = not context.add_callback(lambda: self.reactor.callFromThread(ended))
+                # Queued before the RPC's end is watched: that end, whenever it comes, wakes the reactor for it.
+                self._unwoken(exchange.start, call, flow)
+            # Asked before a flow that forwards is handed over, so that the worker waits, and lets the reactor have
+            # the GIL, as soon as it has handed it; an end that comes before the flow started is kept until it
+            # does (``_Exchange``).
+            gone = not context.add_callback(exchange.end_reported)
             if not ahead:
                 self.reactor.callFromThread(exchange.start, call, flow)
             if gone:
-                self.reactor.callFromThread(ended)  # the caller is gone already
+                exchange.end_reported()  # the caller is gone already
             if not exchange.wait(None if timeout is None else timeout + _SLACK_SECONDS):
                 _reactor_stuck(context, name)
             return answer(exchange.outcome, context, self.backend)

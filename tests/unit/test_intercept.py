@@ -28,7 +28,7 @@ from koordrp.cri.runtime_lookup import RuntimeLookup
 from koordrp.call import Call, Parts, SkipLabel
 from koordrp.hooks.client import HookClients
 from koordrp.hooks.dispatcher import Dispatcher
-from koordrp.hooks.messages import ContainerHookRequest
+from koordrp.hooks.messages import ContainerHookRequest, PodHookRequest
 from koordrp.hooks.types import FailurePolicy, HookServerConfig, HookServers, HookType
 from koordrp.store import ContainerState, Store
 from koordrp.unix import grpc_target
@@ -283,27 +283,28 @@ class InterceptTests(TestCase):
 
 
 class QueueingReactor:
-    """Twisted's queue of calls from threads, run only when something wakes the reactor (``callFromThread``)."""
+    """The reactor's queue of calls from threads, run when something wakes it (``callFromThread``)."""
 
     def __init__(self) -> None:
-        self.threadCallQueue: list[tuple[Callable[..., object], tuple[object, ...], dict[str, object]]] = []
+        self.queued: list[tuple[Callable[..., object], tuple[object, ...]]] = []
+
+    def queue(self, f: Callable[..., object], *args: object) -> None:
+        self.queued.append((f, args))
 
     def callFromThread(self, f: Callable[..., object], *args: object) -> None:
-        self.threadCallQueue.append((f, args, {}))
-        self.wake()
-
-    def wake(self) -> None:
-        while self.threadCallQueue:
-            f, args, kwargs = self.threadCallQueue.pop(0)
-            f(*args, **kwargs)
+        self.queue(f, *args)
+        while self.queued:
+            queued, queued_args = self.queued.pop(0)
+            queued(*queued_args)
 
 
 class ExchangeTests(SynchronousTestCase):
     def setUp(self) -> None:
         self.reactor = QueueingReactor()
+        self.answer = Answer(grpc.StatusCode.OK, b"answered")
 
     def exchange(self) -> _Exchange:
-        return _Exchange(cast(IReactorFromThreads, self.reactor))
+        return _Exchange(cast(IReactorFromThreads, self.reactor), self.reactor.queue)
 
     def test_an_rpc_over_before_its_flow_started_ends_the_call_as_it_starts(self) -> None:
         # grpc may say the RPC is over (kubelet gone) before the reactor started its flow.
@@ -319,25 +320,53 @@ class ExchangeTests(SynchronousTestCase):
 
     def test_the_worker_queues_the_runtimes_answer_for_the_reactor_which_the_rpcs_end_wakes(self) -> None:
         exchange, settled = self.exchange(), cast(list[str], [])
-        answer = Answer(grpc.StatusCode.OK, b"started")
-        exchange.runtime_answered(answer, lambda: settled.append("settled"))
-        self.assertEqual(self.reactor.threadCallQueue, [])  # grpc's thread leaves it to the worker it woke
+        exchange.runtime_answered(self.answer, lambda: settled.append("settled"))
+        self.assertEqual(self.reactor.queued, [])  # grpc's thread leaves it to the worker it woke
         self.assertTrue(exchange.wait(None))
-        self.assertEqual(exchange.outcome, CRIReply(answer))
+        self.assertEqual(exchange.outcome, CRIReply(self.answer))
         self.assertEqual(settled, [])  # queued, the reactor not woken
-        self.reactor.callFromThread(lambda: settled.append("the RPC's end"))
-        self.assertEqual(settled, ["settled", "the RPC's end"])
+        exchange.end_reported()
+        self.assertEqual(settled, ["settled"])
+
+    def test_an_end_reported_before_the_worker_took_the_answer_has_it_handed_over_with_a_wake(self) -> None:
+        exchange, settled = self.exchange(), cast(list[str], [])
+        exchange.end_reported()  # kubelet went as the runtime answered
+        exchange.runtime_answered(self.answer, lambda: settled.append("settled"))
+        self.assertTrue(exchange.wait(None))
+        self.assertEqual(settled, ["settled"])
 
     def test_an_answer_nobody_waits_for_goes_to_the_reactor_where_it_comes(self) -> None:
-        answer = Answer(grpc.StatusCode.OK, b"started")
         waited_too_long, settled = self.exchange(), cast(list[str], [])
         self.assertFalse(waited_too_long.wait(0))
-        waited_too_long.runtime_answered(answer, lambda: settled.append("after the worker gave up"))
+        waited_too_long.runtime_answered(self.answer, lambda: settled.append("after the worker gave up"))
         answered_already = self.exchange()
         answered_already.offer(adapters.CALLER_GONE)
-        answered_already.runtime_answered(answer, lambda: settled.append("after the flow's outcome"))
+        answered_already.runtime_answered(self.answer, lambda: settled.append("after the flow's outcome"))
         self.assertEqual(settled, ["after the worker gave up", "after the flow's outcome"])
         self.assertIs(answered_already.outcome, adapters.CALLER_GONE)
+
+    def test_a_flow_the_runtime_answered_is_not_given_up_when_the_rpc_ends_first(self) -> None:
+        # kubelet went just as the runtime answered an update: the runtime did it, so the store learns it.
+        store = Store()
+        pod = PodHookRequest(pod_meta=hook.PodSandboxMetadata(name="p", uid="u"))
+        store.put_pod("sandbox-1", pod, pod)
+        container = ContainerHookRequest(container_meta=hook.ContainerMetadata(name="app", id="c-1"))
+        store.put_container("c-1", "sandbox-1", container, container)
+        runtime = RecordingRuntime(answering=Deferred())
+        parts = Parts(store, ScriptedStages(), HookServers, SkipLabel("skip", "true"), Clock())
+        call: Call[Reply] = Call(parts, "UpdateContainerResources", runtime)
+        update = cri.UpdateContainerResourcesRequest(container_id="c-1", linux=cri.LinuxContainerResources(cpu_shares=512))
+        exchange = self.exchange()
+        exchange.start(cast(Any, call), cast(Any, flows.update_container_resources(call, translate.UpdateContainerResources(update))))
+        answering = runtime.answering
+        assert answering is not None
+        exchange.runtime_answered(self.answer, lambda: answering.callback(None))
+        exchange.end_reported()
+        self.assertTrue(exchange.wait(None))
+        self.assertEqual(runtime.cancelled, 0)
+        stored = store.container("c-1")
+        assert stored is not None
+        self.assertEqual(stored.asked.container_resources.cpu_shares, 512)
 
 
 class MethodTableTests(SynchronousTestCase):
