@@ -31,8 +31,8 @@ To compare commits on one machine in one run, ``--other LABEL=TWISTD`` (repeatab
 koordrp another checkout's virtualenv runs (e.g. ``--other 3a2cb84=../old/.venv/bin/twistd``), in
 front of the same containerd, on pods of its own, its calls shuffled into the same rounds; the
 figures of each koordrp are printed, then side by side. A koordrp run from this benchmark's own
-virtualenv shares its libraries' pages with the benchmark, which on a small VM makes it 0.1 ms or so
-faster per call than the same code run from another virtualenv: to compare two commits, give both
+virtualenv is 0.1 ms or so faster per call on a small VM than the same code run from another
+virtualenv (most likely it shares the libraries' pages with the benchmark): to compare two commits, give both
 as ``--other``, each from a virtualenv of its own (docs/architecture.md, "What a call costs").
 
     .venv/bin/python -m benchmarks.hooks [--pods 40] [--rounds 300] [--servers 1 2] [--pod-pause 0.5] [--nri-pods 40]
