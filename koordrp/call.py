@@ -107,10 +107,6 @@ class SkipLabel:
     def skips(self, labels: Mapping[str, str]) -> bool:
         return labels.get(self.key) == self.value
 
-    def skips_subject(self, subject: HookRequest) -> bool:
-        """Whether the pod a hook request is about (or the container's pod) is spared."""
-        return self.skips(subject.labels if isinstance(subject, PodHookRequest) else subject.pod_labels)
-
 
 @dataclass(frozen=True)
 class Parts:
@@ -282,7 +278,8 @@ class Call(Generic[AnyReply]):
     def concerns(self, subject: HookRequest) -> None:
         """The call is about this pod or container: its line names it, and its pod's labels say whether hooks are skipped."""
         self.record.subject = subject
-        self._skipping = self._parts.skip.skips_subject(subject)
+        labels = subject.labels if isinstance(subject, PodHookRequest) else subject.pod_labels
+        self._skipping = self._parts.skip.skips(labels)
 
     def _callees(self, hook: HookType) -> Subscribers:
         """The servers to call: none when nobody subscribed, or when the pod is skipped (counted)."""
@@ -458,7 +455,10 @@ class Call(Generic[AnyReply]):
         return None if stored is None else self.shown(stored)
 
     def container_request(self, container: ContainerHookRequest, sandbox_id: str) -> ContainerHookRequest:
-        return container_request(self.store, container, sandbox_id)
+        """What a hook about a container is shown: ``container`` (kubelet's, copied), in its pod as the pod is now."""
+        request = copied(container)
+        pod = self.store.pod(sandbox_id)
+        return request if pod is None else placed_in_pod(request, pod.given)
 
     async def _read_back(self, kind: str, identifier: str, read: Callable[[], Awaitable[Result | None]]) -> Result | None:
         try:
@@ -496,8 +496,8 @@ class Call(Generic[AnyReply]):
         return found is None if stopped is None else found is not None and found.stopped is stopped
 
 
-def container_request(store: Store, container: ContainerHookRequest, sandbox_id: str) -> ContainerHookRequest:
-    """What a hook about a container is shown: ``container`` (kubelet's, copied), in its pod as the pod is now."""
-    request = copied(container)
+def pod_labels(store: Store, container: ContainerHookRequest, sandbox_id: str) -> Mapping[str, str]:
+    """The labels a hook about ``container`` is shown as its pod's (``container_request``'s, without its copy):
+    the pod's as the store has it, else the container's own."""
     pod = store.pod(sandbox_id)
-    return request if pod is None else placed_in_pod(request, pod.given)
+    return container.pod_labels if pod is None else pod.given.labels

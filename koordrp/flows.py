@@ -48,7 +48,7 @@ from koordrp.adapters import (
     UpdatePodSandboxResources,
     Written,
 )
-from koordrp.call import Call, Parts, Refused, container_request
+from koordrp.call import Call, Parts, Refused, pod_labels
 from koordrp.hooks.messages import Change, ContainerHookRequest, copied, copy_changed, folded_update, placed_in_pod
 from koordrp.hooks.types import UNREADABLE, HookServers, HookType
 from koordrp.store import ContainerState
@@ -102,7 +102,7 @@ def goes_ahead(parts: Parts, servers: HookServers, method: str, subject_id: str)
         return False
     if not any(servers.subscribed(hook) for hook in METHOD_HOOKS[method] if hook.is_pre):
         return True
-    return parts.skip.skips_subject(container_request(parts.store, container.asked, container.sandbox_id))
+    return parts.skip.skips(pod_labels(parts.store, container.asked, container.sandbox_id))
 
 
 async def _forward_changing(

@@ -781,6 +781,19 @@ class GoingAheadTests(FlowTestCase):
         self.put_container(labels=skipped)
         self.assertEqual(self.ahead(), set(self.AHEAD))  # never RunPodSandbox or CreateContainer: they write their own
 
+    def test_the_pods_labels_are_the_stored_pods_as_its_containers_hooks_are_shown_them(self) -> None:
+        self.subscribe(*HookType)
+        skipped = {SKIP.key: SKIP.value}
+        self.put_pod(labels=skipped)
+        self.put_container(labels={})  # the container's own copy of its pod's labels is not what is shown
+        self.assertIn("StartContainer", self.ahead())
+        self.put_pod(labels={})
+        self.put_container(labels=skipped)
+        self.assertNotIn("StartContainer", self.ahead())
+        self.store.forget_pod("s-1")
+        self.put_container(labels=skipped)  # a pod the store does not know: the container's copy is all there is
+        self.assertIn("StartContainer", self.ahead())
+
     def test_a_flow_that_went_ahead_forwards_as_it_came_and_calls_no_pre_hook(self) -> None:
         changes = hook.ContainerResourceHookResponse(
             container_annotations={"hooked": "1"}, container_resources=hook.LinuxContainerResources(cpu_shares=7)
