@@ -2,7 +2,6 @@
 
 import os
 import threading
-import time
 from concurrent import futures
 from typing import Any, Callable, cast
 
@@ -36,6 +35,7 @@ from tests.fake.cri_backend import FakeCRIBackend
 from tests.fake.flows import RecordingRuntime, Reply, ScriptedStages
 from tests.fake.hook_server import FakeHookServer
 from tests.support.tempdirs import short_tempdir
+from tests.support.waiting import until
 
 CREATE = "/runtime.v1.RuntimeService/CreateContainer"
 STOP = "/runtime.v1.RuntimeService/StopContainer"
@@ -193,11 +193,7 @@ class InterceptTests(TestCase):
 
     @inlineCallbacks
     def wait_for(self, lines: "list[LogEvent]", count: int):  # type: ignore[no-untyped-def]
-        deadline = time.monotonic() + 5
-        while len(lines) < count and time.monotonic() < deadline:
-            pause: Deferred[None] = Deferred()
-            reactor.callLater(0.01, pause.callback, None)
-            yield pause
+        yield Deferred.fromCoroutine(until(lambda: len(lines) >= count))
         self.assertEqual(len(lines), count)
 
     def stored_container(self) -> None:
@@ -229,8 +225,8 @@ class InterceptTests(TestCase):
         yield deferToThread(stop)
         self.assertEqual(held, [True])  # kubelet had its answer while the reactor was held
         # Then the flow did the rest, once the RPC had ended.
-        posts = yield deferToThread(self.hook_server.rpcs_once, 1, 30)
-        self.assertEqual(posts, ["PostStopContainerHook"])
+        yield Deferred.fromCoroutine(until(lambda: self.hook_server.rpcs()))
+        self.assertEqual(self.hook_server.rpcs(), ["PostStopContainerHook"])
         stored = self.store.container("c-1")
         assert stored is not None
         self.assertEqual(stored.state, ContainerState.STOPPED)
