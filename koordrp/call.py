@@ -149,12 +149,14 @@ class Call(Generic[AnyReply]):
         late: LateUpdates | None = None,
         servers: HookServers | None = None,
         went_ahead: bool = False,
+        uneventful_line: bool = True,
     ) -> None:
         """``method`` names the call in its log line; ``timeout`` is what is left of the caller's deadline, of
         which the hook stages may take ``hooks_share``; ``late``: the front end can still apply a pre-create
         answer that comes after the budget (``apply_late``); ``servers``: the hook servers in force as the
         call arrived, if the front end took them (default: now); ``went_ahead``: the front end sent the call
-        to the runtime before its flow runs (``koordrp.flows.goes_ahead``)."""
+        to the runtime before its flow runs (``koordrp.flows.goes_ahead``); ``uneventful_line``: the call gets
+        its line even when it is uneventful (``CallRecord.uneventful``)."""
         self.store = parts.store
         self._parts = parts
         self.servers = parts.registrations() if servers is None else servers
@@ -164,6 +166,7 @@ class Call(Generic[AnyReply]):
         """The CRI method the call stands for (its flow says), for metrics."""
         self.logged = True
         """Whether the call gets a line and metrics (a Docker call about a container that is not Kubernetes' does not)."""
+        self._uneventful_line = uneventful_line
         self.posts: list[PostStage] = []
         self._skipping = False
         self._started = parts.clock.seconds()
@@ -269,7 +272,8 @@ class Call(Generic[AnyReply]):
             for call, change in self.record.left_alone():
                 metrics.changes_left_alone.labels(call.server.name, call.hook.value, calllog.field_name(change)).inc()
         if self.logged:
-            calllog.write(self.record, outcome, self._seconds)
+            if self._uneventful_line or not self.record.uneventful(outcome):
+                calllog.write(self.record, outcome, self._seconds)
             if metrics is not None:
                 metrics.cri_call(self.lifecycle, outcome, self._seconds)
 

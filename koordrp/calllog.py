@@ -116,6 +116,11 @@ class CallRecord:
             for call in self.calls
         ]
 
+    def uneventful(self, outcome: str) -> bool:
+        """No hook server was called or spared, and the call ended OK with nothing to say: a line would only
+        repeat the runtime's own log (NRI mode writes none for it)."""
+        return not self.calls and outcome == "OK" and not self.why and not self.asked_lost
+
     def left_alone(self) -> Iterator[tuple[HookCall, Change]]:
         return ((call, change) for call in self.calls for change in call.changes if not change.applied)
 

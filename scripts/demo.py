@@ -248,7 +248,7 @@ def run(parsed: argparse.Namespace, pod: Pod, base: Path) -> None:
                 with proxy.channel() as channel:
                     runtime, images = api_pb2_grpc.RuntimeServiceStub(channel), api_pb2_grpc.ImageServiceStub(channel)
                     last = walk_a_pod(runtime, images, base, pod, parsed.repeat_stops, calls, nri)
-            proxy.log_lines(f"[koordrp.calls#info] {last}")  # the last call's line, just after its answer
+            counted(metrics, last)  # its line, if it has one, is written just before
             show_summary(calls, log)
             show_calls(proxy, nri)
             show_metrics(metrics)
@@ -308,13 +308,26 @@ def show_summary(calls: Calls, log: Path) -> None:
             print("    " + line)
 
 
+def counted(base_url: str, method: str, timeout: float = 30.0) -> None:
+    """Once koordrp has counted a ``method`` call: it has done with it, just after the call answered."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(f"{base_url}/metrics", timeout=10) as response:
+            if f'method="{method}"' in response.read().decode():
+                return
+        time.sleep(0.05)
+    raise SystemExit(f"koordrp did not count its {method} call within {timeout:g}s")
+
+
 def show_calls(proxy: KoordrpProcess, nri: bool) -> None:
-    print("\nkoordrp's log, one line per lifecycle call:")
     if nri:
+        print("\nkoordrp's log, one line per lifecycle call a hook server was called for or spared, or that went wrong (containerd logs the rest):")
         # containerd tells its plugin of a call as NRI events: the line times them, not kubelet's call.
         print("  (NRI mode: a line's time runs from containerd's NRI event to its word that it did the call,")
         print("  not the CRI call's above: a stop or removal is told once done, so its time is koordrp's alone)")
-    lines = [line.split("] ", 1)[1] for line in proxy.log_lines("[koordrp.calls#info]")]
+    else:
+        print("\nkoordrp's log, one line per lifecycle call:")
+    lines = [line.split("] ", 1)[1] for line in proxy.log_lines("[koordrp.calls#info]", timeout=0)]  # all written: counted
     for line in lines:
         print("  " + line)
     if any(": sent" in line for line in lines):

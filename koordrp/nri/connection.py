@@ -133,14 +133,22 @@ class NRIConnection(TwistedProtocol):
             self._respond(stream_id, _status(UNIMPLEMENTED, f"koordrp serves no {request.service}"))
             return
         timeout = request.timeout_nano / 1e9 if request.timeout_nano > 0 else None
-        answer = self._plugin.called(request.method, request.payload, timeout)
+        method = request.method
+        answer = self._plugin.called(method, request.payload, timeout)
         self._serving.add(answer)
-        answer.addCallbacks(
-            lambda response: ttrpc_pb2.Response(payload=response),
-            lambda failure: _status_of(failure, request.method),
-        ).addCallback(lambda response: self._respond(stream_id, response)).addErrback(
-            lambda failure: self.log.failure("cannot answer containerd's {method}", failure, method=request.method)
-        ).addBoth(lambda _: self._serving.discard(answer))
+
+        # One callback, not a chain of them: every lifecycle event pays for each.
+        def respond(result: bytes | Failure) -> None:
+            self._serving.discard(answer)
+            try:
+                if isinstance(result, Failure):
+                    self._respond(stream_id, _status_of(result, method))
+                else:
+                    self._respond(stream_id, ttrpc_pb2.Response(payload=result))
+            except Exception:
+                self.log.failure("cannot answer containerd's {method}", method=method)
+
+        answer.addBoth(respond)
 
     def _respond(self, stream_id: int, response: ttrpc_pb2.Response) -> None:
         if not self._lost:

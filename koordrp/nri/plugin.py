@@ -593,6 +593,8 @@ class NRIPlugin:
             # Nothing is forwarded after the hooks: they may take what containerd gives.
             hooks_share=1.0,
             late=late,
+            # containerd logs its events; koordlet's own NRI plugin logs those it handles only at verbosity 4.
+            uneventful_line=False,
         )
         call.record.subject = named
         self._calls.add(call)

@@ -134,6 +134,8 @@ def _changed_resources(before: Resources, after: Resources, prefix: str) -> tupl
     """NRI resources naming only what differs between ``before`` and ``after``; what NRI cannot set, left alone."""
     changed = nri.LinuxResources()
     left: list[LeftAlone] = []
+    if before == after:  # as when no hook answered: one comparison in protobuf's C, not one per field here
+        return changed, left
 
     def differs(name: str) -> bool:
         return bool(getattr(before, name) != getattr(after, name))

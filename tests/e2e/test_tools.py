@@ -42,7 +42,7 @@ def test_demo_in_nri_mode_calls_containerd_which_calls_koordrp() -> None:
     output = run_module("scripts.demo", "--mode", "nri", "--repeat-stops")
     assert "private containerd 1.7 on unix://" in output and "--backend-runtime-mode=NRI" in output
     assert "POD_QOS_CLASS=LS" in output and "cpuset.cpus = 0" in output
-    log = output.split("koordrp's log, one line per lifecycle call:", 1)[1]
+    log = output.split("koordrp's log, one line per lifecycle call", 1)[1]
     assert 'CreateContainer pod default/demo' in log and 'changed resources.cpuset_cpus ""→"0", envs +POD_QOS_CLASS' in log
     stops = [line for line in log.splitlines() if line.startswith(("  StopContainer pod", "  StopPodSandbox pod"))]
     # containerd tells its plugins of a stop once, and of the sidecar its pod's stop took along.
@@ -65,7 +65,7 @@ def test_the_demos_pod_is_where_kubelet_puts_one_of_its_qos_class_and_its_cgroup
 
 def test_repeated_stops_and_a_pod_stopped_with_a_running_container_each_fire_post_stop_container_once() -> None:
     output = run_module("scripts.demo", "--repeat-stops")
-    log = output.split("koordrp's log, one line per lifecycle call:", 1)[1]
+    log = output.split("koordrp's log, one line per lifecycle call", 1)[1]
     calls = [line for line in log.splitlines() if line.startswith(("  StopContainer pod", "  StopPodSandbox pod"))]
     assert [line.split("; hooks: ")[1] for line in calls] == [
         "PostStopContainer@cpuset-qos.json: sent",

@@ -6,7 +6,7 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from koordrp.calllog import CallRecord, call_text, field_name
 from koordrp.hooks.messages import Change, ContainerHookRequest
-from koordrp.hooks.types import ERROR, LATE, OK, SENT, TIMEOUT, FailurePolicy, HookCall, HookServerConfig, HookType
+from koordrp.hooks.types import ERROR, LATE, OK, SENT, SKIPPED, TIMEOUT, FailurePolicy, HookCall, HookServerConfig, HookType
 
 KOORDLET = HookServerConfig("koordlet.json", "/run/k.sock", FailurePolicy.IGNORE, frozenset(HookType), 2.0)
 STRICT = HookServerConfig("strict.json", "/run/s.sock", FailurePolicy.FAIL, frozenset(HookType), 2.0)
@@ -100,3 +100,11 @@ class RecordTests(SynchronousTestCase):
         )
         self.assertNotIn("s3cr3t", json.dumps({key: value for key, value in fields.items()}))
         self.assertEqual(CallRecord("RunPodSandbox").fields("OK", 0.01)["hooks"], "none")
+
+    def test_a_call_is_uneventful_only_if_it_called_or_spared_no_server_and_ended_ok_with_nothing_to_say(self) -> None:
+        self.assertTrue(CallRecord("StartContainer").uneventful("OK"))
+        self.assertFalse(CallRecord("StartContainer").uneventful("NOT-CONFIRMED"))
+        spared = CallRecord("StartContainer", calls=[HookCall(KOORDLET, HookType.PRE_START_CONTAINER, SKIPPED)])
+        self.assertFalse(spared.uneventful("OK"))
+        self.assertFalse(CallRecord("StartContainer", why="containerd told of a stop first").uneventful("OK"))
+        self.assertFalse(CallRecord("StartContainer", asked_lost=True).uneventful("OK"))

@@ -175,6 +175,14 @@ class ConnectionTests(LogCapture):
         self.assertEqual(answers[third].status.code, UNIMPLEMENTED)
         self.assertEqual(len(self.flushLoggedErrors(ZeroDivisionError)), 1)
 
+    def test_an_answer_that_cannot_be_sent_is_logged_and_forgotten(self) -> None:
+        self.plugin.answers["StateChange"] = succeed(cast(bytes, "not bytes"))  # a bug koordrp's plugin could have
+        self.containerd.call("StateChange", nri.StateChangeEvent())
+        [logged] = self.logged("cannot answer containerd's {method}")
+        self.assertEqual((logged["method"], logged["log_failure"].type), ("StateChange", TypeError))
+        self.assertEqual(self.containerd.answers(), {})
+        self.assertEqual(len(self.flushLoggedErrors(TypeError)), 1)
+
     def test_the_plugins_calls_use_odd_streams_and_get_containerds_answers(self) -> None:
         first = self.connection.call("RegisterPlugin", b"one", timeout=5)
         second = self.connection.call("RegisterPlugin", b"two", timeout=5)
@@ -273,7 +281,8 @@ class PluginTests(LogCapture):
         self.store = Store()
         self.stages = ScriptedStages()
         self.servers = HookServers()
-        parts = Parts(self.store, self.stages, lambda: self.servers, SKIP, self.clock)
+        self.metrics = Metrics()
+        parts = Parts(self.store, self.stages, lambda: self.servers, SKIP, self.clock, self.metrics)
         self.synchronized = 0
         self.plugin = NRIPlugin(parts, PluginIdentity("koordrp", "10"), on_synchronized=self.count_synchronized)
         self.containerd = FakeContainerd(NRIConnection(self.plugin, self.clock))
@@ -398,7 +407,7 @@ class PluginTests(LogCapture):
         adjust = self.create().adjust
         self.assertEqual(([(env.key, env.value) for env in adjust.env], adjust.linux.resources.cpu.shares.value), ([("ADDED", "1")], 512))
         self.assertFalse(adjust.linux.resources.cpu.cpus)  # unchanged: not named
-        self.assertEqual((self.store.container("c-1"), self.call_lines()), (None, [("RunPodSandbox", "OK")]))
+        self.assertEqual((self.store.container("c-1"), self.call_lines()), (None, []))  # the run called no server: no line
         self.containerd.call("StateChange", event(nri.POST_CREATE_CONTAINER, nri_container(nri.CONTAINER_CREATED)))
         stored = self.store.container("c-1")
         assert stored is not None
@@ -435,11 +444,36 @@ class PluginTests(LogCapture):
         self.assertNotIn("changed", create["hooks"])
         text = formatEvent(create)
         self.assertIn(f"container app: NOT-CONFIRMED ({UNDONE_CREATE}) in ", text)
-        stop = formatEvent([line for line in self.events if line.get("method") == "StopContainer"][0])
-        self.assertIn("StopContainer pod default/web (uid-1) container app: OK", stop)
+        self.assertNotIn("StopContainer", [method for method, _ in self.call_lines()])  # it called no server
         [warning] = self.logged("containerd undid a create that koordrp's hooks changed")
         self.assertEqual(warning["subject"], "pod default/web container app")
         self.assertIn("both tried to set", formatEvent(warning))
+
+    def test_an_event_that_called_no_hook_server_and_went_well_gets_no_line_but_is_counted(self) -> None:
+        """containerd logs its own events; an operator hears of those koordrp did something for or that went wrong."""
+        self.subscribe(PRE_CREATE)
+        self.run_pod()
+        self.create()
+        self.containerd.call("StateChange", event(nri.POST_CREATE_CONTAINER, nri_container(nri.CONTAINER_CREATED)))
+        self.containerd.call("StateChange", event(nri.START_CONTAINER, nri_container(nri.CONTAINER_CREATED)))
+        self.containerd.call("StateChange", event(nri.POST_START_CONTAINER, nri_container(nri.CONTAINER_RUNNING)))
+        self.assertEqual(self.call_lines(), [("CreateContainer", "OK")])
+        counted = [
+            self.metrics.registry.get_sample_value("koordrp_cri_calls_total", {"method": method, "code": "OK"})
+            for method in ("RunPodSandbox", "CreateContainer", "StartContainer")
+        ]
+        self.assertEqual(counted, [1.0, 1.0, 1.0])
+
+    def test_an_event_for_a_skipped_pod_or_that_went_wrong_gets_its_line(self) -> None:
+        self.subscribe(HookType.PRE_RUN_POD_SANDBOX)
+        self.containerd.answers()  # the registration
+        skipped = nri.StateChangeEvent(event=nri.RUN_POD_SANDBOX, pod=nri_pod({SKIP.key: SKIP.value}))
+        self.containerd.call("StateChange", skipped)
+        self.subscribe()
+        self.create()
+        self.clock.advance(CONFIRM_SECONDS)
+        self.assertEqual(self.call_lines(), [("RunPodSandbox", "OK"), ("CreateContainer", "NOT-CONFIRMED")])
+        self.assertIn("PreRunPodSandbox@a.json: skipped", str(self.line("RunPodSandbox")["hooks"]))
 
     def test_a_create_never_confirmed_ends_after_a_bound(self) -> None:
         self.run_pod()
@@ -538,6 +572,7 @@ class PluginTests(LogCapture):
         self.assertEqual(self.call_lines()[-1], ("UpdateContainerResources", "OK"))
 
     def test_an_update_superseded_before_its_post_event_is_not_confirmed_and_the_newer_one_is(self) -> None:
+        self.subscribe(HookType.PRE_UPDATE_CONTAINER_RESOURCES)
         self.containerd.call("Synchronize", nri.SynchronizeRequest(pods=[nri_pod()], containers=[nri_container(nri.CONTAINER_RUNNING)]))
         for quota in (50000, 25000):
             resources = nri.LinuxResources()
@@ -646,7 +681,7 @@ class LateAnswerTests(LogCapture):
         [update] = request.update
         self.assertEqual((update.container_id, update.linux.resources.cpu.shares.value), ("c-1", 512))
         self.assertFalse(update.linux.resources.cpu.cpus)  # unchanged: not named
-        self.assertEqual([e for e in self.events if e.get("log_namespace") == "koordrp.calls"][-1]["method"], "RunPodSandbox")
+        self.assertEqual([e for e in self.events if e.get("method") == "CreateContainer"], [])  # not before the update is answered
         self.containerd.answer(stream, nri.UpdateContainersResponse())
         self.assertEqual(read_before.given.container_resources.cpu_shares, 2)  # replaced, not changed in place
         self.assertEqual(
