@@ -10,7 +10,7 @@ containerd and the round trips of those events cost any plugin.
 
 import subprocess
 import sys
-from typing import ContextManager
+from typing import Callable, ContextManager
 
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred, succeed
@@ -53,11 +53,16 @@ class MinimalPlugin:
             core.stop()
 
 
-def main() -> None:
+def serve(nri_socket: str, plugin: Callable[[], MinimalPlugin] = MinimalPlugin) -> None:
+    """Run ``plugin`` as containerd's NRI plugin at ``nri_socket`` until the connection is lost."""
     clock = IReactorTime(reactor)
-    endpoint = UNIXClientEndpoint(reactor, sys.argv[1])  # type: ignore[no-untyped-call]
-    endpoint.connect(Factory.forProtocol(lambda: NRIConnection(MinimalPlugin(), clock)))  # type: ignore[no-untyped-call]
+    endpoint = UNIXClientEndpoint(reactor, nri_socket)  # type: ignore[no-untyped-call]
+    endpoint.connect(Factory.forProtocol(lambda: NRIConnection(plugin(), clock)))  # type: ignore[no-untyped-call]
     IReactorCore(reactor).run()
+
+
+def main() -> None:
+    serve(sys.argv[1])
 
 
 def running(nri_socket: str) -> ContextManager["subprocess.Popen[bytes]"]:
