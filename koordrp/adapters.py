@@ -204,6 +204,10 @@ class UpdateContainerResources(Protocol):
     def rewritten(self, sent: ContainerHookRequest, final: ContainerHookRequest) -> Written: ...
 
 
+OK = "OK"
+"""How a call's line and metrics name a call the runtime did, in the modes whose word is gRPC's (CRI, NRI)."""
+
+
 def outcome_label(outcome: Outcome[AnyReply]) -> str:
     """How the call's line and metrics name ``outcome``, in every mode: the runtime's own word for its
     answer, the status of koordrp's refusal, or CANCELLED when nobody was left to answer."""

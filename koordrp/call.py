@@ -2,8 +2,8 @@
 
 ``run`` starts the flow and fires with its ``Outcome`` as soon as the caller can be answered;
 ``cancel`` is the caller giving up (what the flow waits for, a hook or the runtime, is cancelled at
-once); ``ended`` is the answer having left, after which the call's post stages start and its line and
-metrics are written, the same way in every mode. In between, the flow uses the call for what flows
+once); ``ended`` is the answer having left, after which the call's post stages start and its line (NRI
+mode: unless it is uneventful) and metrics are written, the same way in every mode. In between, the flow uses the call for what flows
 do: name what the call is about (``concerns``), run pre and post stages, forward, find its pod or
 container in the store or read it back from the runtime.
 """
@@ -165,7 +165,7 @@ class Call(Generic[AnyReply]):
         self.lifecycle = method
         """The CRI method the call stands for (its flow says), for metrics."""
         self.logged = True
-        """Whether the call gets a line and metrics (a Docker call about a container that is not Kubernetes' does not)."""
+        """Whether the call gets metrics and a line (a Docker call about a container that is not Kubernetes' does not)."""
         self._uneventful_line = uneventful_line
         self.posts: list[PostStage] = []
         self._skipping = False

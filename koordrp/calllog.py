@@ -1,4 +1,5 @@
-"""The one info line each lifecycle call gets: what it was about, what each hook server did to it, how it ended.
+"""The one info line a lifecycle call gets (in NRI mode, one that is not ``uneventful``): what it was about, what
+each hook server did to it, how it ended.
 
     CreateContainer pod default/web (9f1c…) container app: OK in 14.2 ms; hooks:
     PreCreateContainer@koordlet.json: ok 0.6 ms, changed cgroup_parent, resources.cpuset_cpus "0-3"→"2-3",
@@ -15,6 +16,7 @@ from typing import Iterable, Iterator
 
 from twisted.logger import Logger
 
+from koordrp.adapters import OK
 from koordrp.hooks.messages import Change, ContainerHookRequest, HookRequest, left_alone
 from koordrp.hooks.types import ERROR, LATE, NOT_ANSWERING, TIMEOUT, HookCall, HookType
 from koordrp.text import shortened
@@ -119,7 +121,7 @@ class CallRecord:
     def uneventful(self, outcome: str) -> bool:
         """No hook server was called or spared, and the call ended OK with nothing to say: a line would only
         repeat the runtime's own log (NRI mode writes none for it)."""
-        return not self.calls and outcome == "OK" and not self.why and not self.asked_lost
+        return not self.calls and outcome == OK and not self.why and not self.asked_lost
 
     def left_alone(self) -> Iterator[tuple[HookCall, Change]]:
         return ((call, change) for call in self.calls for change in call.changes if not change.applied)

@@ -54,6 +54,7 @@ from tests.support.cri_objects import container_config, linux_resources, pod_san
 from tests.support.daemons import cgroup_dirs, remove_cgroup
 from tests.support.images import BUSYBOX_REF, SLEEP_FOREVER_CMD, BuiltImage, build_image_archive
 from tests.support.koordrp_process import KoordrpProcess
+from tests.support.scrape import get
 from tests.support.stack import containerd_and_koordrp
 
 Answer = TypeVar("Answer")
@@ -309,14 +310,13 @@ def show_summary(calls: Calls, log: Path) -> None:
 
 
 def counted(base_url: str, method: str, timeout: float = 30.0) -> None:
-    """Once koordrp has counted a ``method`` call: it has done with it, just after the call answered."""
+    """Once koordrp has counted a ``method`` call (it has done with it, just after the call answered), or after
+    ``timeout``: a call the runtime failed before it reached koordrp (NRI mode) is never counted."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        with urllib.request.urlopen(f"{base_url}/metrics", timeout=10) as response:
-            if f'method="{method}"' in response.read().decode():
-                return
+        if f'method="{method}"' in get(f"{base_url}/metrics")[1]:
+            return
         time.sleep(0.05)
-    raise SystemExit(f"koordrp did not count its {method} call within {timeout:g}s")
 
 
 def show_calls(proxy: KoordrpProcess, nri: bool) -> None:
@@ -384,7 +384,7 @@ def walk_a_pod(
     calls: Calls,
     nri: bool,
 ) -> str:
-    """The pod's life, as far as its calls let it go; the last lifecycle call made (its line is koordrp's last)."""
+    """The pod's life, as far as its calls let it go; the last lifecycle call made (the last koordrp ends)."""
     calls.step("Version", lambda: runtime.Version(api_pb2.VersionRequest()), lambda v: f"{v.runtime_name} {v.runtime_version}")
     # kubelet names the image by the id ImageStatus gives, and as the pod spec writes it.
     status = calls.step(

@@ -101,7 +101,7 @@ class NRIReply:
 
     @property
     def label(self) -> str:
-        return "OK" if self.ok else "NOT-CONFIRMED"
+        return adapters.OK if self.ok else "NOT-CONFIRMED"
 
 
 NOT_DONE = "containerd did not do the call"

@@ -42,7 +42,9 @@ def test_demo_in_nri_mode_calls_containerd_which_calls_koordrp() -> None:
     output = run_module("scripts.demo", "--mode", "nri", "--repeat-stops")
     assert "private containerd 1.7 on unix://" in output and "--backend-runtime-mode=NRI" in output
     assert "POD_QOS_CLASS=LS" in output and "cpuset.cpus = 0" in output
-    log = output.split("koordrp's log, one line per lifecycle call", 1)[1]
+    log = output.split("koordrp's log, one line per lifecycle call a hook server was called for or spared", 1)[1]
+    # The removal called no hook server: counted (the demo waited for that), and no line.
+    assert "  RemovePodSandbox pod" not in log and 'koordrp_cri_calls_total{code="OK",method="RemovePodSandbox"}' in output
     assert 'CreateContainer pod default/demo' in log and 'changed resources.cpuset_cpus ""→"0", envs +POD_QOS_CLASS' in log
     stops = [line for line in log.splitlines() if line.startswith(("  StopContainer pod", "  StopPodSandbox pod"))]
     # containerd tells its plugins of a stop once, and of the sidecar its pod's stop took along.

@@ -19,6 +19,7 @@ from koordrp.api.nri.v1alpha1 import api_pb2 as nri
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
 from koordrp.hooks.dispatcher import Dispatcher
 from koordrp.hooks.limit import PreHookLimit
+from koordrp.hooks.messages import ContainerHookRequest, subject_text
 from koordrp.hooks.types import FailurePolicy, HookServerConfig, HookServers, HookType
 from koordrp.nri import registration, translate
 from koordrp.api.ttrpc import ttrpc_pb2
@@ -175,7 +176,7 @@ class ConnectionTests(LogCapture):
         self.assertEqual(answers[third].status.code, UNIMPLEMENTED)
         self.assertEqual(len(self.flushLoggedErrors(ZeroDivisionError)), 1)
 
-    def test_an_answer_that_cannot_be_sent_is_logged_and_forgotten(self) -> None:
+    def test_an_answer_that_cannot_be_sent_is_logged(self) -> None:
         self.plugin.answers["StateChange"] = succeed(cast(bytes, "not bytes"))  # a bug koordrp's plugin could have
         self.containerd.call("StateChange", nri.StateChangeEvent())
         [logged] = self.logged("cannot answer containerd's {method}")
@@ -783,6 +784,14 @@ class LateAnswerTests(LogCapture):
 
 
 class TranslateTests(SynchronousTestCase):
+    def test_a_call_is_named_as_the_request_names_its_pod_and_container(self) -> None:
+        """What a line says of a call whose flow found nothing in the store (a create containerd undid, then stopped)."""
+        self.assertEqual(subject_text(translate.named(nri_pod(), nri_container())), "pod default/web container app")
+        self.assertEqual(subject_text(translate.named(nri_pod(), None)), "pod default/web")
+        named = translate.named(nri_pod(), nri_container())
+        assert isinstance(named, ContainerHookRequest)
+        self.assertEqual((named.pod_meta.uid, named.container_meta.id), ("uid-1", "c-1"))
+
     def test_resources_and_attempt_come_from_nri_as_the_hook_api_has_them(self) -> None:
         container = nri_container()
         container.linux.resources.memory.limit.value = 1 << 30
