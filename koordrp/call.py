@@ -2,10 +2,10 @@
 
 ``run`` starts the flow and fires with its ``Outcome`` as soon as the caller can be answered;
 ``cancel`` is the caller giving up (what the flow waits for, a hook or the runtime, is cancelled at
-once); ``ended`` is the answer having left, after which the call's post stages start and its line (NRI
-mode: unless it is uneventful) and metrics are written, the same way in every mode. In between, the flow uses the call for what flows
-do: name what the call is about (``concerns``), run pre and post stages, forward, find its pod or
-container in the store or read it back from the runtime.
+once); ``ended`` is the answer having left, after which the call's post stages start and its metrics
+and line (NRI mode: unless it is uneventful) are written, in every mode. In between, the flow uses the
+call for what flows do: name what the call is about (``concerns``), run pre and post stages, forward,
+find its pod or container in the store or read it back from the runtime.
 """
 
 from __future__ import annotations

@@ -593,7 +593,7 @@ class NRIPlugin:
             # Nothing is forwarded after the hooks: they may take what containerd gives.
             hooks_share=1.0,
             late=late,
-            # containerd logs its events; koordlet's own NRI plugin logs those it handles only at verbosity 4.
+            # containerd logs its events; koordlet's own NRI plugin logs those it handles only at a raised verbosity.
             uneventful_line=False,
         )
         call.record.subject = named
