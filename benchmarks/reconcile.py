@@ -20,6 +20,7 @@ import argparse
 import statistics
 import tempfile
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Awaitable, Callable
 
@@ -86,7 +87,7 @@ async def timed(measured: Measured, reading: Callable[[], Awaitable[object]]) ->
 
 async def measure(containerd: Containerd, sandbox_ids: list[str], repeat: int) -> None:
     channel = grpc.insecure_channel(grpc_target(containerd.address), options=CHANNEL_OPTIONS)
-    lookup = RuntimeLookup(IReactorFromThreads(reactor), channel)
+    lookup = RuntimeLookup(IReactorFromThreads(reactor), lambda: nullcontext(channel))
     list_pods = channel.unary_unary("/runtime.v1.RuntimeService/ListPodSandbox", None, None)
     list_containers = channel.unary_unary("/runtime.v1.RuntimeService/ListContainers", None, None)
 

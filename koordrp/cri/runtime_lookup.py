@@ -7,7 +7,7 @@ none) and answers with it, which Python's protobuf refuses. Such a pod or contai
 and it must not hide the others, nor look like a runtime that is away.
 """
 
-from typing import TypeVar
+from typing import Callable, ContextManager, TypeVar
 
 import grpc
 from google.protobuf import empty_pb2
@@ -55,24 +55,22 @@ def listed_ids(raw: bytes) -> list[str]:
     return [identifier.decode("utf-8", "replace") for item in _fields(raw, 1) for identifier in _fields(item, 1)]
 
 
+Channels = Callable[[], ContextManager[grpc.Channel]]
+"""The channel for one reading (a question, or a listing's two): the proxy's own to the runtime, kept open
+(``contextlib.nullcontext``), or a new one, closed after it (a grpc channel is its own context manager)."""
+
+
 class RuntimeLookup:
     """containerd's answers about pods and containers, as the store keeps them (``adapters.RuntimeInventory``)."""
 
-    def __init__(self, reactor: IReactorFromThreads, channel: grpc.Channel) -> None:
-        def method(name: str) -> "grpc.UnaryUnaryMultiCallable[bytes, bytes]":
-            return channel.unary_unary(_RUNTIME_SERVICE + name, _registered_method=True)  # type: ignore[call-arg]
-
+    def __init__(self, reactor: IReactorFromThreads, channels: Channels) -> None:
         self._reactor = reactor
-        self._pod_status = method("PodSandboxStatus")
-        self._container_status = method("ContainerStatus")
-        self._list_pods = method("ListPodSandbox")
-        self._list_containers = method("ListContainers")
+        self._channels = channels
 
-    async def _ask(
-        self, what: str, method: "grpc.UnaryUnaryMultiCallable[bytes, bytes]", request: bytes, timeout: float | None
-    ) -> bytes | None:
+    async def _ask(self, what: str, channel: grpc.Channel, method: str, request: bytes, timeout: float | None) -> bytes | None:
         """The answer's bytes; None when the runtime says it does not know the id; LookupFailed when it cannot say."""
-        answer = await call_unary(self._reactor, method, request, timeout)
+        unary = channel.unary_unary(_RUNTIME_SERVICE + method, _registered_method=True)  # type: ignore[call-arg]
+        answer = await call_unary(self._reactor, unary, request, timeout)
         if answer.ok:
             return answer.raw
         if answer.code is grpc.StatusCode.NOT_FOUND:
@@ -82,7 +80,8 @@ class RuntimeLookup:
     async def read_pod(self, sandbox_id: str, timeout: float | None) -> StoredPod | None:
         what = f"PodSandboxStatus of {sandbox_id}"
         request = cri.PodSandboxStatusRequest(pod_sandbox_id=sandbox_id, verbose=True).SerializeToString()
-        raw = await self._ask(what, self._pod_status, request, timeout)
+        with self._channels() as channel:
+            raw = await self._ask(what, channel, "PodSandboxStatus", request, timeout)
         if raw is None:
             return None
         try:
@@ -95,7 +94,8 @@ class RuntimeLookup:
     async def read_container(self, container_id: str, pods: PodSource, timeout: float | None) -> StoredContainer | None:
         what = f"ContainerStatus of {container_id}"
         request = cri.ContainerStatusRequest(container_id=container_id, verbose=True).SerializeToString()
-        raw = await self._ask(what, self._container_status, request, timeout)
+        with self._channels() as channel:
+            raw = await self._ask(what, channel, "ContainerStatus", request, timeout)
         if raw is None:
             return None
         try:
@@ -107,8 +107,9 @@ class RuntimeLookup:
             raise Unreadable(f"{what}: {error}") from None
 
     async def listed(self, timeout: float | None) -> tuple[list[str], list[str]]:
-        sandboxes = await self._ask("ListPodSandbox", self._list_pods, b"", timeout)
-        containers = await self._ask("ListContainers", self._list_containers, b"", timeout)
+        with self._channels() as channel:
+            sandboxes = await self._ask("ListPodSandbox", channel, "ListPodSandbox", b"", timeout)
+            containers = await self._ask("ListContainers", channel, "ListContainers", b"", timeout)
         return listed_ids(sandboxes or b""), listed_ids(containers or b"")
 
 

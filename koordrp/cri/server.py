@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -83,7 +84,7 @@ class CRIProxyService(service.Service):
         if settings.image_path != settings.runtime_path:
             image = BackendChannel(settings.image_path, self._report_reachability)
         self._backends = list({id(b): b for b in (runtime, image)}.values())
-        lookup = RuntimeLookup(self._reactor, runtime.channel)
+        lookup = RuntimeLookup(self._reactor, lambda: nullcontext(runtime.channel))
         interceptor = Interceptor(self._reactor, runtime, self._parts, lookup)
         backends = {BackendRole.RUNTIME: runtime, BackendRole.IMAGE: image}
         self._handler = PassThroughHandler(backends, interceptor.handlers, self._metrics)

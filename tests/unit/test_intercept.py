@@ -2,6 +2,7 @@
 
 import os
 import threading
+from contextlib import nullcontext
 from concurrent import futures
 from typing import Any, Callable, cast
 
@@ -77,7 +78,7 @@ class InterceptTests(TestCase):
         channel = BackendChannel(self.backend.path, lambda change, path: None)
         self.addCleanup(channel.close)
         threads = IReactorFromThreads(reactor)
-        interceptor = Interceptor(threads, channel, parts, RuntimeLookup(threads, channel.channel))
+        interceptor = Interceptor(threads, channel, parts, RuntimeLookup(threads, lambda: nullcontext(channel.channel)))
         handler = PassThroughHandler({BackendRole.RUNTIME: channel, BackendRole.IMAGE: channel}, interceptor.handlers)
         # One worker: a call that held it after its caller gave up would keep every other call waiting.
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=1), handlers=[handler])

@@ -307,3 +307,23 @@ class CRIListingTests(TestCase):
         self.assertEqual((store.has_pod("s-1"), store.has_container("c-1")), (True, True))
         asked = {call.method.removeprefix(RUNTIME) for call in backend.calls}
         self.assertEqual(asked, {"ListPodSandbox", "ListContainers"})
+
+    @inlineCallbacks
+    def test_no_connection_to_containerd_stays_open_between_readings(self):  # type: ignore[no-untyped-def]
+        # An open grpc channel keeps grpcio's threads waking several times a second on an idle node.
+        path = os.path.join(short_tempdir(self), "containerd.sock")
+        backend = FakeCRIBackend(path).start()
+        self.addCleanup(backend.stop)
+        listing = CRIListing(path, cast(IReactorFromThreads, reactor), Store(), interval=3600)
+        listing.startService()
+        self.addCleanup(listing.stopService)
+        yield Deferred.fromCoroutine(until(lambda: len(backend.calls) == 2))
+        yield Deferred.fromCoroutine(until(lambda: connections(path) == 0))
+        self.assertEqual(len(backend.calls), 2)
+
+
+def connections(path: str) -> int:
+    """The connections open to the unix socket at ``path`` (each accepted end is listed by its path, connected)."""
+    with open("/proc/net/unix") as table:
+        rows = [line.split() for line in table.readlines()[1:]]
+    return sum(1 for row in rows if len(row) == 8 and row[7] == path and row[5] == "03")
