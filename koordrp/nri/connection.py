@@ -18,6 +18,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from koordrp.api.ttrpc import ttrpc_pb2
+from koordrp.nri.sending import SentAtOnce
 from koordrp.nri.wire import (
     MAX_TTRPC_MESSAGE,
     PLUGIN_SERVICE_CONNECTION,
@@ -87,8 +88,11 @@ class NRIConnection(TwistedProtocol):
         self._serving: set[Deferred[bytes]] = set()
         self._lost = False
         self._broken: WireError | None = None
+        self._sending: SentAtOnce | None = None
 
     def connectionMade(self) -> None:
+        assert self.transport is not None
+        self._sending = SentAtOnce(self.transport)
         self._plugin.made(self)
 
     # containerd calling the plugin
@@ -153,7 +157,11 @@ class NRIConnection(TwistedProtocol):
     def _respond(self, stream_id: int, response: ttrpc_pb2.Response) -> None:
         if not self._lost:
             message = ttrpc_message(stream_id, RESPONSE, response.SerializeToString())
-            self.transport.write(mux_frames(PLUGIN_SERVICE_CONNECTION, message))  # type: ignore[union-attr]
+            self._send(mux_frames(PLUGIN_SERVICE_CONNECTION, message))
+
+    def _send(self, frames: bytes) -> None:
+        assert self._sending is not None, "connectionMade comes first"
+        self._sending.write(frames)
 
     # the plugin calling containerd
 
@@ -168,7 +176,7 @@ class NRIConnection(TwistedProtocol):
         self._pending[stream_id] = answer
         answer.addTimeout(timeout, self._clock)
         message = ttrpc_message(stream_id, REQUEST, request.SerializeToString())
-        self.transport.write(mux_frames(RUNTIME_SERVICE_CONNECTION, message))  # type: ignore[union-attr]
+        self._send(mux_frames(RUNTIME_SERVICE_CONNECTION, message))
         return answer
 
     def _forget(self, stream_id: int) -> None:
@@ -191,10 +199,14 @@ class NRIConnection(TwistedProtocol):
     # the connection's end
 
     def _abort(self) -> None:
+        if self._sending is not None:
+            self._sending.closing = True
         if self.transport is not None:
             self.transport.abortConnection()  # type: ignore[attr-defined]
 
     def close(self) -> None:
+        if self._sending is not None:
+            self._sending.closing = True
         if self.transport is not None:
             self.transport.loseConnection()
 
