@@ -29,7 +29,7 @@ from koordrp import resync
 from koordrp import flows
 from koordrp.api.nri.v1alpha1 import api_pb2 as nri
 from koordrp.hooks.limit import PreHookLimit
-from koordrp.hooks.messages import ContainerHookRequest, HookRequest, placed_in_pod, subject_text
+from koordrp.hooks.messages import ContainerHookRequest, placed_in_pod, subject_text
 from koordrp.nri import translate
 from koordrp.nri.connection import UNKNOWN, UNIMPLEMENTED, NRIConnection, NRIConnectionLost, NRIError
 from koordrp.nri.wire import MAX_TTRPC_MESSAGE
@@ -480,7 +480,6 @@ class NRIPlugin:
             timeout,
             lambda answer: NRIBackend(answer, empty, request.pod, request.container, self._expect("create", request.container.id)),
             lambda call: flows.create_container(call, translate.CreateContainer(request.pod, request.container)),
-            translate.named(request.pod, request.container),
             late=LateAnswers(self._connection),
         )
 
@@ -493,7 +492,6 @@ class NRIPlugin:
             timeout,
             lambda answer: NRIBackend(answer, empty, request.pod, request.container, self._expect("update", request.container.id)),
             lambda call: flows.update_container_resources(call, translate.UpdateContainer(request.container, resources)),
-            translate.named(request.pod, request.container),
         )
 
     def _stop_container(self, payload: bytes, timeout: float | None) -> Deferred[bytes]:
@@ -507,7 +505,6 @@ class NRIPlugin:
             timeout,
             lambda answer: NRIBackend(answer, empty, request.pod, None, None),
             lambda call: flows.stop_container(call, request.container.id),
-            translate.named(request.pod, request.container),
         )
 
     def _state_change(self, payload: bytes, timeout: float | None) -> Deferred[bytes]:
@@ -533,8 +530,7 @@ class NRIPlugin:
         else:
             return succeed(_EMPTY)  # a Post event: its Confirmation is all it is for
         own_container = container if event.HasField("container") else None
-        named = translate.named(pod, own_container)
-        return self._run(method, timeout, lambda answer: NRIBackend(answer, _EMPTY, readable, own_container, confirm), flow, named)
+        return self._run(method, timeout, lambda answer: NRIBackend(answer, _EMPTY, readable, own_container, confirm), flow)
 
     _HANDLERS: dict[str, Callable[[NRIPlugin, bytes, float | None], Deferred[bytes]]] = {
         "Configure": _configure,
@@ -575,13 +571,10 @@ class NRIPlugin:
         timeout: float | None,
         backend: Callable[[Deferred[bytes]], NRIBackend],
         flow: Callable[[Call[NRIReply]], Coroutine[Any, Any, NRIReply]],
-        named: HookRequest | None = None,
         late: LateAnswers | None = None,
     ) -> Deferred[bytes]:
         """Run ``flow`` for containerd's request; the Deferred is containerd's answer (the flow may go on after it).
 
-        ``named`` is the pod (and container) as the request names them: the call's line names them so
-        when the flow finds nothing better in the store (a container whose create containerd undid).
         ``late``: how an answer that comes after containerd's deadline is still applied.
         """
         answer: Deferred[bytes] = Deferred(lambda _: call.cancel())
@@ -596,7 +589,6 @@ class NRIPlugin:
             # containerd logs its events; koordlet's own NRI plugin logs those it handles only at a raised verbosity.
             uneventful_line=False,
         )
-        call.record.subject = named
         self._calls.add(call)
 
         def over(outcome: adapters.Outcome[NRIReply]) -> None:

@@ -75,14 +75,6 @@ def pod_hook_request(pod: nri.PodSandbox) -> PodHookRequest:
     return request
 
 
-def named(pod: nri.PodSandbox, container: nri.Container | None) -> HookRequest:
-    """The pod (and container) as one of containerd's requests names them: who a call is about, for its line."""
-    pod_meta = hook.PodSandboxMetadata(name=pod.name, uid=pod.uid, namespace=pod.namespace)
-    if container is None:
-        return PodHookRequest(pod_meta=pod_meta)
-    return ContainerHookRequest(pod_meta=pod_meta, container_meta=hook.ContainerMetadata(name=container.name, id=container.id))
-
-
 def synchronization(parts: Sequence[nri.SynchronizeRequest]) -> nri.SynchronizeRequest:
     """Every pod and container containerd told of at Synchronize, as one request.
 

@@ -541,6 +541,12 @@ class PluginTests(LogCapture):
         self.assertIn(("StartContainer", "NOT-CONFIRMED"), self.call_lines())
         self.assertIn("containerd failed the start", self.line("StartContainer")["why"])
 
+    def test_a_call_about_what_the_store_lacks_is_named_in_its_line_as_containerds_events_name_it(self) -> None:
+        self.containerd.call("Synchronize", nri.SynchronizeRequest())
+        self.containerd.call("StateChange", event(nri.START_CONTAINER, nri_container(nri.CONTAINER_CREATED)))
+        self.containerd.call("StopContainer", nri.StopContainerRequest(pod=nri_pod(), container=nri_container(nri.CONTAINER_CREATED)))
+        self.assertIn("StartContainer pod default/web (uid-1) container app: NOT-CONFIRMED", formatEvent(self.line("StartContainer")))
+
     def test_a_container_stopped_before_its_post_start_event_had_started(self) -> None:
         self.started_then_stopped(nri.CONTAINER_STOPPED)
         self.assertEqual([stage.hook for stage in self.stages.announced], [POST_START, POST_STOP])
@@ -784,14 +790,6 @@ class LateAnswerTests(LogCapture):
 
 
 class TranslateTests(SynchronousTestCase):
-    def test_a_call_is_named_as_the_request_names_its_pod_and_container(self) -> None:
-        """What a line says of a call whose flow found nothing in the store (a create containerd undid, then stopped)."""
-        self.assertEqual(subject_text(translate.named(nri_pod(), nri_container())), "pod default/web container app")
-        self.assertEqual(subject_text(translate.named(nri_pod(), None)), "pod default/web")
-        named = translate.named(nri_pod(), nri_container())
-        assert isinstance(named, ContainerHookRequest)
-        self.assertEqual((named.pod_meta.uid, named.container_meta.id), ("uid-1", "c-1"))
-
     def test_resources_and_attempt_come_from_nri_as_the_hook_api_has_them(self) -> None:
         container = nri_container()
         container.linux.resources.memory.limit.value = 1 << 30
