@@ -47,15 +47,15 @@ class CRIListing(service.Service):
         self._interval = interval
         self._sync: StoreSync | None = None
 
-    def _channel(self) -> grpc.Channel:
+    def _new_channel(self) -> grpc.Channel:
         return grpc.insecure_channel(grpc_target(self.path), options=CHANNEL_OPTIONS)
 
     def startService(self) -> None:
         super().startService()  # type: ignore[no-untyped-call]
-        # A channel for each reading, closed after it: an open channel keeps grpcio's threads waking several
-        # times a second (~0.75 ms of CPU a second, for a reading a minute). And grpcio does not survive
-        # fork(): a channel is made only once twistd has daemonized.
-        lookup = RuntimeLookup(self._reactor, self._channel)
+        # A channel for each reading (a listing: this service reads nothing back), closed after it: an open
+        # channel keeps grpcio's threads waking several times a second (~0.75 ms of CPU a second, for a
+        # reading a minute). And grpcio does not survive fork(): a channel is made once twistd has daemonized.
+        lookup = RuntimeLookup(self._reactor, self._new_channel)
         clock = IReactorTime(self._reactor)
         self._sync = StoreSync(
             self._store, lookup, clock, "containerd's CRI", self._interval, QUESTION_SECONDS, False, self._metrics

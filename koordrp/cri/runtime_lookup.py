@@ -56,8 +56,9 @@ def listed_ids(raw: bytes) -> list[str]:
 
 
 Channels = Callable[[], ContextManager[grpc.Channel]]
-"""The channel for one reading (a question, or a listing's two): the proxy's own to the runtime, kept open
-(``contextlib.nullcontext``), or a new one, closed after it (a grpc channel is its own context manager)."""
+"""The channel for one question (a listing's two questions share one): the proxy's own to the runtime, kept
+open (``contextlib.nullcontext``), or a new one, closed after it (a grpc channel is its own context manager:
+then every pod read back costs a connection, so it suits listings, not the store's rebuild)."""
 
 
 class RuntimeLookup:

@@ -200,13 +200,13 @@ class NRIConnection(TwistedProtocol):
 
     def _abort(self) -> None:
         if self._sending is not None:
-            self._sending.closing = True
+            self._sending.closing()
         if self.transport is not None:
             self.transport.abortConnection()  # type: ignore[attr-defined]
 
     def close(self) -> None:
         if self._sending is not None:
-            self._sending.closing = True
+            self._sending.closing()
         if self.transport is not None:
             self.transport.loseConnection()
 

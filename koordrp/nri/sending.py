@@ -25,18 +25,21 @@ class SentAtOnce:
 
     def __init__(self, transport: ITransport) -> None:
         self._transport = transport
-        self._consumer = IConsumer(transport)
+        self._consumer = IConsumer(transport, None)
         handle = ISystemHandle(transport, None)
         found = handle.getHandle() if handle is not None else None
         self._socket: socket.socket | None = found if isinstance(found, socket.socket) else None
         self._waiting = False
         """Whether the transport holds bytes not yet written: later ones go after them."""
         self._registering = False
-        self.closing = False
-        """Set once the connection is being closed: what is written then is the transport's to drop or flush."""
+        self._closing = False
+
+    def closing(self) -> None:
+        """The connection is being closed (or aborted): what is written from now on is the transport's to flush or drop."""
+        self._closing = True
 
     def write(self, data: bytes) -> None:
-        if self._socket is None or self._waiting or self.closing:
+        if self._socket is None or self._consumer is None or self._waiting or self._closing:
             self._transport.write(data)
             return
         try:
@@ -49,14 +52,17 @@ class SentAtOnce:
         self._waiting = True
         # A pull producer is asked for more each time the transport has written everything it held.
         self._registering = True
-        self._consumer.registerProducer(self, False)
-        self._registering = False
+        try:
+            self._consumer.registerProducer(self, False)
+        finally:
+            self._registering = False
 
     def resumeProducing(self) -> None:
         if self._registering:
             return  # registerProducer asks at once, while the transport still holds what was just written
         self._waiting = False
-        self._consumer.unregisterProducer()
+        if self._consumer is not None:
+            self._consumer.unregisterProducer()
 
     def stopProducing(self) -> None:
         """The connection is gone: nothing more is written."""

@@ -14,7 +14,6 @@ from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
 from koordrp.adapters import LeftAlone, Written
 from koordrp.hooks.messages import (
     ContainerHookRequest,
-    HookRequest,
     PodHookRequest,
     Resources,
     merged_envs,

@@ -19,7 +19,6 @@ from koordrp.api.nri.v1alpha1 import api_pb2 as nri
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
 from koordrp.hooks.dispatcher import Dispatcher
 from koordrp.hooks.limit import PreHookLimit
-from koordrp.hooks.messages import ContainerHookRequest, subject_text
 from koordrp.hooks.types import FailurePolicy, HookServerConfig, HookServers, HookType
 from koordrp.nri import registration, translate
 from koordrp.api.ttrpc import ttrpc_pb2

@@ -1,6 +1,7 @@
 """Writing to containerd's NRI socket at once (koordrp.nri.sending), on real unix sockets and the real reactor."""
 
 import socket
+from dataclasses import dataclass
 
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred, inlineCallbacks
@@ -12,29 +13,52 @@ from twisted.trial.unittest import SynchronousTestCase, TestCase
 from koordrp.nri.sending import SentAtOnce
 from tests.support.waiting import until
 
+MORE_THAN_FITS = bytes(range(256)) * (32 << 10)
+"""8 MiB: far beyond a unix socket's buffer."""
+
 
 class Peer:
-    """The far end of a socket pair, read without the reactor: what has arrived so far."""
+    """The far end of a socket pair, read without the reactor: what has arrived so far, and whether it ended."""
 
     def __init__(self, end: socket.socket) -> None:
         end.setblocking(False)
         self._end = end
         self.received = b""
+        self.ended = False
 
     def read(self) -> bytes:
         try:
             while chunk := self._end.recv(1 << 20):
                 self.received += chunk
+            self.ended = True
         except BlockingIOError:
             pass
         return self.received
 
+    def at_end(self) -> bool:
+        """Whether the other end closed, once what came before is read."""
+        self.read()
+        return self.ended
+
+    def close(self) -> None:
+        self._end.close()
+
+
+@dataclass
+class Connected:
+    sender: SentAtOnce
+    transport: ITransport
+    peer: Peer
+    lost: Deferred[None]
+    """Fires once the transport's connection is lost."""
+
 
 class SentAtOnceTests(TestCase):
-    def connected(self) -> tuple[SentAtOnce, Peer]:
+    def connected(self) -> Connected:
         """A sender on a Twisted transport over one end of a socket pair, and the other end."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.addCleanup(theirs.close)
+        peer = Peer(theirs)
+        self.addCleanup(peer.close)
         made: list[ITransport] = []
         lost: Deferred[None] = Deferred()
 
@@ -56,26 +80,46 @@ class SentAtOnceTests(TestCase):
             return lost
 
         self.addCleanup(closed)
-        return SentAtOnce(made[0]), Peer(theirs)
+        return Connected(SentAtOnce(made[0]), made[0], peer, lost)
 
     def test_what_the_socket_takes_is_there_before_the_reactor_turns(self) -> None:
-        sender, peer = self.connected()
+        connected = self.connected()
+        sender, peer = connected.sender, connected.peer
         sender.write(b"the answer")
         self.assertEqual(peer.read(), b"the answer")
 
     @inlineCallbacks
     def test_what_the_socket_cannot_take_at_once_is_written_in_order_and_then_at_once_again(self):  # type: ignore[no-untyped-def]
-        sender, peer = self.connected()
-        more_than_fits = bytes(range(256)) * (32 << 10)  # 8 MiB: far beyond a unix socket's buffer
-        sender.write(more_than_fits)
+        connected = self.connected()
+        sender, peer = connected.sender, connected.peer
+        sender.write(MORE_THAN_FITS)
         # Room again in the socket, while the transport still holds the rest: what comes next waits behind it.
-        self.assertLess(len(peer.read()), len(more_than_fits), "the socket took everything: nothing was left to wait")
+        self.assertLess(len(peer.read()), len(MORE_THAN_FITS), "the socket took everything: nothing was left to wait")
         sender.write(b"after it")
-        yield Deferred.fromCoroutine(until(lambda: len(peer.read()) == len(more_than_fits) + len(b"after it")))
-        self.assertEqual(peer.received, more_than_fits + b"after it")
+        yield Deferred.fromCoroutine(until(lambda: len(peer.read()) == len(MORE_THAN_FITS) + len(b"after it")))
+        self.assertEqual(peer.received, MORE_THAN_FITS + b"after it")
         # The transport has written everything it held: the next write goes to the socket at once again.
         sender.write(b"at once")
-        self.assertEqual(peer.read(), more_than_fits + b"after it" + b"at once")
+        self.assertEqual(peer.read(), MORE_THAN_FITS + b"after it" + b"at once")
+
+    @inlineCallbacks
+    def test_a_connection_closed_while_the_transport_holds_bytes_ends_once_they_are_written(self):  # type: ignore[no-untyped-def]
+        """As NRIConnection.close does it: the transport, whose producer SentAtOnce is meanwhile, still closes."""
+        connected = self.connected()
+        connected.sender.write(MORE_THAN_FITS)
+        connected.sender.closing()
+        connected.transport.loseConnection()
+        connected.sender.write(b"the last answer")
+        yield Deferred.fromCoroutine(until(connected.peer.at_end))
+        self.assertEqual(connected.peer.received, MORE_THAN_FITS + b"the last answer")
+        yield connected.lost
+
+    @inlineCallbacks
+    def test_a_socket_gone_under_the_sender_loses_the_connection_and_raises_nothing(self):  # type: ignore[no-untyped-def]
+        connected = self.connected()
+        connected.peer.close()
+        connected.sender.write(b"the answer")
+        yield connected.lost
 
 
 class WithoutSocketTests(SynchronousTestCase):
