@@ -306,6 +306,13 @@ class PluginTests(LogCapture):
         self.assertEqual(answer.status.code, 0, answer.status.message)
         return nri.CreateContainerResponse.FromString(answer.payload)
 
+    def start_container(self) -> None:
+        """A pod run and its container created, confirmed and told to start: containerd's PostStartContainer is yet to come."""
+        self.run_pod()
+        self.create()
+        self.containerd.call("StateChange", event(nri.POST_CREATE_CONTAINER, nri_container(nri.CONTAINER_CREATED)))
+        self.containerd.call("StateChange", event(nri.START_CONTAINER, nri_container(nri.CONTAINER_CREATED)))
+
     def test_it_registers_and_subscribes_to_every_lifecycle_event(self) -> None:
         [registration] = self.containerd.sent()
         assert registration.request is not None
@@ -452,10 +459,7 @@ class PluginTests(LogCapture):
     def test_an_event_that_called_no_hook_server_and_went_well_gets_no_line_but_is_counted(self) -> None:
         """containerd logs its own events; an operator hears of those koordrp did something for or that went wrong."""
         self.subscribe(PRE_CREATE)
-        self.run_pod()
-        self.create()
-        self.containerd.call("StateChange", event(nri.POST_CREATE_CONTAINER, nri_container(nri.CONTAINER_CREATED)))
-        self.containerd.call("StateChange", event(nri.START_CONTAINER, nri_container(nri.CONTAINER_CREATED)))
+        self.start_container()
         self.containerd.call("StateChange", event(nri.POST_START_CONTAINER, nri_container(nri.CONTAINER_RUNNING)))
         self.assertEqual(self.call_lines(), [("CreateContainer", "OK")])
         counted = [
@@ -500,10 +504,7 @@ class PluginTests(LogCapture):
 
     def test_post_start_runs_once_the_container_has_started(self) -> None:
         self.subscribe(POST_START)
-        self.run_pod()
-        self.create()
-        self.containerd.call("StateChange", event(nri.POST_CREATE_CONTAINER, nri_container(nri.CONTAINER_CREATED)))
-        self.containerd.call("StateChange", event(nri.START_CONTAINER, nri_container(nri.CONTAINER_CREATED)))
+        self.start_container()
         self.assertEqual(self.stages.announced, [])
         self.containerd.call("StateChange", event(nri.POST_START_CONTAINER, nri_container(nri.CONTAINER_RUNNING)))
         self.assertEqual([stage.hook for stage in self.stages.announced], [POST_START])
@@ -528,10 +529,7 @@ class PluginTests(LogCapture):
     def started_then_stopped(self, state: nri.ContainerState) -> None:
         """A container created and told to start, then stopped before containerd's PostStartContainer."""
         self.subscribe(POST_START, POST_STOP)
-        self.run_pod()
-        self.create()
-        self.containerd.call("StateChange", event(nri.POST_CREATE_CONTAINER, nri_container(nri.CONTAINER_CREATED)))
-        self.containerd.call("StateChange", event(nri.START_CONTAINER, nri_container(nri.CONTAINER_CREATED)))
+        self.start_container()
         self.containerd.call("StopContainer", nri.StopContainerRequest(pod=nri_pod(), container=nri_container(state)))
 
     def test_a_start_containerd_failed_is_told_as_a_stop_of_a_created_container_and_fires_no_post_start(self) -> None:
