@@ -31,12 +31,14 @@ To compare commits on one machine in one run, ``--other LABEL=TWISTD`` (repeatab
 koordrp another checkout's virtualenv runs (e.g. ``--other 3a2cb84=../old/.venv/bin/twistd``), in
 front of the same containerd, on pods of its own, its calls shuffled into the same rounds; the
 figures of each koordrp are printed, then side by side. A koordrp run from this benchmark's own
-virtualenv is 0.1 ms or so faster per call on a small VM than the same code run from another
-virtualenv (most likely it shares the libraries' pages with the benchmark): to compare two commits, give both
-as ``--other``, each from a virtualenv of its own (docs/architecture.md, "What a call costs").
+virtualenv is 0.1-0.2 ms faster per call on a small VM than the same code run from another
+virtualenv (most likely it shares the libraries' pages with the benchmark and the minimal
+pass-through). ``--other-checkout LABEL=DIR`` runs another checkout's code with this virtualenv's
+interpreter and libraries (DIR first on its ``PYTHONPATH``), so that only the code differs: the way
+to compare commits whose dependencies are the same (docs/architecture.md, "What a call costs").
 
     .venv/bin/python -m benchmarks.hooks [--pods 40] [--rounds 300] [--servers 1 2] [--pod-pause 0.5] [--nri-pods 40]
-        [--other LABEL=TWISTD ...]
+        [--other LABEL=TWISTD ...] [--other-checkout LABEL=DIR ...]
 """
 
 import argparse
@@ -413,14 +415,28 @@ def main() -> None:
         metavar="LABEL=TWISTD",
         help="also measure the koordrp this twistd runs (e.g. an older checkout's .venv/bin/twistd), in the same rounds",
     )
+    parser.add_argument(
+        "--other-checkout",
+        action="append",
+        default=[],
+        metavar="LABEL=DIR",
+        help="also measure the koordrp of the checkout in DIR, run by this virtualenv's twistd, in the same rounds",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="krp-bench-", dir="/tmp") as scratch, ExitStack() as stack:
         base = Path(scratch)
         echo_servers = [stack.enter_context(running(base / f"echo-{n}.sock")) for n in range(max(args.servers))]
         containerd, proxy = stack.enter_context(containerd_and_koordrp(base))
         processes = {HEAD: proxy}
-        for label, _, twistd in (other.partition("=") for other in args.other):
-            other = OtherKoordrp(base / f"other-{label}", containerd.endpoint, twistd=twistd)
+        others = [
+            (label, OtherKoordrp(base / f"other-{label}", containerd.endpoint, twistd=twistd))
+            for label, _, twistd in (other.partition("=") for other in args.other)
+        ]
+        others += [
+            (label, OtherKoordrp(base / f"other-{label}", containerd.endpoint, environ={"PYTHONPATH": checkout}))
+            for label, _, checkout in (other.partition("=") for other in args.other_checkout)
+        ]
+        for label, other in others:
             other.base.mkdir()
             stack.callback(other.stop)
             other.start()

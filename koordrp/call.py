@@ -251,12 +251,14 @@ class Call(Generic[AnyReply]):
         # Over before it answers: a front end that says ``ended`` as the answer leaves has the call's post stages
         # announced then, so that a stop that waited for the call drains them next.
         self._flow_over = True
-        caller_gone = self._answer.called
+        # Nothing after this finishes the call if its caller is gone already, or if the front end said the
+        # answer had left before the flow was over (CRI: the runtime's, as kubelet went just then).
+        finish_here = self._answer.called or self._ended
         if isinstance(result, Failure):
             self._stopped(result)  # once the caller is gone there is no answer, but a failure is still said
         else:
             self._answered(result)
-        if caller_gone:
+        if finish_here:
             self._finish_if_over()
 
     def _finish_if_over(self) -> None:

@@ -6,9 +6,10 @@ outcome becomes a grpc answer). A call its flow would forward as it came, hook-f
 (``flows.goes_ahead``), is sent to the runtime by the worker itself first, and the flow's forward is
 answered by that call. The runtime's answer reaches the worker from grpc's thread (``_Exchange``).
 What the worker hands the reactor (a flow that went ahead, the runtime's answer) is queued without
-waking it (``unwoken``): grpc reports the RPC's end once the worker has answered, and that wakes the
-reactor once for all of it, in order, before kubelet's next call's flow. Hook calls, the runtime's
-call and read-backs are Deferreds on the reactor. When grpc says the RPC has ended (answered,
+waking it (``handoff.unwoken``): grpc reports the RPC's end once the worker has answered, and the
+reactor is woken for all of it, in order, a moment later (``handoff.Later``), or sooner by what
+comes next (kubelet's next call's flow runs after it). Hook calls, the runtime's call and
+read-backs are Deferreds on the reactor. When grpc says the RPC has ended (answered,
 cancelled by kubelet, or past its deadline), the reactor hears of it once: a flow still waiting for
 the runtime is cancelled, which cancels what it waits for upstream (a call sent ahead included), and
 the call's end (post stages, log line, metrics) follows.
@@ -20,7 +21,6 @@ from typing import Any, Awaitable, Callable, Coroutine, Generic, NoReturn, TypeV
 
 import grpc
 from google.protobuf.message import DecodeError
-from twisted.internet.base import ReactorBase
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorFromThreads
 
@@ -30,6 +30,7 @@ from koordrp import flows
 from koordrp.api.cri.v1 import api_pb2 as cri
 from koordrp.cri import translate
 from koordrp.cri.backend import Answer, BackendChannel, Metadata, call_unary
+from koordrp.cri.handoff import Queue, unwoken
 from koordrp.cri.passthrough import relay_status, remaining_timeout
 from koordrp.cri.runtime_lookup import RuntimeLookup
 from koordrp.store import StoredContainer, StoredPod
@@ -137,25 +138,6 @@ _METHODS: dict[str, _Method[Any]] = {
 }
 
 
-Queue = Callable[..., None]
-
-
-def unwoken(reactor: IReactorFromThreads) -> Queue:
-    """What queues work for the reactor from another thread without waking it: Twisted's ``callFromThread``
-    without its wake-up. The next ``callFromThread`` wakes the reactor, which runs everything queued, in
-    order. (A reactor whose ``callFromThread`` is not Twisted's own, asyncio's, is woken.)
-    """
-    own: object = getattr(type(reactor), "callFromThread", None)
-    if own is not ReactorBase.callFromThread:
-        return reactor.callFromThread
-    queue: list[tuple[Callable[..., object], tuple[object, ...], dict[str, object]]] = getattr(reactor, "threadCallQueue")
-
-    def queued(work: Callable[..., object], *args: object) -> None:
-        queue.append((work, args, {}))
-
-    return queued
-
-
 class _Exchange:
     """One intercepted call between its grpc worker and the reactor.
 
@@ -163,14 +145,17 @@ class _Exchange:
     sooner, from grpc's thread as the runtime answers the forward (``Call.forward``: that answer is
     the caller's), whichever is first. The worker queues the runtime's answer for the reactor before
     it answers the caller, so that the flow's bookkeeping runs before kubelet's next call, without
-    waking the reactor: grpc reports the RPC's end (``end_reported``) once the worker has answered,
-    and that wakes it, once for all of the call's part. (An end reported before, the caller gone or
-    its deadline past, has woken the reactor already: the answer is then handed over with a wake.)
+    waking the reactor. grpc reports the RPC's end (``end_reported``) once the worker has answered:
+    it is queued after the answer, and the reactor is woken for all of the call's part a moment
+    later (``later``), when kubelet has had the time to take its answer. (An end reported before,
+    the caller gone or its deadline past, wakes the reactor at once, to give up what the flow waits
+    for: a runtime's answer that comes after is handed over with a wake.)
     """
 
-    def __init__(self, reactor: IReactorFromThreads, unwoken: Queue) -> None:
+    def __init__(self, reactor: IReactorFromThreads, unwoken: Queue, later: Queue) -> None:
         self._reactor = reactor
         self._unwoken = unwoken
+        self._later = later
         self.call: Call[CRIReply] | None = None
         self.outcome: adapters.Outcome[CRIReply] = adapters.CALLER_GONE
         self._offered = threading.Lock()
@@ -178,6 +163,8 @@ class _Exchange:
         self._runtime_answered = False
         self._end_reported = False
         self._rpc_over = False
+        self._worker_done = False
+        """The worker has its outcome, or has stopped waiting for it: what the caller gets is decided."""
         self._settle: Callable[[], None] | None = None
         # Held until the outcome is known: the cheapest hand-off to a waiting thread.
         self._known = threading.Lock()
@@ -225,16 +212,20 @@ class _Exchange:
                 self._settled = True  # what comes from now on goes to the reactor where it comes
             settle, self._settle = self._settle, None
             woken = self._end_reported
+            self._worker_done = True
         if settle is not None:
             (self._reactor.callFromThread if woken else self._unwoken)(settle)
         return known
 
     def end_reported(self) -> None:
-        """On grpc's thread, once the RPC is over (answered, cancelled, past its deadline): the reactor is woken
-        for the call's end (``rpc_ended``), after what was queued for it."""
+        """On grpc's thread, once the RPC is over (answered, cancelled, past its deadline): the reactor hears of it
+        (``rpc_ended``), after what was queued for it. A moment later once the worker has its outcome, since nothing
+        in the call's end is kubelet's business then; at once before, since the flow must give up what it waits for.
+        """
         with self._offered:
             self._end_reported = True
-        self._reactor.callFromThread(self.rpc_ended)
+            decided = self._worker_done
+        (self._later if decided else self._reactor.callFromThread)(self.rpc_ended)
 
     def rpc_ended(self) -> None:
         """On the reactor, once grpc says the RPC is over: an unfinished flow is given up, then the call ends.
@@ -323,10 +314,12 @@ class Interceptor:
     """Handlers for the CRI methods that have hooks or change the store."""
 
     def __init__(
-        self, reactor: IReactorFromThreads, backend: BackendChannel, parts: Parts, lookup: RuntimeLookup
+        self, reactor: IReactorFromThreads, backend: BackendChannel, parts: Parts, lookup: RuntimeLookup, later: Queue
     ) -> None:
+        """``later`` queues a call's end for the reactor once the caller has its answer (``handoff.Later``)."""
         self.reactor = reactor
         self._unwoken = unwoken(reactor)
+        self._later = later
         self.backend = backend
         self.lookup = lookup
         self._parts = parts
@@ -347,7 +340,7 @@ class Interceptor:
 
         def handle(raw: bytes, context: grpc.ServicerContext) -> bytes:
             timeout = remaining_timeout(context)
-            exchange = _Exchange(self.reactor, self._unwoken)
+            exchange = _Exchange(self.reactor, self._unwoken, self._later)
             backend = CRIBackend(self, path, raw, tuple(context.invocation_metadata()), method.created_id, exchange)
             servers = self._parts.registrations()
             unreadable: str | None = None
@@ -365,7 +358,7 @@ class Interceptor:
             call = Call(self._parts, name, backend, timeout, servers=servers, went_ahead=ahead)
             flow = method.flow(call, request) if unreadable is None else flows.unreadable(call, name, unreadable)
             if ahead:
-                # Queued before the RPC's end is watched: that end, whenever it comes, wakes the reactor for it.
+                # Queued before the RPC's end is watched: that end, whenever it comes, has the reactor woken for it.
                 self._unwoken(exchange.start, call, flow)
             # Asked before a flow that forwards is handed over, so that the worker waits, and lets the reactor have
             # the GIL, as soon as it has handed it; an end that comes before the flow started is kept until it

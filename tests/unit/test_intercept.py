@@ -21,6 +21,7 @@ from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
 from koordrp.cri import translate
 from koordrp.cri.backend import Answer, BackendChannel
 from koordrp import adapters, flows
+from koordrp.cri.handoff import Later
 from koordrp.cri.intercept import _METHODS, CRIReply, Interceptor, _Exchange
 from koordrp.cri.methods import BackendRole
 from koordrp.cri.passthrough import PassThroughHandler
@@ -53,6 +54,20 @@ def create_request_bytes() -> bytes:
     return prefix + b"\x12" + bytes([len(config)]) + config
 
 
+def call_lines(case: SynchronousTestCase) -> list[LogEvent]:
+    """The call lines logged from now until ``case`` ends."""
+    lines: list[LogEvent] = []
+
+    def observe(event: LogEvent) -> None:
+        if event.get("log_namespace") == "koordrp.calls":
+            lines.append(event)
+
+    observer = cast(ILogObserver, observe)
+    globalLogPublisher.addObserver(observer)
+    case.addCleanup(globalLogPublisher.removeObserver, observer)
+    return lines
+
+
 class InterceptTests(TestCase):
     def setUp(self) -> None:
         directory = short_tempdir(self)
@@ -78,7 +93,10 @@ class InterceptTests(TestCase):
         channel = BackendChannel(self.backend.path, lambda change, path: None)
         self.addCleanup(channel.close)
         threads = IReactorFromThreads(reactor)
-        interceptor = Interceptor(threads, channel, parts, RuntimeLookup(threads, lambda: nullcontext(channel.channel)))
+        later = Later.on(threads, 0.001)
+        self.addCleanup(later.close)
+        lookup = RuntimeLookup(threads, lambda: nullcontext(channel.channel))
+        interceptor = Interceptor(threads, channel, parts, lookup, later.queue)
         handler = PassThroughHandler({BackendRole.RUNTIME: channel, BackendRole.IMAGE: channel}, interceptor.handlers)
         # One worker: a call that held it after its caller gave up would keep every other call waiting.
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=1), handlers=[handler])
@@ -128,7 +146,7 @@ class InterceptTests(TestCase):
             finally:
                 answered.set()
 
-        lines = self.call_lines()
+        lines = call_lines(self)
         response = yield deferToThread(create)
         self.assertEqual(cri.CreateContainerResponse.FromString(response).container_id, "created-1")
         self.assertEqual(held, [True])
@@ -157,7 +175,7 @@ class InterceptTests(TestCase):
     def call_to_its_end(self, method: str, request: bytes):  # type: ignore[no-untyped-def]
         """The call's answer, once its flow has ended too (its line is written): the reactor does its part after
         the RPC has ended."""
-        lines = self.call_lines()
+        lines = call_lines(self)
         answer = yield deferToThread(self.call, method, request)
         yield self.wait_for(lines, 1)
         return answer
@@ -179,18 +197,6 @@ class InterceptTests(TestCase):
         stored = self.store.pod("sandbox-1")
         assert stored is not None
         self.assertEqual((stored.asked.resources.cpu_quota, stored.given.resources.cpu_quota), (200000, 200000))
-
-    def call_lines(self) -> "list[LogEvent]":
-        lines: list[LogEvent] = []
-
-        def observe(event: LogEvent) -> None:
-            if event.get("log_namespace") == "koordrp.calls":
-                lines.append(event)
-
-        observer = cast(ILogObserver, observe)
-        globalLogPublisher.addObserver(observer)
-        self.addCleanup(globalLogPublisher.removeObserver, observer)
-        return lines
 
     @inlineCallbacks
     def wait_for(self, lines: "list[LogEvent]", count: int):  # type: ignore[no-untyped-def]
@@ -235,7 +241,7 @@ class InterceptTests(TestCase):
     @inlineCallbacks
     def cancel_a_stop(self):  # type: ignore[no-untyped-def]
         self.backend.slow_call_seconds = 30.0
-        lines = self.call_lines()
+        lines = call_lines(self)
         request = cri.StopContainerRequest(container_id="c-1", timeout=30).SerializeToString()
         stopping = self.client.unary_unary(STOP, request_serializer=None, response_deserializer=None).future(request, timeout=60)
         arrived = yield deferToThread(self.backend.stop_arrived.wait, 5)
@@ -280,16 +286,26 @@ class InterceptTests(TestCase):
 
 
 class QueueingReactor:
-    """The reactor's queue of calls from threads, run when something wakes it (``callFromThread``)."""
+    """The reactor's queue of calls from threads, run when something wakes it: ``callFromThread`` at once, the
+    wake ``later`` asks for once the test says it has come (``wake``)."""
 
     def __init__(self) -> None:
         self.queued: list[tuple[Callable[..., object], tuple[object, ...]]] = []
+        self.wake_coming = False
 
     def queue(self, f: Callable[..., object], *args: object) -> None:
         self.queued.append((f, args))
 
+    def later(self, f: Callable[..., object], *args: object) -> None:
+        self.queue(f, *args)
+        self.wake_coming = True
+
     def callFromThread(self, f: Callable[..., object], *args: object) -> None:
         self.queue(f, *args)
+        self.wake()
+
+    def wake(self) -> None:
+        self.wake_coming = False
         while self.queued:
             queued, queued_args = self.queued.pop(0)
             queued(*queued_args)
@@ -301,7 +317,7 @@ class ExchangeTests(SynchronousTestCase):
         self.answer = Answer(grpc.StatusCode.OK, b"answered")
 
     def exchange(self) -> _Exchange:
-        return _Exchange(cast(IReactorFromThreads, self.reactor), self.reactor.queue)
+        return _Exchange(cast(IReactorFromThreads, self.reactor), self.reactor.queue, self.reactor.later)
 
     def test_an_rpc_over_before_its_flow_started_ends_the_call_as_it_starts(self) -> None:
         # grpc may say the RPC is over (kubelet gone) before the reactor started its flow.
@@ -315,7 +331,7 @@ class ExchangeTests(SynchronousTestCase):
         self.assertTrue(exchange.wait(0))
         self.assertEqual(runtime.cancelled, 1)  # the runtime's call, made as the flow started, is given up
 
-    def test_the_worker_queues_the_runtimes_answer_for_the_reactor_which_the_rpcs_end_wakes(self) -> None:
+    def test_the_worker_queues_the_runtimes_answer_for_the_reactor_woken_a_moment_after_the_rpcs_end(self) -> None:
         exchange, settled = self.exchange(), cast(list[str], [])
         exchange.runtime_answered(self.answer, lambda: settled.append("settled"))
         self.assertEqual(self.reactor.queued, [])  # grpc's thread leaves it to the worker it woke
@@ -323,6 +339,8 @@ class ExchangeTests(SynchronousTestCase):
         self.assertEqual(exchange.outcome, CRIReply(self.answer))
         self.assertEqual(settled, [])  # queued, the reactor not woken
         exchange.end_reported()
+        self.assertEqual((settled, self.reactor.wake_coming), ([], True))  # kubelet takes its answer meanwhile
+        self.reactor.wake()
         self.assertEqual(settled, ["settled"])
 
     def test_an_end_reported_before_the_worker_took_the_answer_has_it_handed_over_with_a_wake(self) -> None:
@@ -330,7 +348,18 @@ class ExchangeTests(SynchronousTestCase):
         exchange.end_reported()  # kubelet went as the runtime answered
         exchange.runtime_answered(self.answer, lambda: settled.append("settled"))
         self.assertTrue(exchange.wait(None))
-        self.assertEqual(settled, ["settled"])
+        self.assertEqual((settled, self.reactor.wake_coming), (["settled"], False))
+
+    def test_an_end_reported_while_the_worker_waits_wakes_the_reactor_at_once_to_give_the_flow_up(self) -> None:
+        runtime = RecordingRuntime(answering=Deferred())
+        parts = Parts(Store(), ScriptedStages(), HookServers, SkipLabel("skip", "true"), Clock())
+        call: Call[Reply] = Call(parts, "StopContainer", runtime)
+        exchange = self.exchange()
+        exchange.start(cast(Any, call), cast(Any, flows.stop_container(call, "c-1")))
+        exchange.end_reported()  # kubelet went while the runtime stops it
+        self.assertEqual((runtime.cancelled, self.reactor.wake_coming), (1, False))
+        self.assertTrue(exchange.wait(None))
+        self.assertIs(exchange.outcome, adapters.CALLER_GONE)
 
     def test_an_answer_nobody_waits_for_goes_to_the_reactor_where_it_comes(self) -> None:
         waited_too_long, settled = self.exchange(), cast(list[str], [])
@@ -358,12 +387,15 @@ class ExchangeTests(SynchronousTestCase):
         answering = runtime.answering
         assert answering is not None
         exchange.runtime_answered(self.answer, lambda: answering.callback(None))
+        lines = call_lines(self)
         exchange.end_reported()
         self.assertTrue(exchange.wait(None))
         self.assertEqual(runtime.cancelled, 0)
         stored = store.container("c-1")
         assert stored is not None
         self.assertEqual(stored.asked.container_resources.cpu_shares, 512)
+        # The call's end came first, and the flow was over after it: the call still ends, once.
+        self.assertEqual([line["outcome"] for line in lines], ["OK"])
 
 
 class MethodTableTests(SynchronousTestCase):
