@@ -433,7 +433,7 @@ def main() -> None:
             for label, _, twistd in (other.partition("=") for other in args.other)
         ]
         others += [
-            (label, OtherKoordrp(base / f"other-{label}", containerd.endpoint, environ={"PYTHONPATH": checkout}))
+            (label, OtherKoordrp(base / f"other-{label}", containerd.endpoint, environ=checkout_first(checkout)))
             for label, _, checkout in (other.partition("=") for other in args.other_checkout)
         ]
         for label, other in others:
@@ -451,6 +451,14 @@ def main() -> None:
         measure(args, containerd.runtime(), minimal, koordrps, echo_servers, base / "logs")
         if args.nri_pods:
             nri_starts.measure(base / "nri", args.nri_pods)
+
+
+def checkout_first(checkout: str) -> dict[str, str]:
+    """The environment in which this virtualenv's twistd runs the koordrp of ``checkout`` (a directory)."""
+    directory = Path(checkout).resolve()
+    if not (directory / "koordrp" / "__init__.py").is_file():
+        raise SystemExit(f"--other-checkout: {directory} is not a koordrp checkout")
+    return {"PYTHONPATH": os.pathsep.join([str(directory), *filter(None, [os.environ.get("PYTHONPATH")])])}
 
 
 class OtherKoordrp(KoordrpProcess):

@@ -53,13 +53,16 @@ class _Itimerspec(ctypes.Structure):
 
 class TimerFD:
     """A Linux timerfd that expires once, ``seconds`` after each ``arm``, and is readable from then until
-    ``clear``. Python 3.11's ``os`` has no timerfd functions: libc's are called through ctypes, which lets
-    go of the GIL for them."""
+    ``clear``. Python 3.11's ``os`` has no timerfd functions: libc's are called through ctypes."""
 
     def __init__(self, seconds: float) -> None:
-        """OSError: the kernel or libc has no timerfd."""
+        """OSError: the kernel or libc has no timerfd. ``seconds`` must be more than 0 (0 would disarm it)."""
+        if not seconds > 0:
+            raise ValueError(f"a timerfd expires after more than 0 seconds, not {seconds}")
         try:
-            libc = ctypes.CDLL(None, use_errno=True)
+            # PyDLL keeps the GIL: taking it back after a system call of a microsecond could cost grpc's
+            # thread a switch interval.
+            libc = ctypes.PyDLL(None, use_errno=True)
             create, self._settime = libc.timerfd_create, libc.timerfd_settime
         except (OSError, AttributeError) as error:
             raise OSError(f"libc has no timerfd: {error}") from None
@@ -85,6 +88,10 @@ class TimerFD:
 
     def close(self) -> None:
         os.close(self._descriptor)
+
+
+def _nothing() -> None:
+    pass
 
 
 def _raise_errno(what: str) -> NoReturn:
@@ -143,38 +150,57 @@ class Later:
 
     def queue(self, work: Callable[..., object], *args: object) -> None:
         """From any thread: ``work(*args)`` runs on the reactor within the timer's time."""
-        timer = self._timer
-        if timer is None:
-            self._reactor.callFromThread(work, *args)
-            return
-        self._unwoken(work, *args)
         with self._arming:
-            if self._armed:
-                return  # its wake is coming: it runs what was queued before it, this too
-            self._armed = True
-        timer.arm()
+            timer = self._timer
+            if timer is not None:
+                self._unwoken(work, *args)
+                if self._armed:
+                    return  # its wake is coming: it runs what was queued before it, this too
+                try:
+                    timer.arm()
+                except OSError as error:
+                    self._reactor.callFromThread(self._arming_failed, error)  # runs the work too
+                    return
+                self._armed = True
+                return
+        self._reactor.callFromThread(work, *args)
+
+    def _arming_failed(self, error: OSError) -> None:
+        if self._timer is not None:  # said once
+            self.log.warn(
+                "cannot arm the CRI calls' timer ({reason}): the reactor is woken for each call's end as it comes",
+                reason=error,
+            )
+        self.close()
 
     def close(self) -> None:
-        """On the reactor: no more timer; what is queued runs with the reactor's next wake."""
-        timer, self._timer = self._timer, None
-        if timer is not None:
-            IReactorFDSet(self._reactor).removeReader(self)
-            timer.close()
+        """On the reactor: no more timer; what is queued is run at the reactor's next turn."""
+        with self._arming:
+            timer, self._timer = self._timer, None
+            waiting, self._armed = self._armed, False
+        if timer is None:
+            return
+        IReactorFDSet(self._reactor).removeReader(self)
+        timer.close()
+        if waiting:
+            self._reactor.callFromThread(_nothing)  # the wake the timer owed
 
     # IReadDescriptor: the timer expired. The reactor runs what is queued right after.
 
     def fileno(self) -> int:
-        return -1 if self._timer is None else self._timer.fileno()
+        timer = self._timer
+        return -1 if timer is None else timer.fileno()
 
     def doRead(self) -> None:
-        timer = self._timer
-        if timer is not None:
-            timer.clear()
         with self._arming:
+            timer = self._timer
             self._armed = False
+            if timer is not None:
+                timer.clear()
 
     def connectionLost(self, reason: Failure) -> None:
-        """The reactor let go of the timer (at its end): nothing to do."""
+        """The reactor let go of the timer (an error reading it, or its end): work wakes it at once from now on."""
+        self.close()
 
     def logPrefix(self) -> str:
         return "Later"

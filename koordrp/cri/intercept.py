@@ -203,7 +203,8 @@ class _Exchange:
     def wait(self, timeout: float | None) -> bool:
         """In the worker: whether the outcome came within ``timeout`` seconds (None: however long it takes).
 
-        The runtime's answer, if it is the outcome, is queued for the reactor on the way out.
+        The runtime's answer, if it is the outcome, is queued for the reactor on the way out, before an end
+        reported from then on can be.
         """
         known = self._known.acquire(timeout=-1 if timeout is None else timeout)
         with self._offered:
@@ -211,10 +212,9 @@ class _Exchange:
                 known = self._known.acquire(blocking=False)  # offered just now
                 self._settled = True  # what comes from now on goes to the reactor where it comes
             settle, self._settle = self._settle, None
-            woken = self._end_reported
+            if settle is not None:
+                (self._reactor.callFromThread if self._end_reported else self._unwoken)(settle)
             self._worker_done = True
-        if settle is not None:
-            (self._reactor.callFromThread if woken else self._unwoken)(settle)
         return known
 
     def end_reported(self) -> None:

@@ -286,11 +286,12 @@ class InterceptTests(TestCase):
 
 
 class QueueingReactor:
-    """The reactor's queue of calls from threads, run when something wakes it: ``callFromThread`` at once, the
-    wake ``later`` asks for once the test says it has come (``wake``)."""
+    """The reactor's queue of calls from threads, and the wakes asked for it: at once (``callFromThread``), a
+    moment later (``later``), or none (``queue``). What is queued runs when the test turns the reactor."""
 
     def __init__(self) -> None:
         self.queued: list[tuple[Callable[..., object], tuple[object, ...]]] = []
+        self.woken = False
         self.wake_coming = False
 
     def queue(self, f: Callable[..., object], *args: object) -> None:
@@ -302,10 +303,11 @@ class QueueingReactor:
 
     def callFromThread(self, f: Callable[..., object], *args: object) -> None:
         self.queue(f, *args)
-        self.wake()
+        self.woken = True
 
-    def wake(self) -> None:
-        self.wake_coming = False
+    def turn(self) -> None:
+        """The reactor runs everything queued, in order."""
+        self.woken = self.wake_coming = False
         while self.queued:
             queued, queued_args = self.queued.pop(0)
             queued(*queued_args)
@@ -335,20 +337,24 @@ class ExchangeTests(SynchronousTestCase):
         exchange, settled = self.exchange(), cast(list[str], [])
         exchange.runtime_answered(self.answer, lambda: settled.append("settled"))
         self.assertEqual(self.reactor.queued, [])  # grpc's thread leaves it to the worker it woke
-        self.assertTrue(exchange.wait(None))
+        self.assertTrue(exchange.wait(0))
         self.assertEqual(exchange.outcome, CRIReply(self.answer))
-        self.assertEqual(settled, [])  # queued, the reactor not woken
+        self.assertEqual((len(self.reactor.queued), self.reactor.woken), (1, False))  # queued, the reactor not woken
         exchange.end_reported()
-        self.assertEqual((settled, self.reactor.wake_coming), ([], True))  # kubelet takes its answer meanwhile
-        self.reactor.wake()
+        # After the answer, and no wake yet: kubelet takes its answer meanwhile.
+        self.assertEqual((len(self.reactor.queued), self.reactor.woken, self.reactor.wake_coming), (2, False, True))
+        self.reactor.turn()
         self.assertEqual(settled, ["settled"])
 
     def test_an_end_reported_before_the_worker_took_the_answer_has_it_handed_over_with_a_wake(self) -> None:
         exchange, settled = self.exchange(), cast(list[str], [])
         exchange.end_reported()  # kubelet went as the runtime answered
+        self.reactor.turn()
         exchange.runtime_answered(self.answer, lambda: settled.append("settled"))
-        self.assertTrue(exchange.wait(None))
-        self.assertEqual((settled, self.reactor.wake_coming), (["settled"], False))
+        self.assertTrue(exchange.wait(0))
+        self.assertEqual((self.reactor.woken, self.reactor.wake_coming), (True, False))
+        self.reactor.turn()
+        self.assertEqual(settled, ["settled"])
 
     def test_an_end_reported_while_the_worker_waits_wakes_the_reactor_at_once_to_give_the_flow_up(self) -> None:
         runtime = RecordingRuntime(answering=Deferred())
@@ -357,8 +363,10 @@ class ExchangeTests(SynchronousTestCase):
         exchange = self.exchange()
         exchange.start(cast(Any, call), cast(Any, flows.stop_container(call, "c-1")))
         exchange.end_reported()  # kubelet went while the runtime stops it
-        self.assertEqual((runtime.cancelled, self.reactor.wake_coming), (1, False))
-        self.assertTrue(exchange.wait(None))
+        self.assertEqual((self.reactor.woken, self.reactor.wake_coming), (True, False))
+        self.reactor.turn()
+        self.assertEqual(runtime.cancelled, 1)
+        self.assertTrue(exchange.wait(0))
         self.assertIs(exchange.outcome, adapters.CALLER_GONE)
 
     def test_an_answer_nobody_waits_for_goes_to_the_reactor_where_it_comes(self) -> None:
@@ -368,6 +376,8 @@ class ExchangeTests(SynchronousTestCase):
         answered_already = self.exchange()
         answered_already.offer(adapters.CALLER_GONE)
         answered_already.runtime_answered(self.answer, lambda: settled.append("after the flow's outcome"))
+        self.assertTrue(self.reactor.woken)
+        self.reactor.turn()
         self.assertEqual(settled, ["after the worker gave up", "after the flow's outcome"])
         self.assertIs(answered_already.outcome, adapters.CALLER_GONE)
 
@@ -389,7 +399,8 @@ class ExchangeTests(SynchronousTestCase):
         exchange.runtime_answered(self.answer, lambda: answering.callback(None))
         lines = call_lines(self)
         exchange.end_reported()
-        self.assertTrue(exchange.wait(None))
+        self.assertTrue(exchange.wait(0))
+        self.reactor.turn()  # the RPC's end, then the runtime's answer
         self.assertEqual(runtime.cancelled, 0)
         stored = store.container("c-1")
         assert stored is not None
