@@ -182,6 +182,7 @@ class Call(Generic[AnyReply]):
         self._outcome: Outcome[AnyReply] | None = None
         self._ended = False
         self._seconds = 0.0
+        self._decided_at: float | None = None
         self._late_updates = late
         self._late: LateCall | None = None
         self._late_at = 0
@@ -215,10 +216,14 @@ class Call(Generic[AnyReply]):
             self._applying_late.cancel()
         self._answered(CALLER_GONE)
 
-    def ended(self) -> None:
-        """The answer has left (or nobody is left to take it)."""
+    def ended(self, decided_at: float | None = None) -> None:
+        """The answer has left (or nobody is left to take it). ``decided_at``: when the front end had the caller's
+        answer, if that may come before the flow has it (CRI: the worker, before the reactor is woken); the call's
+        duration ends there."""
         if not self._ended:
             self._ended = True
+            if decided_at is not None:
+                self._decided_at = decided_at
             self._finish_if_over()
 
     def remaining(self) -> float | None:
@@ -265,6 +270,8 @@ class Call(Generic[AnyReply]):
         if self._outcome is None or not self._ended or not self._flow_over or self._applying_late is not None:
             return
         outcome = outcome_label(self._outcome)
+        if self._decided_at is not None:
+            self._seconds = min(self._seconds, self._decided_at - self._started)
         dispatcher = self._parts.dispatcher
         if self.posts:
             dispatcher.announce(self.posts)

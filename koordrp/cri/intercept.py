@@ -22,7 +22,7 @@ from typing import Any, Awaitable, Callable, Coroutine, Generic, NoReturn, TypeV
 import grpc
 from google.protobuf.message import DecodeError
 from twisted.internet.defer import Deferred
-from twisted.internet.interfaces import IReactorFromThreads
+from twisted.internet.interfaces import IReactorFromThreads, IReactorTime
 
 from koordrp import adapters
 from koordrp.call import Call, Parts
@@ -152,10 +152,11 @@ class _Exchange:
     for: a runtime's answer that comes after is handed over with a wake.)
     """
 
-    def __init__(self, reactor: IReactorFromThreads, unwoken: Queue, later: Queue) -> None:
+    def __init__(self, reactor: IReactorFromThreads, unwoken: Queue, later: Queue, clock: IReactorTime) -> None:
         self._reactor = reactor
         self._unwoken = unwoken
         self._later = later
+        self._clock = clock
         self.call: Call[CRIReply] | None = None
         self.outcome: adapters.Outcome[CRIReply] = adapters.CALLER_GONE
         self._offered = threading.Lock()
@@ -165,6 +166,8 @@ class _Exchange:
         self._rpc_over = False
         self._worker_done = False
         """The worker has its outcome, or has stopped waiting for it: what the caller gets is decided."""
+        self._decided_at: float | None = None
+        """When the worker had its outcome: where the call's duration ends (its flow may have it later)."""
         self._settle: Callable[[], None] | None = None
         # Held until the outcome is known: the cheapest hand-off to a waiting thread.
         self._known = threading.Lock()
@@ -211,6 +214,8 @@ class _Exchange:
             if not known:
                 known = self._known.acquire(blocking=False)  # offered just now
                 self._settled = True  # what comes from now on goes to the reactor where it comes
+            if known:
+                self._decided_at = self._clock.seconds()
             settle, self._settle = self._settle, None
             if settle is not None:
                 (self._reactor.callFromThread if self._end_reported else self._unwoken)(settle)
@@ -238,10 +243,10 @@ class _Exchange:
             self._rpc_over = True
             return
         with self._offered:
-            answered = self._runtime_answered
+            answered, decided_at = self._runtime_answered, self._decided_at
         if not answered:
             call.cancel()  # the outcome is known from here on
-        call.ended()
+        call.ended(decided_at)
 
 
 class CRIBackend:
@@ -340,7 +345,7 @@ class Interceptor:
 
         def handle(raw: bytes, context: grpc.ServicerContext) -> bytes:
             timeout = remaining_timeout(context)
-            exchange = _Exchange(self.reactor, self._unwoken, self._later)
+            exchange = _Exchange(self.reactor, self._unwoken, self._later, self._parts.clock)
             backend = CRIBackend(self, path, raw, tuple(context.invocation_metadata()), method.created_id, exchange)
             servers = self._parts.registrations()
             unreadable: str | None = None

@@ -316,10 +316,11 @@ class QueueingReactor:
 class ExchangeTests(SynchronousTestCase):
     def setUp(self) -> None:
         self.reactor = QueueingReactor()
+        self.clock = Clock()
         self.answer = Answer(grpc.StatusCode.OK, b"answered")
 
     def exchange(self) -> _Exchange:
-        return _Exchange(cast(IReactorFromThreads, self.reactor), self.reactor.queue, self.reactor.later)
+        return _Exchange(cast(IReactorFromThreads, self.reactor), self.reactor.queue, self.reactor.later, self.clock)
 
     def test_an_rpc_over_before_its_flow_started_ends_the_call_as_it_starts(self) -> None:
         # grpc may say the RPC is over (kubelet gone) before the reactor started its flow.
@@ -381,13 +382,36 @@ class ExchangeTests(SynchronousTestCase):
         self.assertEqual(settled, ["after the worker gave up", "after the flow's outcome"])
         self.assertIs(answered_already.outcome, adapters.CALLER_GONE)
 
-    def test_a_flow_the_runtime_answered_is_not_given_up_when_the_rpc_ends_first(self) -> None:
-        # kubelet went just as the runtime answered an update: the runtime did it, so the store learns it.
+    def test_a_calls_duration_ends_when_the_worker_had_the_runtimes_answer_not_when_the_reactor_woke(self) -> None:
+        store = self.store_with_a_container()
+        runtime = RecordingRuntime(answering=Deferred())
+        parts = Parts(store, ScriptedStages(), HookServers, SkipLabel("skip", "true"), self.clock)
+        call: Call[Reply] = Call(parts, "UpdateContainerResources", runtime, went_ahead=True)
+        update = cri.UpdateContainerResourcesRequest(container_id="c-1", linux=cri.LinuxContainerResources(cpu_shares=512))
+        exchange = self.exchange()
+        exchange.start(cast(Any, call), cast(Any, flows.update_container_resources(call, translate.UpdateContainerResources(update))))
+        answering = runtime.answering
+        assert answering is not None
+        lines = call_lines(self)
+        self.clock.advance(0.012)  # the runtime updates the container
+        exchange.runtime_answered(self.answer, lambda: answering.callback(None))
+        self.assertTrue(exchange.wait(0))
+        exchange.end_reported()
+        self.clock.advance(0.001)  # the reactor's wake comes a moment later
+        self.reactor.turn()
+        self.assertEqual([(line["outcome"], line["duration_ms"]) for line in lines], [("OK", 12.0)])
+
+    def store_with_a_container(self) -> Store:
         store = Store()
         pod = PodHookRequest(pod_meta=hook.PodSandboxMetadata(name="p", uid="u"))
         store.put_pod("sandbox-1", pod, pod)
         container = ContainerHookRequest(container_meta=hook.ContainerMetadata(name="app", id="c-1"))
         store.put_container("c-1", "sandbox-1", container, container)
+        return store
+
+    def test_a_flow_the_runtime_answered_is_not_given_up_when_the_rpc_ends_first(self) -> None:
+        # kubelet went just as the runtime answered an update: the runtime did it, so the store learns it.
+        store = self.store_with_a_container()
         runtime = RecordingRuntime(answering=Deferred())
         parts = Parts(store, ScriptedStages(), HookServers, SkipLabel("skip", "true"), Clock())
         call: Call[Reply] = Call(parts, "UpdateContainerResources", runtime)
