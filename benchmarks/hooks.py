@@ -455,6 +455,8 @@ def main() -> None:
 
 def checkout_first(checkout: str) -> dict[str, str]:
     """The environment in which this virtualenv's twistd runs the koordrp of ``checkout`` (a directory)."""
+    if not checkout:
+        raise SystemExit("--other-checkout: give LABEL=DIR")
     directory = Path(checkout).resolve()
     if not (directory / "koordrp" / "__init__.py").is_file():
         raise SystemExit(f"--other-checkout: {directory} is not a koordrp checkout")

@@ -56,9 +56,11 @@ class TimerFD:
     ``clear``. Python 3.11's ``os`` has no timerfd functions: libc's are called through ctypes."""
 
     def __init__(self, seconds: float) -> None:
-        """OSError: the kernel or libc has no timerfd. ``seconds`` must be more than 0 (0 would disarm it)."""
-        if not seconds > 0:
-            raise ValueError(f"a timerfd expires after more than 0 seconds, not {seconds}")
+        """OSError: the kernel or libc has no timerfd. ``seconds`` must be a nanosecond or more (0 would disarm it)."""
+        whole = int(seconds) if seconds > 0 else 0
+        nanoseconds = int((seconds - whole) * 1e9) if seconds > 0 else 0
+        if whole == 0 and nanoseconds == 0:
+            raise ValueError(f"a timerfd expires after a nanosecond or more, not {seconds} seconds")
         try:
             # PyDLL keeps the GIL: taking it back after a system call of a microsecond could cost grpc's
             # thread a switch interval.
@@ -70,8 +72,7 @@ class TimerFD:
         if descriptor < 0:
             _raise_errno("timerfd_create")
         self._descriptor = descriptor
-        whole = int(seconds)
-        self._once = _Itimerspec(_Timespec(0, 0), _Timespec(whole, int((seconds - whole) * 1e9)))
+        self._once = _Itimerspec(_Timespec(0, 0), _Timespec(whole, nanoseconds))
 
     def fileno(self) -> int:
         return self._descriptor

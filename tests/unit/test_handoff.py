@@ -197,7 +197,8 @@ class LaterWithoutATimerTests(SynchronousTestCase):
 
 class TimerFDTests(SynchronousTestCase):
     def test_it_must_expire_after_some_time(self) -> None:
-        self.assertRaises(ValueError, TimerFD, 0)
+        for seconds in (0, 1e-10, -1):
+            self.assertRaises(ValueError, TimerFD, seconds)
 
     def test_it_is_readable_once_it_expires_and_not_once_cleared(self) -> None:
         timer = TimerFD(0.001)

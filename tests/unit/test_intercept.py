@@ -313,6 +313,23 @@ class QueueingReactor:
             queued(*queued_args)
 
 
+class EndReportedOnRelease:
+    """An exchange's lock, whose first release has grpc's thread report the RPC's end just then."""
+
+    def __init__(self, exchange: _Exchange) -> None:
+        self._lock = threading.Lock()
+        self._exchange: _Exchange | None = exchange
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+
+    def __exit__(self, *exception: object) -> None:
+        self._lock.release()
+        exchange, self._exchange = self._exchange, None
+        if exchange is not None:
+            exchange.end_reported()
+
+
 class ExchangeTests(SynchronousTestCase):
     def setUp(self) -> None:
         self.reactor = QueueingReactor()
@@ -346,6 +363,18 @@ class ExchangeTests(SynchronousTestCase):
         self.assertEqual((len(self.reactor.queued), self.reactor.woken, self.reactor.wake_coming), (2, False, True))
         self.reactor.turn()
         self.assertEqual(settled, ["settled"])
+
+    def test_an_end_reported_as_the_worker_lets_go_comes_after_the_runtimes_answer(self) -> None:
+        exchange = self.exchange()
+
+        def settle() -> None:
+            pass
+
+        exchange.runtime_answered(self.answer, settle)
+        offered = EndReportedOnRelease(exchange)
+        exchange._offered = offered  # type: ignore[assignment]
+        self.assertTrue(exchange.wait(0))  # grpc's thread reports the end as soon as the worker lets go
+        self.assertEqual([work for work, _ in self.reactor.queued], [settle, exchange.rpc_ended])
 
     def test_an_end_reported_before_the_worker_took_the_answer_has_it_handed_over_with_a_wake(self) -> None:
         exchange, settled = self.exchange(), cast(list[str], [])
