@@ -2,11 +2,10 @@
 server silenced by its budget, tried again by a real call after a pause that doubles, never asked twice;
 its post hooks, skipped only once it let its own timeout pass; a call kept past the budget for a late answer."""
 
-from typing import cast
 
 from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
-from twisted.logger import ILogObserver, LogEvent, LogLevel, globalLogPublisher
+from twisted.logger import LogEvent, LogLevel
 from twisted.trial.unittest import SynchronousTestCase
 
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
@@ -16,6 +15,7 @@ from koordrp.hooks.dispatcher import Dispatcher
 from koordrp.hooks.types import ERROR, LATE, NOT_ANSWERING, OK, TIMEOUT, FailurePolicy, HookServerConfig, HookType, PostStage, StageOutcome
 from koordrp.metrics import Metrics
 from tests.fake.hook_clients import calls_to, scripted_clients
+from tests.support.logs import logged_events
 
 CREATE = HookType.PRE_CREATE_CONTAINER
 SLOW = HookServerConfig("slow.json", "/run/slow.sock", FailurePolicy.IGNORE, frozenset(HookType), 10.0)
@@ -25,10 +25,7 @@ BUDGET = 1.9  # containerd's 2 s less koordrp's margin
 
 class Logged(SynchronousTestCase):
     def setUp(self) -> None:
-        self.events: list[LogEvent] = []
-        observer = cast(ILogObserver, self.events.append)
-        globalLogPublisher.addObserver(observer)
-        self.addCleanup(globalLogPublisher.removeObserver, observer)
+        self.events = logged_events(self)
 
     def lines(self, level: LogLevel, text: str) -> list[LogEvent]:
         return [e for e in self.events if e.get("log_level") is level and text in e.get("log_format", "")]

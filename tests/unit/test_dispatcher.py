@@ -2,12 +2,11 @@
 
 import os
 import socket
-from typing import cast
 
 import grpc
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred, fail, inlineCallbacks
-from twisted.logger import ILogObserver, LogEvent, LogLevel, globalLogPublisher
+from twisted.logger import LogLevel
 from twisted.trial.unittest import TestCase
 
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
@@ -16,6 +15,7 @@ from koordrp.hooks.dispatcher import Dispatcher
 from koordrp.hooks.types import FailurePolicy, HookServerConfig, HookType, PostStage
 from koordrp.metrics import Metrics
 from tests.fake.hook_server import FakeHookServer
+from tests.support.logs import logged_events
 from tests.support.tempdirs import short_tempdir
 from tests.support.waiting import until
 
@@ -36,10 +36,7 @@ class DispatcherTests(TestCase):
         self.addCleanup(self.clients.close_all)
         self.dispatcher = Dispatcher(self.clients, reactor)
         self.addCleanup(self.dispatcher.close)  # ends the questions to servers that stopped answering
-        self.events: list[LogEvent] = []
-        observer = cast(ILogObserver, self.events.append)
-        globalLogPublisher.addObserver(observer)
-        self.addCleanup(globalLogPublisher.removeObserver, observer)
+        self.events = logged_events(self)
 
     def server(self, name: str) -> FakeHookServer:
         fake = FakeHookServer(os.path.join(self.dir, name + ".sock")).start()

@@ -5,14 +5,14 @@ Docker mode service on the real reactor, with a real client on its own socket.
 """
 
 import os
-from typing import Any, cast
+from typing import Any
 
 from twisted.internet import reactor
 from twisted.internet.defer import CancelledError, Deferred, inlineCallbacks
 from twisted.internet.interfaces import IReactorUNIX
 from twisted.internet.protocol import ClientFactory, Factory, Protocol
 from twisted.internet.task import Clock
-from twisted.logger import ILogObserver, LogEvent, globalLogPublisher
+from twisted.logger import LogEvent
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 from twisted.web.server import NOT_DONE_YET
@@ -30,6 +30,7 @@ from koordrp.metrics import Metrics
 from koordrp.store import Store
 from koordrp.trouble import RETRY_CAP_SECONDS, RETRY_SECONDS, Backoff
 from koordrp.web import HealthResource
+from tests.support.logs import logged_events
 from tests.support.tempdirs import short_tempdir
 from tests.support.waiting import until
 
@@ -101,10 +102,7 @@ class DockerModeTestCase(TestCase):
         asked = Dockerd(unix, path, question_seconds, probe_seconds, driver_backoff=driver_backoff)
         settings = DockerProxySettings(self.listen, path, grace_period=grace_period)
         self.service = DockerProxyService(settings, unix, parts, asked)
-        self.events: list[LogEvent] = []
-        observer = cast(ILogObserver, self.events.append)
-        globalLogPublisher.addObserver(observer)
-        self.addCleanup(globalLogPublisher.removeObserver, observer)
+        self.events = logged_events(self)
 
     def start(self) -> None:
         self.service.startService()
@@ -176,10 +174,7 @@ class CgroupDriverTests(SynchronousTestCase):
         self.cancelled = 0
         self.metrics = Metrics()
         self.driver = CgroupDriver(self.ask, self.clock)
-        self.events: list[LogEvent] = []
-        observer = cast(ILogObserver, self.events.append)
-        globalLogPublisher.addObserver(observer)
-        self.addCleanup(globalLogPublisher.removeObserver, observer)
+        self.events = logged_events(self)
 
     def ask(self) -> "Deferred[str]":
         question: Deferred[str] = Deferred(lambda _: self.cancel())

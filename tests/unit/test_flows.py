@@ -8,11 +8,11 @@ Rules that only involve ids run once. The stages and the runtime are fakes that 
 
 import json
 from dataclasses import replace
-from typing import Any, Callable, Coroutine, Sequence, cast
+from typing import Any, Callable, Coroutine, Sequence
 
 from twisted.internet.defer import CancelledError, Deferred, ensureDeferred
 from twisted.internet.task import Clock
-from twisted.logger import ILogObserver, LogEvent, LogLevel, formatEvent, globalLogPublisher
+from twisted.logger import LogEvent, LogLevel, formatEvent
 from twisted.trial.unittest import SynchronousTestCase
 
 from koordrp import adapters
@@ -33,6 +33,7 @@ from koordrp.hooks.types import NOT_ANSWERING, NOT_MADE, SKIPPED, UNREADABLE, Fa
 from koordrp.checkpoint import Kind, NoCheckpoint, Parsed, StateUnreadable
 from koordrp.store import ContainerState, Store, StoredContainer, StoredPod
 from tests.fake.flows import RecordingRuntime, Reply, ScriptedStages
+from tests.support.logs import logged_events
 
 SKIP = SkipLabel("runtimeproxy.koordinator.sh/skip-hookserver", "true")
 POD_PARENT = "/kubepods/pod-1"
@@ -225,10 +226,7 @@ class FlowTestCase(SynchronousTestCase):
         self.clock = Clock()
         self.parts = Parts(self.store, self.stages, lambda: self.servers, SKIP, self.clock)
         self.calls: list[Call[Reply]] = []
-        self.events: list[LogEvent] = []
-        observer = cast(ILogObserver, self.events.append)
-        globalLogPublisher.addObserver(observer)
-        self.addCleanup(globalLogPublisher.removeObserver, observer)
+        self.events = logged_events(self)
 
     def call_lines(self) -> list[LogEvent]:
         return [event for event in self.events if event.get("log_namespace") == "koordrp.calls"]

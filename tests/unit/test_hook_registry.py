@@ -6,12 +6,12 @@ import shutil
 import socket
 import stat
 import time
-from typing import Any, Callable, cast
+from typing import Any, Callable
 
 from twisted.internet import reactor as _global_reactor
 from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import deferLater
-from twisted.logger import ILogObserver, LogEvent, LogLevel, formatEvent, globalLogPublisher
+from twisted.logger import LogLevel, formatEvent
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from koordrp import check
@@ -32,6 +32,7 @@ from koordrp.hooks.types import FailurePolicy, HookServerConfig, HookServers, Ho
 from koordrp.nri.plugin import pre_hook_limit
 from koordrp.trouble import Notice
 from tests.support import koordlet
+from tests.support.logs import logged_events
 from tests.support.tempdirs import short_tempdir
 
 reactor: IReactorTime = _global_reactor
@@ -452,10 +453,7 @@ class WatchingTests(TestCase):
         self.dir = os.path.join(self.root, "hookserver.d")
         self.changes: list[HookServers] = []
         self.markers = 0
-        self.events: list[LogEvent] = []
-        observer = cast(ILogObserver, self.events.append)
-        globalLogPublisher.addObserver(observer)
-        self.addCleanup(globalLogPublisher.removeObserver, observer)
+        self.events = logged_events(self)
 
     def start(self) -> HookRegistry:
         hooks = HookRegistry(self.dir, 3.0, reactor, self.changes.append)

@@ -9,7 +9,7 @@ from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.error import ConnectionDone, ConnectionRefusedError
 from twisted.internet.task import Clock
 from twisted.internet.testing import MemoryReactorClock
-from twisted.logger import ILogObserver, LogEvent, LogLevel, formatEvent, globalLogPublisher
+from twisted.logger import LogEvent, LogLevel, formatEvent
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 
@@ -56,6 +56,7 @@ from koordrp.trouble import RETRY_CAP_SECONDS, RETRY_SECONDS
 from tests.fake.flows import ScriptedStages
 from tests.fake.hook_clients import PendingCall, calls_to, scripted_clients
 from tests.fake.nri import FakeContainerd
+from tests.support.logs import logged_events
 
 SKIP = SkipLabel("runtimeproxy.koordinator.sh/skip-hookserver", "true")
 POD_PARENT = "/kubepods/besteffort/pod-uid-1"
@@ -66,10 +67,7 @@ POST_STOP = HookType.POST_STOP_CONTAINER
 
 class LogCapture(SynchronousTestCase):
     def setUp(self) -> None:
-        self.events: list[LogEvent] = []
-        observer = cast(ILogObserver, self.events.append)
-        globalLogPublisher.addObserver(observer)
-        self.addCleanup(globalLogPublisher.removeObserver, observer)
+        self.events = logged_events(self)
 
     def logged(self, text: str) -> list[LogEvent]:
         return [event for event in self.events if text in event.get("log_format", "")]

@@ -8,7 +8,7 @@ from twisted.internet import reactor
 from twisted.internet.defer import Deferred, inlineCallbacks
 from twisted.internet.interfaces import IReactorFromThreads
 from twisted.internet.task import Clock
-from twisted.logger import ILogObserver, LogEvent, globalLogPublisher
+from twisted.logger import LogEvent
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from koordrp import adapters
@@ -19,6 +19,7 @@ from koordrp.trouble import RETRY_SECONDS
 from koordrp.store import ContainerState, Store, StoredContainer, StoredPod
 from tests.fake.cri_backend import RUNTIME, FakeCRIBackend
 from tests.fake.flows import RecordingRuntime
+from tests.support.logs import logged_events
 from tests.support.tempdirs import short_tempdir
 from tests.support.waiting import until
 
@@ -71,10 +72,7 @@ class StoreSyncTestCase(SynchronousTestCase):
         self.runtime = HeldRuntime()
         self.sync = StoreSync(self.store, self.runtime, self.clock, "the runtime", INTERVAL, learns=self.learns)
         self.addCleanup(self.sync.stop)
-        self.events: list[LogEvent] = []
-        observer = cast(ILogObserver, self.events.append)
-        globalLogPublisher.addObserver(observer)
-        self.addCleanup(globalLogPublisher.removeObserver, observer)
+        self.events = logged_events(self)
 
     def lines(self, start: str) -> list[LogEvent]:
         return [event for event in self.events if event.get("log_format", "").startswith(start)]

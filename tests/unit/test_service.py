@@ -4,11 +4,9 @@ import os
 import socket
 import stat
 import threading
-from typing import cast
 
 import grpc
 from cri_api.v1 import api_pb2, api_pb2_grpc
-from twisted.logger import ILogObserver, LogEvent, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 
 from koordrp.cri.server import CRIProxyService, CRIProxySettings
@@ -20,6 +18,7 @@ from koordrp.store import Store
 from koordrp.unix import NotASocket, SocketInUse, UnsafeDirectory, grpc_target
 from tests.fake.cri_backend import FakeCRIBackend
 from tests.fake.reactor import InlineThreadsReactor
+from tests.support.logs import logged_events
 from tests.support.tempdirs import short_tempdir
 
 
@@ -34,10 +33,7 @@ class CRIProxyServiceTests(SynchronousTestCase):
         self.backend = FakeCRIBackend(os.path.join(self.dir, "backend.sock"), name="backend").start()
         self.addCleanup(self.backend.stop)
         self.reactor = InlineThreadsReactor()
-        self.events: list[LogEvent] = []
-        observer = cast(ILogObserver, self.events.append)
-        globalLogPublisher.addObserver(observer)
-        self.addCleanup(globalLogPublisher.removeObserver, observer)
+        self.events = logged_events(self)
 
     def make_service(self, grace: float = 5.0, socket_gid: int | None = None) -> CRIProxyService:
         settings = CRIProxySettings(

@@ -9,6 +9,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from koordrp.checkpoint import CheckpointError, DirectoryCheckpoint, Kind, Parsed
 from koordrp.hooks.messages import ContainerHookRequest, PodHookRequest, Resources
 from koordrp.store import ContainerState, Store, StoredContainer, StoredPod
+from tests.support.logs import logged_events
 
 
 def pod(name: str) -> PodHookRequest:
@@ -164,10 +165,7 @@ class CheckpointTests(SynchronousTestCase):
         self.assertEqual((self.files("pods"), self.files("containers")), ([], []))
 
     def test_a_file_that_cannot_be_written_or_removed_is_one_warning_and_nothing_is_left_half_done(self) -> None:
-        events: list[LogEvent] = []
-        observer = cast(ILogObserver, events.append)
-        globalLogPublisher.addObserver(observer)
-        self.addCleanup(globalLogPublisher.removeObserver, observer)
+        events = logged_events(self)
         store = Store(self.opened())
         store.put_container("c1", "p1", container("asked"), container("given"))
         # Something in the way of both (a directory where the file goes): the rename and the removal fail.

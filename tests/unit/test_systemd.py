@@ -3,14 +3,13 @@
 import os
 import socket
 import time
-from typing import cast
 
 from twisted.internet import reactor
 from twisted.internet.task import Clock
-from twisted.logger import ILogObserver, LogEvent, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from koordrp.systemd import SystemdNotifier, notify_address, watchdog_interval
+from tests.support.logs import logged_events
 from tests.support.tempdirs import short_tempdir
 
 
@@ -53,10 +52,7 @@ class EnvironmentTests(SynchronousTestCase):
     def test_a_socket_that_is_gone_costs_one_warning(self) -> None:
         clock = Clock()
         address = os.path.join(short_tempdir(self), "nobody")
-        events: list[LogEvent] = []
-        observer = cast(ILogObserver, events.append)
-        globalLogPublisher.addObserver(observer)
-        self.addCleanup(globalLogPublisher.removeObserver, observer)
+        events = logged_events(self)
         notifier = SystemdNotifier(clock, {"NOTIFY_SOCKET": address, "WATCHDOG_USEC": "1000000"})
         notifier.startService()
         clock.pump([0.5] * 10)
