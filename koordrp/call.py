@@ -270,8 +270,7 @@ class Call(Generic[AnyReply]):
         if self._outcome is None or not self._ended or not self._flow_over or self._applying_late is not None:
             return
         outcome = outcome_label(self._outcome)
-        if self._decided_at is not None:
-            self._seconds = min(self._seconds, self._decided_at - self._started)
+        seconds = self._seconds if self._decided_at is None else min(self._seconds, self._decided_at - self._started)
         dispatcher = self._parts.dispatcher
         if self.posts:
             dispatcher.announce(self.posts)
@@ -282,9 +281,9 @@ class Call(Generic[AnyReply]):
                 metrics.changes_left_alone.labels(call.server.name, call.hook.value, calllog.field_name(change)).inc()
         if self.logged:
             if self._uneventful_line or not self.record.uneventful(outcome):
-                calllog.write(self.record, outcome, self._seconds)
+                calllog.write(self.record, outcome, seconds)
             if metrics is not None:
-                metrics.cri_call(self.lifecycle, outcome, self._seconds)
+                metrics.cri_call(self.lifecycle, outcome, seconds)
 
     # What flows do
 
