@@ -41,13 +41,18 @@ from koordrp.hooks.messages import (
     PodHookRequest,
     copied,
     left_alone,
+    marked_catch_up,
     merge_container_response,
     placed_in_pod,
+    subject_text,
+    unmarked_catch_up,
 )
 from koordrp.hooks.types import (
     NOT_ANSWERING,
+    OK as HOOK_OK,
     SENT,
     SKIPPED,
+    FailurePolicy,
     HookCall,
     HookServerConfig,
     HookServers,
@@ -150,16 +155,24 @@ class Call(Generic[AnyReply]):
         servers: HookServers | None = None,
         went_ahead: bool = False,
         uneventful_line: bool = True,
+        catch_up: bool = False,
     ) -> None:
         """``method`` names the call in its log line; ``timeout`` is what is left of the caller's deadline, of
         which the hook stages may take ``hooks_share``; ``late``: the front end can still apply a pre-create
         answer that comes after the budget (``apply_late``); ``servers``: the hook servers in force as the
         call arrived, if the front end took them (default: now); ``went_ahead``: the front end sent the call
         to the runtime before its flow runs (``koordrp.flows.goes_ahead``); ``uneventful_line``: the call gets
-        its line even when it is uneventful (``CallRecord.uneventful``)."""
+        its line even when it is uneventful (``CallRecord.uneventful``); ``catch_up``: the call makes up for what
+        happened while koordrp was away (NRI mode's catch-up): its hook requests are marked so
+        (``CATCH_UP_ANNOTATION``), and a Fail-policy server cannot refuse what runs already (``_unheard``)."""
         self.store = parts.store
         self._parts = parts
         self.servers = parts.registrations() if servers is None else servers
+        self._catch_up = catch_up
+        self._must_be_heard: frozenset[str] = frozenset()
+        if catch_up:
+            self._must_be_heard = frozenset(s.name for s in self.servers.servers if s.failure_policy is FailurePolicy.FAIL)
+            self.servers = HookServers(tuple(replace(s, failure_policy=FailurePolicy.IGNORE) for s in self.servers.servers))
         self.backend = backend
         self.record = CallRecord(method)
         self.lifecycle = method
@@ -315,13 +328,35 @@ class Call(Generic[AnyReply]):
         return None if remaining is None else remaining * self._hooks_share
 
     async def _run(self, hook: HookType, callees: Subscribers, request: HookRequest, keep_late: bool = False) -> None:
+        if self._catch_up:
+            marked_catch_up(request)
         outcome = await self._parts.dispatcher.run(hook, callees, request, self.hook_budget(), keep_late)
+        if self._catch_up:
+            unmarked_catch_up(request)
+            self._unheard(outcome.calls)
         if outcome.late is not None:
             self._late = outcome.late
             self._late_at = len(self.record.calls) + outcome.calls.index(outcome.late.call)
         self.record.add(outcome.calls)
         if outcome.failure is not None:
             raise Refused(Refusal(RefusalKind.HOOK_FAILED, outcome.failure.message))
+
+    def _unheard(self, calls: Iterable[HookCall]) -> None:
+        """A Fail-policy server not heard at a catch-up: what it would refuse runs already, so it is said and counted."""
+        for call in calls:
+            if call.server.name in self._must_be_heard and call.hook.is_pre and call.result != HOOK_OK:
+                subject = self.record.subject
+                self.log.warn(
+                    "hook server {server} (Fail policy) was not heard at the catch-up {hook} of {subject} ({result}: "
+                    "{reason}): it runs already and cannot be refused",
+                    server=call.server.name,
+                    hook=call.hook.value,
+                    subject="?" if subject is None else subject_text(subject),
+                    result=call.result,
+                    reason=shortened(call.reason) or "no reason given",
+                )
+                if self._parts.metrics is not None:
+                    self._parts.metrics.catch_up_unheard.labels(call.server.name).inc()
 
     async def pre(self, hook: HookType, request: HookRequest) -> None:
         """Run a pre stage on ``request``, which comes back changed by the hooks."""
@@ -404,7 +439,7 @@ class Call(Generic[AnyReply]):
         for a server whose post hooks are skipped then (it let a call pass its own timeout)."""
         callees = self._callees(hook)
         if callees:
-            self.posts.append(PostStage(hook, callees, request))
+            self.posts.append(PostStage(hook, callees, marked_catch_up(request) if self._catch_up else request))
             self.record.add(self._sent(server, hook) for server in callees)
 
     def _sent(self, server: HookServerConfig, hook: HookType) -> HookCall:

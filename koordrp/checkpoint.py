@@ -7,8 +7,13 @@ them here, one small file per pod or container whose hooks changed something, in
 root may read (environment values may be secrets): ``<dir>/pods/<id>``, ``<dir>/containers/<id>``,
 each the serialized hook request. The default directory is under /var/run: it lasts as long as the
 node's running containers do.
+
+A file is written whole or not at all (a temporary file, renamed into place once every byte is in it):
+a full or read-only directory costs what it would have kept, never a truncated file. Nothing is
+fsync-ed: the files need to outlive koordrp, not the node, and a sync would hold the reactor.
 """
 
+import errno
 import os
 import re
 import stat
@@ -17,8 +22,10 @@ from typing import AbstractSet, Callable, Literal, Protocol, TypeVar
 from google.protobuf.message import DecodeError
 from twisted.logger import Logger
 
-Kind = Literal["pods", "containers"]
-KINDS: tuple[Kind, ...] = ("pods", "containers")
+Kind = Literal["pods", "containers", "pending"]
+KINDS: tuple[Kind, ...] = ("pods", "containers", "pending")
+"""``pending``: what kubelet asked for a pod or container about to be made, kept before koordrp lets the runtime
+make it (its id is not known yet), by a name derived from what kubelet calls it."""
 
 # Runtime ids are hex; anything else (or absurdly long) is not given a file name.
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
@@ -34,6 +41,9 @@ class StateUnreadable(Exception):
 
 
 class Checkpoint(Protocol):
+    write_failures: int
+    """How many writes (and removals) of a kept file have failed so far."""
+
     def write(self, kind: Kind, identifier: str, data: bytes | None) -> None:
         """Keep ``data`` for ``identifier``; None: keep nothing (forget what was kept)."""
 
@@ -50,9 +60,19 @@ class Checkpoint(Protocol):
     def count(self) -> int:
         """How many pods and containers something is kept for."""
 
+    def kept(self, kind: Kind) -> AbstractSet[str]:
+        """The identifiers something is kept for."""
+
+    @property
+    def remembers(self) -> bool:
+        """Whether what is kept tells every pod and container koordrp saw made (it keeps a file for each) from
+        those it never saw."""
+
 
 class NoCheckpoint:
     """Nothing is kept: after a restart, what the runtime has stands for what kubelet asked."""
+
+    write_failures = 0
 
     def write(self, kind: Kind, identifier: str, data: bytes | None) -> None:
         pass
@@ -66,6 +86,13 @@ class NoCheckpoint:
     def count(self) -> int:
         return 0
 
+    def kept(self, kind: Kind) -> AbstractSet[str]:
+        return frozenset()
+
+    @property
+    def remembers(self) -> bool:
+        return False
+
 
 class CheckpointError(RuntimeError):
     """The checkpoint directory cannot be used; the message says why, in one line."""
@@ -74,8 +101,10 @@ class CheckpointError(RuntimeError):
 class DirectoryCheckpoint:
     """One file per identifier, written atomically (a temporary file, then a rename).
 
-    A file that cannot be written costs one warning per reason, and koordrp goes on: it then
-    knows what kubelet asked only until it restarts.
+    A file that cannot be written (or removed) is counted (``write_failures``) and costs one warning
+    naming it, one per reason for as long as writes keep failing; koordrp goes on: it then knows what
+    kubelet asked for that pod or container only until it restarts. A directory that cannot be
+    written at start costs one warning naming it, and koordrp starts all the same.
     """
 
     log = Logger()
@@ -83,27 +112,69 @@ class DirectoryCheckpoint:
     def __init__(self, directory: str) -> None:
         self.directory = directory
         self._kept: dict[Kind, set[str]] = {kind: set() for kind in KINDS}
-        self._failing: tuple[str, str] | None = None
-        """What failed last (the warning's format, the reason), while it keeps failing."""
+        self._failing: set[tuple[str, str]] = set()
+        """What has failed (the warning's format, the reason) since a write last succeeded."""
+        self.write_failures = 0
+        self._checked = False
+        """Whether open found the directory koordrp's own: only then are its subdirectories made after open."""
+        self._remembers = True
 
     def open(self) -> None:
         """Create the directory or check it, 0700 (it holds environment values); learn what is kept there.
 
-        CheckpointError: it cannot be used, or someone else could change what it holds.
+        A directory that cannot be created, made 0700 or written (read-only, full, ...) costs one
+        warning naming it; what it holds is still learnt if it can be listed, and each later write
+        that fails is said as any is.
+
+        CheckpointError: someone else could change what it holds.
         """
+        trouble: OSError | None = None
         try:
             for kind in KINDS:
                 os.makedirs(os.path.join(self.directory, kind), mode=DIRECTORY_MODE, exist_ok=True)
-            status = os.stat(self.directory)
-            if status.st_uid != os.geteuid() or status.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-                raise CheckpointError(f"{self.directory} may be written by others than koordrp's user; refusing it")
-            os.chmod(self.directory, DIRECTORY_MODE)  # makedirs' mode is cut by the umask, and spares parents
-            for kind in KINDS:
-                path = os.path.join(self.directory, kind)
-                os.chmod(path, DIRECTORY_MODE)
-                self._kept[kind] = {name for name in os.listdir(path) if _ID.fullmatch(name)}
         except OSError as error:
-            raise CheckpointError(f"cannot use {self.directory}: {error.strerror}") from None
+            trouble = error
+        try:
+            status = os.stat(self.directory)
+        except OSError as error:
+            self._unwritable(trouble or error)
+            return
+        if status.st_uid != os.geteuid() or status.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise CheckpointError(f"{self.directory} may be written by others than koordrp's user; refusing it")
+        self._checked = True
+        for kind in KINDS:
+            try:
+                names = os.listdir(os.path.join(self.directory, kind))
+            except OSError as error:
+                trouble = trouble or error
+                continue
+            self._kept[kind] = {name for name in names if _ID.fullmatch(name)}
+            for name in names:
+                if name.startswith(".") and name.endswith(".new"):  # a write cut by a kill
+                    try:
+                        _remove(os.path.join(self.directory, kind, name))
+                    except OSError:
+                        pass  # the probe below says why
+        if trouble is None:
+            try:
+                os.chmod(self.directory, DIRECTORY_MODE)  # makedirs' mode is cut by the umask, and spares parents
+                for kind in KINDS:
+                    os.chmod(os.path.join(self.directory, kind), DIRECTORY_MODE)
+                    _probe(os.path.join(self.directory, kind, _PROBE))
+            except OSError as error:
+                trouble = error
+        if trouble is not None:
+            self._unwritable(trouble)
+
+    def _unwritable(self, error: OSError) -> None:
+        # What it keeps can no longer tell what koordrp saw made from what it did not.
+        self._remembers = False
+        self.log.warn(
+            "cannot write in the state directory {directory}: {reason}; what kubelet asked is kept in memory only, "
+            "until koordrp restarts",
+            directory=self.directory,
+            reason=error.strerror or str(error),
+        )
 
     def _path(self, kind: Kind, identifier: str) -> str | None:
         return os.path.join(self.directory, kind, identifier) if _ID.fullmatch(identifier) else None
@@ -119,32 +190,46 @@ class DirectoryCheckpoint:
                 try:
                     _remove(path)
                 except OSError as error:
-                    self._failed(error, "cannot remove what was kept for a pod or container gone from {directory}: {reason}")
+                    self._failed(error, path, "cannot remove what was kept in {path}: {reason}")
             return
         temporary = os.path.join(self.directory, kind, f".{identifier}.new")
         try:
-            descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            descriptor = self._create(kind, temporary)
             try:
-                os.write(descriptor, data)
+                _write_all(descriptor, data)
             finally:
                 os.close(descriptor)
-            os.replace(temporary, path)
+            os.replace(temporary, path)  # only once all of it is there: the previous file stays until then
         except OSError as error:
-            self._failed(error, "cannot keep what kubelet asked in {directory}: {reason}; it is kept in memory only")
             try:
                 _remove(temporary)
             except OSError:
-                pass  # the reason is said already
+                pass  # the reason is said below
+            self._failed(
+                error, path, "cannot write {path}: {reason}; what kubelet asked for it is kept in memory only, until koordrp restarts"
+            )
             return
-        self._failing = None
+        self._failing.clear()
         kept.add(identifier)
 
-    def _failed(self, error: OSError, format: str) -> None:
-        """One warning for each thing that fails and why, for as long as it keeps failing."""
+    def _create(self, kind: Kind, temporary: str) -> int:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+        try:
+            return os.open(temporary, flags, 0o600)
+        except FileNotFoundError:
+            if not self._checked:
+                raise
+        # Not made at open (a directory read-only or full then): made now, or the filesystem's reason said.
+        os.mkdir(os.path.join(self.directory, kind), DIRECTORY_MODE)
+        return os.open(temporary, flags, 0o600)
+
+    def _failed(self, error: OSError, path: str, format: str) -> None:
+        """Counted; one warning (naming the first file) for each thing that fails and why, until a write succeeds."""
+        self.write_failures += 1
         reason = error.strerror or str(error)
-        if (format, reason) != self._failing:
-            self._failing = (format, reason)
-            self.log.warn(format, directory=self.directory, reason=reason)
+        if (format, reason) not in self._failing:
+            self._failing.add((format, reason))
+            self.log.warn(format, directory=self.directory, path=path, reason=reason)
 
     def read(self, kind: Kind, identifier: str, parse: Callable[[bytes], Parsed]) -> Parsed | None:
         path = self._path(kind, identifier)
@@ -170,7 +255,41 @@ class DirectoryCheckpoint:
             self.write(kind, identifier, None)
 
     def count(self) -> int:
-        return sum(len(kept) for kept in self._kept.values())
+        return len(self._kept["pods"]) + len(self._kept["containers"])
+
+    def kept(self, kind: Kind) -> AbstractSet[str]:
+        return frozenset(self._kept[kind])
+
+    @property
+    def remembers(self) -> bool:
+        """Unless the directory could not be written at start."""
+        return self._remembers
+
+
+_PROBE = ".koordrp-probe"
+"""Written and removed at open, to learn whether the directory can be written: no identifier is named so."""
+
+
+def _write_all(descriptor: int, data: bytes) -> None:
+    """Every byte of ``data``, or OSError: a write may take fewer bytes than it was given (a filesystem filling)."""
+    left = memoryview(data)
+    while left:
+        written = os.write(descriptor, left)
+        if written <= 0:
+            raise OSError(errno.EIO, "a write took no byte")
+        left = left[written:]
+
+
+def _probe(path: str) -> None:
+    """OSError: a file of one byte cannot be written at ``path`` (a full filesystem takes an empty one)."""
+    try:
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            _write_all(descriptor, b"\n")
+        finally:
+            os.close(descriptor)
+    finally:
+        _remove(path)
 
 
 def _remove(path: str) -> None:

@@ -49,9 +49,20 @@ from koordrp.adapters import (
     Written,
 )
 from koordrp.call import Call, Parts, Refused, pod_labels
-from koordrp.hooks.messages import Change, ContainerHookRequest, copied, copy_changed, folded_update, placed_in_pod
-from koordrp.hooks.types import UNREADABLE, HookServers, HookType
-from koordrp.store import ContainerState
+from koordrp.hooks.messages import (
+    Change,
+    ContainerHookRequest,
+    HookRequest,
+    PodHookRequest,
+    copied,
+    copy_changed,
+    folded_update,
+    marked_catch_up,
+    placed_in_pod,
+    subject_text,
+)
+from koordrp.hooks.types import UNREADABLE, HookServers, HookType, PostStage
+from koordrp.store import ContainerState, StoppedWhileAway
 from koordrp.text import shortened
 
 # The hook points of each CRI method (Docker calls stand for one of them); tests check the flows
@@ -157,6 +168,7 @@ async def run_pod_sandbox(call: Call[AnyReply], request: RunPodSandbox) -> AnyRe
     pod = copied(asked)
     call.concerns(pod)
     rewritten = await call.pre_rewriting(HookType.PRE_RUN_POD_SANDBOX, pod, request.rewritten, asked)
+    call.store.expect_pod(asked)  # kept before the runtime can make it: a koordrp killed meanwhile still has it
     reply = await call.forward(rewritten)
     if reply.ok:
         call.store.put_pod(reply.created_id, asked, pod)
@@ -173,6 +185,7 @@ async def create_container(call: Call[AnyReply], request: CreateContainer) -> An
     container = copied(asked)
     call.concerns(container)
     rewritten = await call.pre_rewriting(HookType.PRE_CREATE_CONTAINER, container, request.rewritten, sent, keep_late=True)
+    call.store.expect_container(request.sandbox_id, asked, changed=rewritten is not None)
     reply = await call.forward(rewritten)
     if reply.ok:
         container_id = reply.created_id  # Docker mode reads it from the JSON answer, so once
@@ -299,6 +312,28 @@ async def remove_pod_sandbox(call: Call[AnyReply], sandbox_id: str) -> AnyReply:
     return await _forward_changing(
         call, lambda: call.store.forget_pod(sandbox_id), lambda: call.pod_now(sandbox_id, stopped=None)
     )
+
+
+def stops_while_away(parts: Parts, stopped: StoppedWhileAway) -> None:
+    """The post stops owed for pods and containers that stopped, or went, while koordrp was away: told once each,
+    marked as catch-up calls (``CATCH_UP_ANNOTATION``), containers before their pods, to the servers registered
+    now (a pod with the skip label is spared)."""
+    servers = parts.registrations()
+    stages = []
+    owed: list[tuple[HookType, HookRequest]] = [(HookType.POST_STOP_CONTAINER, c) for c in stopped.containers]
+    owed += [(HookType.POST_STOP_POD_SANDBOX, pod) for pod in stopped.pods]
+    for hook, request in owed:
+        subscribed = servers.subscribed(hook)
+        labels = request.labels if isinstance(request, PodHookRequest) else request.pod_labels
+        if subscribed and not parts.skip.skips(labels):
+            stages.append(PostStage(hook, subscribed, marked_catch_up(copied(request))))
+            Call.log.info(
+                "{subject} stopped or went while koordrp was away: its {hook} is told now, late",
+                subject=subject_text(request),
+                hook=hook.value,
+            )
+    if stages:
+        parts.dispatcher.announce(stages)
 
 
 async def unreadable(call: Call[AnyReply], method: str, reason: str) -> AnyReply:

@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from koordrp.checkpoint import Checkpoint
 from koordrp.store import Store
 
 Request = TypeVar("Request")
@@ -54,12 +55,27 @@ class Metrics:
             ["activity"],
             registry=self.registry,
         )
+        self.caught_up = Counter(
+            "koordrp_caught_up",
+            "pods and containers that got the pre hooks they missed while koordrp was away (NRI mode), by kind",
+            ["kind"],
+            registry=self.registry,
+        )
+        self.catch_up_unheard = Counter(
+            "koordrp_catch_up_unheard",
+            "catch-up pre hook calls a Fail-policy server did not answer (what it would refuse runs already), by server",
+            ["server"],
+            registry=self.registry,
+        )
         self.backend_up = Gauge(
             "koordrp_backend_reachable", "1 while the backend is reachable", ["endpoint"], registry=self.registry
         )
 
     def watch_store(self, store: Store) -> None:
         self.registry.register(_StoreCollector(store))
+
+    def watch_checkpoint(self, checkpoint: Checkpoint) -> None:
+        self.registry.register(_CheckpointCollector(checkpoint))
 
     def hook_call(self, server: str, hook: str, result: str, seconds: float | None) -> None:
         self.hook_calls.labels(server, hook, result).inc()
@@ -127,6 +143,20 @@ class _StoreCollector(Collector):
             "koordrp_state_files_unreadable",
             "state files koordrp could not read (each one's hooks were shown what the runtime has)",
             value=self._store.unreadable_state_files,
+        )
+
+
+class _CheckpointCollector(Collector):
+    """What could not be written in --state-dir, read when /metrics is scraped."""
+
+    def __init__(self, checkpoint: Checkpoint) -> None:
+        self._checkpoint = checkpoint
+
+    def collect(self) -> Iterable[Metric]:
+        yield CounterMetricFamily(
+            "koordrp_state_file_write_failures",
+            "writes and removals of state files in --state-dir that failed (the log names the first file for each reason)",
+            value=self._checkpoint.write_failures,
         )
 
 

@@ -17,7 +17,8 @@ koordrp cannot read costs a warning naming it, and the entry is marked (``asked_
 lines of the calls about it say their hooks were not shown kubelet's values.
 """
 
-from dataclasses import dataclass, replace
+import hashlib
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import AbstractSet, Callable, Iterable, TypeVar
 
@@ -69,11 +70,13 @@ class StoredPod:
     """Its sandbox is stopped (``runtime_state`` says STOPPED), and its containers with it."""
     asked_lost: bool = False
     """What kubelet asked was kept in a file koordrp could not read: ``asked`` is what the runtime has."""
+    hooked: bool = True
+    """koordrp saw it made (its pre hooks had their chance) or caught it up: only then are its post hooks owed."""
 
     @classmethod
     def read_back(cls, pod: PodHookRequest, stopped: bool) -> "StoredPod":
         """A pod as the runtime has it; what kubelet asked is what it was given, unless the store knows better."""
-        return cls(pod, pod, stopped)
+        return cls(pod, pod, stopped, hooked=False)
 
     def copy(self) -> "StoredPod":
         return replace(self, asked=copied(self.asked), given=copied(self.given))
@@ -89,48 +92,126 @@ class StoredContainer:
     state: ContainerState = ContainerState.CREATED
     asked_lost: bool = False
     """What kubelet asked was kept in a file koordrp could not read: ``asked`` is what the runtime has."""
+    hooked: bool = True
+    """As ``StoredPod.hooked``."""
 
     @classmethod
     def read_back(cls, sandbox_id: str, container: ContainerHookRequest, state: ContainerState) -> "StoredContainer":
         """A container as the runtime has it; what kubelet asked is what it was given, unless the store knows better."""
-        return cls(sandbox_id, container, container, state)
+        return cls(sandbox_id, container, container, state, hooked=False)
 
     def copy(self) -> "StoredContainer":
         return replace(self, asked=copied(self.asked), given=copied(self.given))
 
 
-def _kept(asked: PodHookRequest | ContainerHookRequest, given: PodHookRequest | ContainerHookRequest) -> bytes | None:
-    """What the checkpoint keeps: kubelet's request where it differs from the runtime's."""
-    return None if asked == given else asked.SerializeToString()
+_RECORD_HEADER = b"K\x01"
+"""How a state file begins (a hook request never does: its first byte is a field's tag, and K is a group's)."""
+_STOPPED = 0x01
+"""Flag: its stop was told (or it was found stopped): no post stop is owed for it any more."""
+_CHANGED = 0x02
+"""Flag, for a container about to be made: the hooks changed what the runtime is to make of it."""
 
 
-def _parser(given: Request) -> Callable[[bytes], Request]:
-    """How a kept request about the pod or container the runtime has as ``given`` is read.
+def _record(asked: PodHookRequest | ContainerHookRequest, stopped: bool, changed: bool = False) -> bytes:
+    """A state file's content: what kubelet asked, whether its stop was told, whether hooks changed it."""
+    flags = (_STOPPED if stopped else 0) | (_CHANGED if changed else 0)
+    return _RECORD_HEADER + bytes((flags,)) + asked.SerializeToString()
+
+
+@dataclass(frozen=True)
+class Record:
+    """A state file, read: what kubelet asked, whether its stop was told, whether hooks changed it."""
+
+    asked: PodHookRequest | ContainerHookRequest
+    stopped: bool
+    changed: bool = False
+
+
+def _parser(template: type[Request], uid: str | None) -> Callable[[bytes], Record]:
+    """How a state file about a pod or container of pod ``uid`` (None: any) is read.
 
     koordrp writes the fields it knows and no other, about the pod (or a container of the pod) the
-    runtime has: bytes that parse into something else were not written by it for this entry.
+    runtime has: bytes that parse into something else were not written by it for this entry. A file
+    without the header was written by an earlier koordrp: the request alone, for one not stopped.
     """
 
-    def parse(data: bytes) -> Request:
-        kept = type(given).FromString(data)
+    def parse(data: bytes) -> Record:
+        flags = 0
+        if data.startswith(_RECORD_HEADER):
+            if len(data) < len(_RECORD_HEADER) + 1:
+                raise ValueError("shorter than its header")
+            flags = data[len(_RECORD_HEADER)]
+            data = data[len(_RECORD_HEADER) + 1 :]
+        kept = template.FromString(data)
         if len(UnknownFieldSet(kept)):
-            raise ValueError(f"not a {type(given).__name__} as koordrp writes it")
-        if kept.pod_meta.uid != given.pod_meta.uid:
-            raise ValueError(f"about pod uid {kept.pod_meta.uid!r}, not {given.pod_meta.uid!r}")
-        return kept
+            raise ValueError(f"not a {template.__name__} as koordrp writes it")
+        if uid is not None and kept.pod_meta.uid != uid:
+            raise ValueError(f"about pod uid {kept.pod_meta.uid!r}, not {uid!r}")
+        return Record(kept, bool(flags & _STOPPED), bool(flags & _CHANGED))
 
     return parse
+
+
+def _name(*parts: str) -> str:
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()
+
+
+def pending_pod_name(pod: PodHookRequest) -> str:
+    """The name of what is kept for a pod about to be run: what kubelet calls it (the runtime refuses a second
+    sandbox of the same name and attempt)."""
+    meta = pod.pod_meta
+    return _name("pod", meta.namespace, meta.name, meta.uid, str(meta.attempt))
+
+
+def pending_container_name(sandbox_id: str, container: ContainerHookRequest) -> str:
+    """As ``pending_pod_name``, for a container about to be created in ``sandbox_id``."""
+    meta = container.container_meta
+    return _name("container", sandbox_id, meta.name, str(meta.attempt))
+
+
+def _as_asked(given: PodHookRequest | ContainerHookRequest, asked: PodHookRequest | ContainerHookRequest) -> bool:
+    """Whether the runtime has a container as kubelet asked, in what hooks change (its resources and environment)."""
+    assert isinstance(given, ContainerHookRequest) and isinstance(asked, ContainerHookRequest)
+    return given.container_resources == asked.container_resources and given.container_envs == asked.container_envs
+
+
+@dataclass
+class StoppedWhileAway:
+    """Pods and containers koordrp saw made whose stop it did not see: they stopped, or went, while it was away.
+    Each owes its post stop, once (what kubelet asked for it, as kept)."""
+
+    pods: list[PodHookRequest] = field(default_factory=list)
+    containers: list[ContainerHookRequest] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.pods or self.containers)
+
+
+@dataclass(frozen=True)
+class _Kept:
+    """What the state directory says of a pod or container the runtime has."""
+
+    asked: PodHookRequest | ContainerHookRequest
+    lost: bool
+    hooked: bool
+    stopped: bool
 
 
 class Store:
     log = Logger()
 
-    def __init__(self, checkpoint: Checkpoint | None = None) -> None:
+    def __init__(
+        self, checkpoint: Checkpoint | None = None, owed: Callable[[StoppedWhileAway], None] = lambda stopped: None
+    ) -> None:
+        """``owed`` is told of what stopped, or went, while koordrp was away (its post stops are owed)."""
         self._pods: dict[str, StoredPod] = {}
         self._containers: dict[str, StoredContainer] = {}
         self._checkpoint: Checkpoint = checkpoint if checkpoint is not None else NoCheckpoint()
+        self._owed = owed
         self.unreadable_state_files = 0
         """How many times a kept file could not be read (each costs one warning)."""
+        self._pending_seen: AbstractSet[str] = frozenset()
+        """What was kept for pods and containers about to be made at the previous reconcile."""
 
     def pod(self, sandbox_id: str) -> StoredPod | None:
         """The pod's entry itself, to read and never to change: the store replaces an entry, it never changes
@@ -147,11 +228,30 @@ class Store:
     def has_container(self, container_id: str) -> bool:
         return container_id in self._containers
 
+    def _keep_pod(self, sandbox_id: str, stored: StoredPod) -> None:
+        if stored.hooked:
+            self._checkpoint.write("pods", sandbox_id, _record(stored.asked, stored.stopped))
+
+    def _keep_container(self, container_id: str, stored: StoredContainer) -> None:
+        if stored.hooked:
+            self._checkpoint.write("containers", container_id, _record(stored.asked, stored.state is ContainerState.STOPPED))
+
+    def expect_pod(self, asked: PodHookRequest) -> None:
+        """The runtime is about to run this pod: what kubelet asked is kept first, so that a koordrp killed before
+        it hears that the pod runs still has it (``learn`` takes it)."""
+        self._checkpoint.write("pending", pending_pod_name(asked), _record(asked, False))
+
+    def expect_container(self, sandbox_id: str, asked: ContainerHookRequest, changed: bool) -> None:
+        """As ``expect_pod``, for a container about to be created in ``sandbox_id``; ``changed``: the hooks changed
+        what the runtime is to make (if the runtime then has it as kubelet asked, their answer never reached it)."""
+        self._checkpoint.write("pending", pending_container_name(sandbox_id, asked), _record(asked, False, changed))
+
     def put_pod(self, sandbox_id: str, asked: PodHookRequest, given: PodHookRequest) -> None:
         """A pod the runtime has just run."""
         stored = StoredPod(copied(asked), copied(given))
         self._pods[sandbox_id] = stored
-        self._checkpoint.write("pods", sandbox_id, _kept(asked, given))
+        self._keep_pod(sandbox_id, stored)
+        self._checkpoint.write("pending", pending_pod_name(asked), None)
 
     def resize_pod(self, sandbox_id: str, resources: Resources | None, overhead: Resources | None) -> None:
         """The runtime resized the pod (kubelet's UpdatePodSandboxResources): kubelet's values, asked and given."""
@@ -165,7 +265,7 @@ class Store:
             if overhead is not None:
                 pod.overhead.CopyFrom(overhead)
         self._pods[sandbox_id] = resized
-        self._checkpoint.write("pods", sandbox_id, _kept(resized.asked, resized.given))
+        self._keep_pod(sandbox_id, resized)
 
     def put_container(
         self, container_id: str, sandbox_id: str, asked: ContainerHookRequest, given: ContainerHookRequest
@@ -173,7 +273,8 @@ class Store:
         """A container the runtime has just created."""
         stored = StoredContainer(sandbox_id, copied(asked), copied(given))
         self._containers[container_id] = stored
-        self._checkpoint.write("containers", container_id, _kept(asked, given))
+        self._keep_container(container_id, stored)
+        self._checkpoint.write("pending", pending_container_name(sandbox_id, asked), None)
 
     def revise_container(self, container_id: str, asked: ContainerHookRequest, given: ContainerHookRequest) -> None:
         """The runtime took an update of the container; one forgotten meanwhile stays forgotten."""
@@ -181,40 +282,50 @@ class Store:
         stored = self._containers.get(container_id)
         if stored is None:
             return
-        self._containers[container_id] = replace(stored, asked=asked, given=given)
-        self._checkpoint.write("containers", container_id, _kept(asked, given))
+        revised = replace(stored, asked=asked, given=given)
+        self._containers[container_id] = revised
+        self._keep_container(container_id, revised)
 
     def started(self, container_id: str) -> bool:
-        """The container started: True when koordrp knew it as not running (its PostStartContainer is owed)."""
+        """The container started: True when koordrp knew it as not running (its PostStartContainer is owed, if
+        koordrp saw it made)."""
         return self._enter(container_id, ContainerState.RUNNING)
 
     def stopped(self, container_id: str) -> bool:
-        """The container stopped: True when koordrp knew it as not stopped (its PostStopContainer is owed)."""
+        """The container stopped: True when koordrp knew it as not stopped (its PostStopContainer is owed, if
+        koordrp saw it made)."""
         return self._enter(container_id, ContainerState.STOPPED)
 
     def _enter(self, container_id: str, state: ContainerState) -> bool:
         stored = self._containers.get(container_id)
         if stored is None or stored.state is state:
             return False
-        self._containers[container_id] = replace(stored, state=state)
-        return True
+        entered = replace(stored, state=state)
+        self._containers[container_id] = entered
+        if state is ContainerState.STOPPED:
+            self._keep_container(container_id, entered)
+        return stored.hooked
 
     def pod_stopped(self, sandbox_id: str) -> tuple[bool, list[StoredContainer]]:
         """The pod stopped, and its containers with it.
 
         Says whether koordrp knew the pod as not stopped (its PostStopPodSandbox is owed), and which
-        of its containers it knew as not stopped (their PostStopContainer are owed), oldest first.
+        of its containers it knew as not stopped (their PostStopContainer are owed), oldest first:
+        of those koordrp saw made.
         """
         stored = self._pods.get(sandbox_id)
         newly = stored is not None and not stored.stopped
-        if stored is not None:
-            self._pods[sandbox_id] = replace(stored, stopped=True)
+        if stored is not None and newly:
+            self._pods[sandbox_id] = stopped_pod = replace(stored, stopped=True)
+            self._keep_pod(sandbox_id, stopped_pod)
         containers = []
         for container_id, container in self._containers.items():
             if container.sandbox_id == sandbox_id and container.state is not ContainerState.STOPPED:
-                self._containers[container_id] = replace(container, state=ContainerState.STOPPED)
-                containers.append(container)
-        return newly, [container.copy() for container in containers]
+                self._containers[container_id] = stopped = replace(container, state=ContainerState.STOPPED)
+                self._keep_container(container_id, stopped)
+                if container.hooked:
+                    containers.append(container)
+        return newly and stored is not None and stored.hooked, [container.copy() for container in containers]
 
     def forget_container(self, container_id: str) -> None:
         self._containers.pop(container_id, None)
@@ -236,35 +347,65 @@ class Store:
 
         An entry already present was written by a CRI call that went through koordrp, which is
         at least as fresh as anything read back from the runtime, so it is kept (and its checkpoint
-        file is not read).
+        file is not read). One koordrp kept nothing for (where it keeps a file for everything it saw
+        made) is not ``hooked``. One it saw made and not stopped, that the runtime has stopped, owes its
+        post stop (``owed``).
         """
+        owed = StoppedWhileAway()
         for sandbox_id, pod in pods:
             if sandbox_id not in self._pods:
-                asked, lost = self._asked("pods", sandbox_id, pod.given)
-                self._pods[sandbox_id] = replace(pod, asked=asked, given=copied(pod.given), asked_lost=lost)
+                kept = self._kept("pods", sandbox_id, pod.given, pending_pod_name(pod.given))
+                assert isinstance(kept.asked, PodHookRequest)
+                learnt = replace(pod, asked=kept.asked, given=copied(pod.given), asked_lost=kept.lost, hooked=kept.hooked)
+                self._pods[sandbox_id] = learnt
+                if learnt.hooked and learnt.stopped and not kept.stopped:
+                    owed.pods.append(learnt.asked)
+                    self._keep_pod(sandbox_id, learnt)
         for container_id, stored in containers:
             if container_id not in self._containers:
-                container_asked, lost = self._asked("containers", container_id, stored.given)
-                self._containers[container_id] = replace(
-                    stored, asked=container_asked, given=copied(stored.given), asked_lost=lost
+                pending = pending_container_name(stored.sandbox_id, stored.given)
+                kept = self._kept("containers", container_id, stored.given, pending)
+                assert isinstance(kept.asked, ContainerHookRequest)
+                learnt_container = replace(
+                    stored, asked=kept.asked, given=copied(stored.given), asked_lost=kept.lost, hooked=kept.hooked
                 )
+                self._containers[container_id] = learnt_container
+                if learnt_container.hooked and learnt_container.state is ContainerState.STOPPED and not kept.stopped:
+                    owed.containers.append(learnt_container.asked)
+                    self._keep_container(container_id, learnt_container)
+        if owed:
+            self._owed(owed)
 
-    def _asked(self, kind: Kind, identifier: str, given: Request) -> tuple[Request, bool]:
-        """What kubelet asked, as the checkpoint kept it (or what the runtime has, if nothing was kept), and
-        whether something was kept that cannot be read (what the runtime has then stands in, said once)."""
-        try:
-            kept = self._checkpoint.read(kind, identifier, _parser(given))
-        except StateUnreadable as error:
-            self.unreadable_state_files += 1
-            self.log.warn(
-                "cannot read what kubelet asked for {kind} {id}, kept in {error}; its hooks are shown what the "
-                "runtime has instead, which may hold earlier hooks' changes",
-                kind=kind[:-1],
-                id=identifier,
-                error=str(error),
-            )
-            return copied(given), True
-        return (copied(given), False) if kept is None else (kept, False)
+    def _kept(self, kind: Kind, identifier: str, given: Request, pending: str) -> _Kept:
+        """What the state directory says of a pod or container the runtime has as ``given``: what kubelet asked
+        (or what the runtime has, if nothing was kept), whether something was kept that cannot be read (what the
+        runtime has then stands in, said once), whether koordrp saw it made, and whether its stop was told.
+
+        What was kept for it while it was about to be made (``expect_pod``) is taken, and kept under its id.
+        """
+        parse = _parser(type(given), given.pod_meta.uid)
+        for where, name in ((kind, identifier), ("pending", pending)):
+            try:
+                record = self._checkpoint.read(where, name, parse)
+            except StateUnreadable as error:
+                self._unreadable(
+                    kind, identifier, error, "its hooks are shown what the runtime has instead, which may hold earlier hooks' changes"
+                )
+                # It was kept, so koordrp saw it made; whether its stop was told is not known: not told twice.
+                return _Kept(copied(given), True, True, True)
+            if record is None:
+                continue
+            asked = record.asked
+            if where == "pending":
+                self._checkpoint.write("pending", name, None)
+                if record.changed and _as_asked(given, asked):
+                    # koordrp was killed before the runtime had the hooks' answer: made as if it were away.
+                    return _Kept(copied(given), False, False, False)
+                if isinstance(asked, ContainerHookRequest):
+                    asked.container_meta.id = identifier
+                self._checkpoint.write(kind, identifier, _record(asked, False))
+            return _Kept(asked, False, True, record.stopped)
+        return _Kept(copied(given), False, not self._checkpoint.remembers, False)
 
     def ids(self) -> tuple[set[str], set[str]]:
         """The pod and container ids known now: what a later reconcile may forget."""
@@ -281,24 +422,69 @@ class Store:
 
         ``listed`` is the id of every pod and container the runtime has; ``pods`` and ``containers``
         are those of them read back. What was known before the listing and is not in it was removed
-        while koordrp could not see it, and is forgotten. Entries written after ``known_before`` came
-        from calls the listing may have missed, and are kept. Everything read back and unknown is learnt.
+        while koordrp could not see it, and is forgotten; so is what was kept in the state directory
+        for pods and containers neither known nor listed (removed while koordrp was away). Of those,
+        each koordrp saw made and whose stop it did not tell owes its post stop (``owed``). Entries
+        written after ``known_before`` came from calls the listing may have missed, and are kept.
+        Everything read back and unknown is learnt.
         """
         pods_before, containers_before = known_before
         listed_pods, listed_containers = listed
         gone_pods = [i for i in pods_before - listed_pods if i in self._pods]
         gone_containers = [i for i in containers_before - listed_containers if i in self._containers]
-        for sandbox_id in gone_pods:
-            del self._pods[sandbox_id]
+        owed = StoppedWhileAway()
         for container_id in gone_containers:
-            del self._containers[container_id]
+            container = self._containers.pop(container_id)
+            if container.hooked and container.state is not ContainerState.STOPPED:
+                owed.containers.append(container.asked)
+        for sandbox_id in gone_pods:
+            pod = self._pods.pop(sandbox_id)
+            if pod.hooked and not pod.stopped:
+                owed.pods.append(pod.asked)
         new = len({i for i, _ in pods} - self._pods.keys()) + len({i for i, _ in containers} - self._containers.keys())
         self.learn(pods, containers)
+        # What was kept for pods and containers gone before this koordrp learnt them (it was away).
+        for container_id in sorted(self._checkpoint.kept("containers") - listed_containers - self._containers.keys()):
+            if container_id not in gone_containers:
+                self._owe(owed.containers, "containers", container_id, ContainerHookRequest)
+        for sandbox_id in sorted(self._checkpoint.kept("pods") - listed_pods - self._pods.keys()):
+            if sandbox_id not in gone_pods:
+                self._owe(owed.pods, "pods", sandbox_id, PodHookRequest)
         # What was kept for the pods and containers the runtime no longer has goes; not what was kept for
         # those it lists and the store has not learnt (yet: NRI mode learns from Synchronize alone).
         self._checkpoint.retain("pods", self._pods.keys() | listed_pods)
         self._checkpoint.retain("containers", self._containers.keys() | listed_containers)
+        # What was kept for a pod or container about to be made, and not taken since the previous reconcile: its
+        # call failed (or was given up before the runtime made it).
+        pending = self._checkpoint.kept("pending")
+        self._checkpoint.retain("pending", pending - self._pending_seen)
+        self._pending_seen = pending - self._pending_seen
+        if owed:
+            self._owed(owed)
         return len(gone_pods) + len(gone_containers), new
+
+    def _owe(self, owed: list[Request], kind: Kind, identifier: str, template: type[Request]) -> None:
+        """The post stop owed for what was kept of a pod or container gone while koordrp was away, if any."""
+        try:
+            record = self._checkpoint.read(kind, identifier, _parser(template, None))
+        except StateUnreadable as error:
+            self._unreadable(kind, identifier, error, "it went while koordrp was away, and its post stop cannot be told")
+            return
+        if record is not None and not record.stopped:
+            asked = record.asked
+            assert isinstance(asked, template)
+            owed.append(asked)
+
+    def _unreadable(self, kind: Kind, identifier: str, error: StateUnreadable, consequence: str) -> None:
+        """Something is kept for a pod or container that cannot be read: said once (with ``consequence``), counted."""
+        self.unreadable_state_files += 1
+        self.log.warn(
+            "cannot read what kubelet asked for {kind} {id}, kept in {error}; {consequence}",
+            kind=kind[:-1],
+            id=identifier,
+            error=str(error),
+            consequence=consequence,
+        )
 
     def sizes(self) -> tuple[int, int]:
         return len(self._pods), len(self._containers)

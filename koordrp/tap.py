@@ -19,7 +19,7 @@ from twisted.internet.protocol import Factory
 from twisted.logger import Logger
 from twisted.python import usage
 
-from koordrp import koordrp_version
+from koordrp import flows, koordrp_version
 from koordrp.checkpoint import CheckpointError, DirectoryCheckpoint
 from koordrp.cri.listing import CRIListing
 from koordrp.cri.server import CRIProxyService, CRIProxySettings
@@ -302,8 +302,9 @@ def makeService(config: Options, reactor: IReactorCore | None = None) -> service
     dispatcher = Dispatcher(clients, clock, metrics)
     registry = HookRegistry(config["hook-config-dir"], config["hook-timeout"], clock, on_change=registered)
     checkpoint = DirectoryCheckpoint(config["state-dir"])
-    parts = Parts(
-        store=Store(checkpoint),
+    parts: Parts = Parts(
+        # Told of what stopped or went while koordrp was away once the runtime says so (parts is complete by then).
+        store=Store(checkpoint, owed=lambda stopped: flows.stops_while_away(parts, stopped)),
         dispatcher=dispatcher,
         registrations=lambda: registry.current,
         skip=SkipLabel(config["runtime-hook-server-key"], config["runtime-hook-server-val"]),
@@ -325,6 +326,7 @@ def makeService(config: Options, reactor: IReactorCore | None = None) -> service
         from koordrp.web import metrics_service
 
         metrics.watch_store(parts.store)
+        metrics.watch_checkpoint(checkpoint)
         children.append(metrics_service(config["metrics-endpoint"], metrics, proxy.probe, clock))
     # The registry starts first, so the first call already sees every registered server.
     for child in children:

@@ -79,6 +79,25 @@ image one way in every mode. The runtime sets it, not the request: hooks cannot 
 RUNTIME_OWNS_IMAGE_NAME = "the runtime names the image itself: hooks are shown it and cannot change it"
 
 
+CATCH_UP_ANNOTATION = "koordrp.io/catch-up"
+"""Set ("true") in the annotations of a hook request about something that happened while koordrp was away: a
+pre hook it missed, called late (NRI mode's catch-up), or a post stop it owes for a pod or container gone
+meanwhile. Koordinator's protocol has no field for it; a live call never carries it."""
+
+
+def marked_catch_up(request: HookRequest) -> HookRequest:
+    """``request`` (changed in place) marked as a catch-up call's."""
+    annotations = request.annotations if isinstance(request, PodHookRequest) else request.container_annotations
+    annotations[CATCH_UP_ANNOTATION] = "true"
+    return request
+
+
+def unmarked_catch_up(request: HookRequest) -> None:
+    """Take the catch-up mark (and a server's echo of it) out of ``request``: nothing else keeps it."""
+    annotations = request.annotations if isinstance(request, PodHookRequest) else request.container_annotations
+    annotations.pop(CATCH_UP_ANNOTATION, None)
+
+
 def with_image_name(annotations: Mapping[str, str], image: str) -> dict[str, str]:
     """A container's annotations as hooks are shown them: with its image under IMAGE_NAME_ANNOTATION, if it names one."""
     shown = dict(annotations)

@@ -29,11 +29,12 @@ from koordrp import resync
 from koordrp import flows
 from koordrp.api.nri.v1alpha1 import api_pb2 as nri
 from koordrp.hooks.limit import PreHookLimit
-from koordrp.hooks.messages import ContainerHookRequest, placed_in_pod, subject_text
+from koordrp.hooks.messages import subject_text
 from koordrp.nri import translate
+from koordrp.nri.adapters import LateAnswers, NRIBackend, NRIReply, Synchronized
+from koordrp.nri.catchup import REPLY_SLACK as CATCH_UP_REPLY_SLACK, CatchUp
 from koordrp.nri.connection import UNKNOWN, UNIMPLEMENTED, NRIConnection, NRIConnectionLost, NRIError
 from koordrp.nri.wire import MAX_TTRPC_MESSAGE
-from koordrp.store import StoredContainer, StoredPod
 from koordrp.text import shortened
 
 # Every event the store needs to follow pods and containers, and their Post variants for Confirmations.
@@ -61,9 +62,6 @@ CONFIRM_SECONDS = 120.0
 
 REGISTER_SECONDS = 5.0
 
-UPDATE_SECONDS = 30.0
-"""How long koordrp waits for containerd to apply a late answer (containerd applies it between its calls to plugins)."""
-
 
 def pre_hook_limit(request_timeout: float) -> PreHookLimit:
     """What pre hooks get when containerd gives each call ``request_timeout`` seconds."""
@@ -89,20 +87,6 @@ _LIFECYCLE = {
 }
 _HAS_RUN = (nri.CONTAINER_RUNNING, nri.CONTAINER_PAUSED, nri.CONTAINER_STOPPED)
 _EMPTY = nri.Empty().SerializeToString()
-
-
-@dataclass(frozen=True)
-class NRIReply:
-    """containerd's part of a call (adapters.Reply): whether it said it did it, and if not, what it told instead."""
-
-    ok: bool
-    created_id: str = ""
-    why_not: str = ""
-
-    @property
-    def label(self) -> str:
-        return adapters.OK if self.ok else "NOT-CONFIRMED"
-
 
 NOT_DONE = "containerd did not do the call"
 """Why the changes of a call containerd did not do are not applied (the call's line names them)."""
@@ -163,102 +147,6 @@ class Confirmations:
             waiting.cancel()
 
 
-class NRIBackend:
-    """``adapters.Backend`` for one NRI request: answering containerd, and what the request says of its pod and container."""
-
-    def __init__(
-        self,
-        answer: Deferred[bytes],
-        empty: bytes,
-        pod: nri.PodSandbox | None,
-        container: nri.Container | None,
-        confirm: Callable[[], Deferred[str | None]] | None,
-    ) -> None:
-        """``pod`` and ``container``: what the request tells of them, if the flow may read them from it."""
-        self._answer = answer
-        self._empty = empty
-        self._pod = pod
-        self._container = container
-        self._confirm = confirm
-
-    async def forward(self, rewritten: bytes | None, timeout: float | None) -> NRIReply:
-        """Answer containerd (``rewritten``: with the hooks' changes); then wait for its word that it did it."""
-        created = self._container.id if self._container is not None else self._pod.id if self._pod is not None else ""
-        if not self._answer.called:
-            self._answer.callback(self._empty if rewritten is None else rewritten)
-        if self._confirm is None:
-            return NRIReply(True, created)
-        why_not = await self._confirm()
-        return NRIReply(why_not is None, created, why_not or "")
-
-    async def read_pod(self, sandbox_id: str, timeout: float | None) -> StoredPod | None:
-        if self._pod is None or sandbox_id != self._pod.id:
-            return None
-        return StoredPod.read_back(translate.pod_hook_request(self._pod), stopped=False)
-
-    async def read_container(self, container_id: str, pods: adapters.PodSource, timeout: float | None) -> StoredContainer | None:
-        container = self._container
-        if container is None or self._pod is None or container_id != container.id:
-            return None
-        return await _stored_container(container, self._pod, pods)
-
-
-async def _stored_container(container: nri.Container, pod: nri.PodSandbox, pods: adapters.PodSource) -> StoredContainer:
-    """``container`` as the store keeps it, in its pod as ``pods`` has it (or as NRI told of it)."""
-    request = translate.container_hook_request(container, pod.linux.cgroup_parent)
-    stored_pod = await pods(container.pod_sandbox_id)
-    if stored_pod is not None:
-        placed_in_pod(request, stored_pod)
-    return StoredContainer.read_back(container.pod_sandbox_id, request, translate.container_state(container.state))
-
-
-class LateAnswers:
-    """``adapters.LateUpdates`` on an NRI connection: containerd's UpdateContainers, the call a plugin makes to
-    change a container it was not asked about."""
-
-    def __init__(self, connection: NRIConnection | None) -> None:
-        self._connection = connection
-
-    async def apply(
-        self, container_id: str, sent: ContainerHookRequest, answered: ContainerHookRequest
-    ) -> tuple[adapters.LeftAlone, ...]:
-        written = translate.late_update(container_id, sent, answered)
-        if written.request is None:
-            return written.left_alone
-        if self._connection is None:
-            raise adapters.LateNotApplied("koordrp is not connected to containerd's NRI")
-        try:
-            payload = await self._connection.call("UpdateContainers", written.request, UPDATE_SECONDS)
-        except NRIError as error:
-            raise adapters.LateNotApplied(f"containerd refused the update: {error}") from None
-        except DeferredTimeout:
-            raise adapters.LateNotApplied(f"containerd did not answer the update within {UPDATE_SECONDS:g}s") from None
-        if nri.UpdateContainersResponse.FromString(payload).failed:
-            raise adapters.LateNotApplied("containerd failed the update")
-        return written.left_alone
-
-
-class Synchronized:
-    """What containerd told at Synchronize, as ``adapters.RuntimeInventory`` (for the store to agree with)."""
-
-    def __init__(self, request: nri.SynchronizeRequest) -> None:
-        self._pods = {pod.id: pod for pod in request.pods}
-        self._containers = {container.id: container for container in request.containers}
-
-    async def listed(self, timeout: float | None) -> tuple[list[str], list[str]]:
-        return list(self._pods), list(self._containers)
-
-    async def read_pod(self, sandbox_id: str, timeout: float | None) -> StoredPod | None:
-        pod = self._pods.get(sandbox_id)
-        return None if pod is None else StoredPod.read_back(translate.pod_hook_request(pod), stopped=False)
-
-    async def read_container(self, container_id: str, pods: adapters.PodSource, timeout: float | None) -> StoredContainer | None:
-        container = self._containers.get(container_id)
-        if container is None:
-            return None
-        return await _stored_container(container, self._pods.get(container.pod_sandbox_id, nri.PodSandbox()), pods)
-
-
 @dataclass
 class _Synchronization:
     """A synchronization whose parts are still coming."""
@@ -272,7 +160,12 @@ class _Synchronization:
 
     def late(self, now: float) -> bool:
         """Whether an answer now comes too late for containerd's deadline (koordrp keeps ANSWER_MARGIN of it)."""
-        return self.timeout is not None and now > self.began + self.timeout - ANSWER_MARGIN
+        reply_by = self.reply_by(0.0)
+        return reply_by is not None and now > reply_by
+
+    def reply_by(self, slack: float) -> float | None:
+        """When the answer must be on its way, keeping ``slack`` seconds to write it (None: containerd set no deadline)."""
+        return None if self.timeout is None else self.began + self.timeout - ANSWER_MARGIN - slack
 
 
 @dataclass(frozen=True)
@@ -439,23 +332,23 @@ class NRIPlugin:
             self._synchronizing = _Synchronization(self._parts.store.ids(), self._parts.clock.seconds(), timeout)
         synchronizing = self._synchronizing
 
-        async def collected(part: nri.SynchronizeRequest) -> resync.Snapshot | None:
+        async def collected(part: nri.SynchronizeRequest) -> bytes:
             synchronizing.parts.append(part)
             if part.more:
-                return None
+                return nri.SynchronizeResponse(more=True).SerializeToString()
             self._synchronizing = None
             whole = translate.synchronization(synchronizing.parts)
-            return await resync.read_everything(Synchronized(whole), None)
-
-        def agreed(found: resync.Snapshot | None) -> bytes:
-            if found is None:
-                return nri.SynchronizeResponse(more=True).SerializeToString()
+            found = await resync.read_everything(Synchronized(whole), None)
             resync.agree(self._parts.store, found, synchronizing.known_before, "containerd's NRI")
+            # What was made while koordrp was away gets the pre hooks it missed; what they change goes in the reply,
+            # or follows it (the reply never waits past containerd's deadline).
+            reply_by = synchronizing.reply_by(CATCH_UP_REPLY_SLACK)
+            updates = await CatchUp(self._parts, LateAnswers(self._connection)).reply(whole, reply_by)
             if synchronizing.late(self._parts.clock.seconds()):
                 raise NRIError(UNKNOWN, f"koordrp synchronized after containerd's deadline ({synchronizing.timeout:g}s from its first part)")
             self._synchronized = True
             self._on_synchronized(self._runtime, self._deadline)
-            return nri.SynchronizeResponse().SerializeToString()
+            return nri.SynchronizeResponse(update=updates).SerializeToString()
 
         def not_synchronized(failure: Failure) -> bytes:
             # containerd keeps a plugin it could not synchronize connected, but never calls it: only a
@@ -466,7 +359,7 @@ class NRIPlugin:
             raise NRIError(UNKNOWN, f"koordrp cannot synchronize: {reason}")
 
         reading = maybeDeferred(nri.SynchronizeRequest.FromString, payload).addCallback(lambda part: ensureDeferred(collected(part)))
-        return reading.addCallback(agreed).addErrback(not_synchronized)
+        return reading.addErrback(not_synchronized)
 
     def _shutdown(self, payload: bytes, timeout: float | None) -> Deferred[bytes]:
         self.log.info("containerd's NRI is shutting down")

@@ -188,6 +188,14 @@ class RunPodSandbox:
         return Written(None, (LeftAlone("", NO_SANDBOX_CHANGES),))
 
 
+class CaughtUpPod(RunPodSandbox):
+    """A pod that ran while koordrp was away, caught up at Synchronize (adapters.RunPodSandbox): nothing of a
+    running sandbox can change."""
+
+    def rewritten(self, before: PodHookRequest, after: PodHookRequest) -> Written:
+        return Written(None, (LeftAlone("", LATE),))
+
+
 class CreateContainer:
     """NRI's CreateContainer request (adapters.CreateContainer), answered with a ContainerAdjustment."""
 
@@ -271,3 +279,23 @@ def late_update(container_id: str, before: ContainerHookRequest, after: Containe
     if update is None:
         return Written(None, tuple(left))
     return Written(nri.UpdateContainersRequest(update=[update]).SerializeToString(), tuple(left))
+
+
+class CaughtUpContainer:
+    """A container created while koordrp was away, caught up at Synchronize (adapters.CreateContainer): what its
+    pre hooks changed goes to containerd as an update of the created container (``late_update``: an
+    UpdateContainersRequest), what cannot change once it is created left alone as ``LATE``."""
+
+    def __init__(self, pod: nri.PodSandbox, container: nri.Container) -> None:
+        self.pod = pod
+        self.container = container
+        self.sandbox_id = container.pod_sandbox_id
+
+    def hook_request(self) -> ContainerHookRequest:
+        return container_hook_request(self.container, self.pod.linux.cgroup_parent)
+
+    def rewritten(self, before: ContainerHookRequest, after: ContainerHookRequest) -> Written:
+        return late_update(self.container.id, before, after)
+
+    def envs_sent(self) -> dict[str, str]:
+        return oci_env_map(self.container.env)

@@ -15,6 +15,7 @@ import pytest
 from cri_api.v1 import api_pb2
 
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
+from koordrp.hooks.messages import CATCH_UP_ANNOTATION
 from koordrp.unix import grpc_target
 from tests.support.compare import changed_fields
 from tests.e2e.conftest import hook_server, wait_registered
@@ -218,9 +219,15 @@ def test_store_agrees_with_the_runtime_after_an_outage(
                 assert time.monotonic() < deadline, proxy.log()
                 time.sleep(0.05)
             runtime.StopPodSandbox(api_pb2.StopPodSandboxRequest(pod_sandbox_id=came), timeout=TIMEOUT)
+            # The pod koordrp never saw made owes no post stop: its line names no hook call.
+            [line] = proxy.log_lines("StopPodSandbox pod default/came")
+            assert line.endswith("hooks: none"), line
+        # The pod removed during the outage gets its post stop once, marked as late.
         server.rpcs_once(1)
         stopped = server.calls("PostStopPodSandboxHook")
-        assert [(r.pod_meta.name, r.labels["who"]) for r in stopped] == [("came", "came")]
+        assert [(r.pod_meta.name, r.labels["who"], r.annotations[CATCH_UP_ANNOTATION]) for r in stopped] == [
+            ("gone", "gone", "true")
+        ]
     finally:
         proxy.stop()
         relay.cut()

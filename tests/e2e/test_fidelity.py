@@ -328,8 +328,8 @@ def test_update_pod_sandbox_resources_gets_containerds_answer(containerd: Contai
 def test_a_pod_python_cannot_parse_does_not_stop_the_store_rebuild(
     containerd: Containerd, servers: dict[str, FakeHookServer], workdir: Path, hooks_dir: Path
 ) -> None:
-    server = hook_server(servers, workdir, "post")
-    register(hooks_dir, "post", server.path, ["PostStopContainer"])
+    server = hook_server(servers, workdir, "update")
+    register(hooks_dir, "update", server.path, ["PreUpdateContainerResources"])
     direct = containerd.runtime()
     pod = pod_sandbox_config("odd", labels={"odd": "ODD"}, log_directory=workdir / "odd")
     raw = api_pb2.RunPodSandboxRequest(config=pod).SerializeToString().replace(b"ODD", b"\xff\xfe\xfd")
@@ -352,11 +352,15 @@ def test_a_pod_python_cannot_parse_does_not_stop_the_store_rebuild(
             assert f"pod {odd_id} cannot be read from the runtime; left out" in proxy.log()
             proxy.wait_for_servers(1)
             with proxy.channel() as channel:
-                stop(proxy.runtime(channel), container_id)
+                update = api_pb2.UpdateContainerResourcesRequest(
+                    container_id=container_id, linux=api_pb2.LinuxContainerResources(cpu_shares=256)
+                )
+                proxy.runtime(channel).UpdateContainerResources(update, timeout=TIMEOUT)
         finally:
             proxy.stop()
     finally:
         for identifier in (odd_id, sandbox_id):
             remove_pod(direct, identifier)
-    [stopped] = server.calls(POST_STOP)
-    assert (stopped.pod_meta.name, stopped.container_meta.id) == ("plain", container_id)
+    # The pod beside the odd one is known: its container's hooks see it.
+    [updated] = server.calls("PreUpdateContainerResourcesHook")
+    assert (updated.pod_meta.name, updated.container_meta.id) == ("plain", container_id)

@@ -362,10 +362,10 @@ def test_after_a_restart_hooks_get_the_same_information(
 def test_after_a_restart_the_image_is_still_a_name(
     containerd: Containerd, images: ImageSet, servers: dict[str, FakeHookServer], workdir: Path, hooks_dir: Path
 ) -> None:
-    # A hook that changes nothing: no state file, so after the restart the container is read back from
-    # containerd, which (1.6, 1.7) kept only the image's id kubelet sent, not the pod spec's name.
+    # The container's state file goes between the two koordrps, so the second reads it back from containerd,
+    # which (1.6, 1.7) kept only the image's id kubelet sent, not the pod spec's name.
     watcher = hook_server(servers, workdir, "watcher")
-    register(hooks_dir, "watcher", watcher.path, ["PreStartContainer", "PostStopContainer"])
+    register(hooks_dir, "watcher", watcher.path, ["PreStartContainer", "PreUpdateContainerResources"])
     pod = pod_sandbox_config("image-restart", log_directory=workdir / "ir")
     container = container_config(
         "app", image=images.busybox.image_id, user_specified_image=BUSYBOX_REF, command=["sleep", "3600"]
@@ -373,7 +373,7 @@ def test_after_a_restart_the_image_is_still_a_name(
     runtime = containerd.runtime()
     sandbox_id = runtime.RunPodSandbox(api_pb2.RunPodSandboxRequest(config=pod), timeout=TIMEOUT).pod_sandbox_id
     try:
-        for step in ("start", "stop"):  # each through a koordrp of its own
+        for step in ("start", "update"):  # each through a koordrp of its own
             koordrp = KoordrpProcess(workdir, containerd.endpoint)
             koordrp.start()
             try:
@@ -382,15 +382,19 @@ def test_after_a_restart_the_image_is_still_a_name(
                     if step == "start":
                         container_id = start_container(through, sandbox_id, pod, container)
                     else:
-                        through.StopContainer(api_pb2.StopContainerRequest(container_id=container_id, timeout=0))
+                        update = api_pb2.LinuxContainerResources(cpu_shares=256)
+                        request = api_pb2.UpdateContainerResourcesRequest(container_id=container_id, linux=update)
+                        through.UpdateContainerResources(request, timeout=TIMEOUT)
             finally:
                 koordrp.stop()
+            if step == "start":
+                (workdir / "state" / "containers" / container_id).unlink()
     finally:
         remove_pod(runtime, sandbox_id)
-    assert not (workdir / "state" / "containers" / container_id).exists()  # read back, not kept
-    started, stopped = watcher.calls("PreStartContainerHook")[-1], watcher.calls("PostStopContainerHook")[-1]
+    started = watcher.calls("PreStartContainerHook")[-1]
+    updated = watcher.calls("PreUpdateContainerResourcesHook")[-1]
     assert started.container_annotations[IMAGE_NAME_ANNOTATION] == BUSYBOX_REF
-    assert stopped.container_annotations[IMAGE_NAME_ANNOTATION] == BUSYBOX_REF
+    assert updated.container_annotations[IMAGE_NAME_ANNOTATION] == BUSYBOX_REF
 
 
 def test_environment_values_from_hooks_are_never_logged(

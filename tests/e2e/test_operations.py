@@ -59,7 +59,7 @@ def test_metrics_health_and_call_log(
             assert sample(metrics, "koordrp_hook_servers") == 1
             assert sample(metrics, "koordrp_store_pods") == 1
             assert sample(metrics, "koordrp_store_containers") == 1
-            assert sample(metrics, "koordrp_state_files") == 1  # tuner.json changed the container's environment
+            assert sample(metrics, "koordrp_state_files") == 2  # the pod and the container koordrp saw made
             assert sample(metrics, "koordrp_backend_reachable", endpoint=relay.listen_path) == 1
             assert get(f"{base}/healthz")[0] == 200
             runtime.StopContainer(api_pb2.StopContainerRequest(container_id=pod.container_id, timeout=0))

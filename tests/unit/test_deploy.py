@@ -80,6 +80,25 @@ class DeployTests(SynchronousTestCase):
         for probe, path in (("readinessProbe", "/healthz"), ("livenessProbe", "/livez")):
             self.assertEqual(self.container[probe]["httpGet"], {"path": path, "port": port["name"]})
 
+    def test_a_stalled_koordrp_is_replaced_within_30_s_a_hiccup_is_not_and_a_stop_has_its_grace(self) -> None:
+        live, ready = self.container["livenessProbe"], self.container["readinessProbe"]
+        period, timeout, failures = live["periodSeconds"], live["timeoutSeconds"], live["failureThreshold"]
+        grace = self.pod["terminationGracePeriodSeconds"]
+        # A stall answers no probe and no SIGTERM: the grace is paid in full after the last failed probe.
+        self.assertLessEqual(period * failures + grace, 30)
+        # Worst case: the stall just after a probe, the failures-th probe's answer awaited its whole timeout.
+        self.assertLessEqual(period * failures + timeout + grace, 30)
+        # /livez unanswered fails within its timeout, well under 5 s, and before the next probe is due.
+        self.assertLess(timeout, 5)
+        self.assertLess(timeout, period)
+        # The shortest stall that fails every probe of a kill: a hiccup under 10 s is never one.
+        self.assertGreaterEqual((failures - 1) * period + timeout, 10)
+        # NotReady first: the readiness probe's worst case comes before the earliest kill.
+        self.assertLess(ready["periodSeconds"] + ready["timeoutSeconds"], (failures - 1) * period + timeout)
+        self.assertEqual(ready["failureThreshold"], 1)
+        # koordrp's own orderly stop (--grace-period, then up to 1 s more) ends before SIGKILL.
+        self.assertGreater(grace, self.options["grace-period"] + 1)
+
     def test_it_runs_the_image_scripts_package_builds_on_every_labelled_node(self) -> None:
         self.assertEqual(self.container["image"], f"{package.IMAGE_NAME}:{package.project_version()}")
         self.assertEqual(self.pod["priorityClassName"], "system-node-critical")

@@ -19,6 +19,9 @@ from koordrp.api.nri.v1alpha1 import api_pb2 as nri
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
 from koordrp.hooks.dispatcher import Dispatcher
 from koordrp.hooks.limit import PreHookLimit
+from koordrp.checkpoint import DirectoryCheckpoint
+from koordrp.nri.catchup import REPLY_SLACK as CATCH_UP_REPLY_SLACK
+from koordrp.hooks.messages import CATCH_UP_ANNOTATION, PodHookRequest
 from koordrp.hooks.types import FailurePolicy, HookServerConfig, HookServers, HookType
 from koordrp.nri import registration, translate
 from koordrp.api.ttrpc import ttrpc_pb2
@@ -974,3 +977,135 @@ class ServiceTests(LogCapture):
         self.assertTrue(containerd.transport.disconnecting)
         [waiting] = self.logged("of containerd's NRI calls in flight")
         self.assertEqual((waiting["count"], waiting["timeout"]), (1, 10.0))
+
+
+class CatchUpTests(LogCapture):
+    """What containerd made while koordrp was away gets the pre hooks it missed at Synchronize, with the real
+    dispatcher, a state directory and a server the test answers on its clock."""
+
+    CATCHING = frozenset({HookType.PRE_RUN_POD_SANDBOX, PRE_CREATE, HookType.PRE_START_CONTAINER, POST_START})
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.clock = Clock()
+        self.checkpoint = DirectoryCheckpoint(self.mktemp())
+        self.checkpoint.open()
+        self.store = Store(self.checkpoint)
+        self.clients = scripted_clients(self.clock)
+        self.policy = FailurePolicy.IGNORE
+        self.metrics = Metrics()
+        parts = Parts(self.store, Dispatcher(self.clients, self.clock), self.servers, SKIP, self.clock, self.metrics)
+        self.plugin = NRIPlugin(parts, PluginIdentity("koordrp", "10"))
+        self.containerd = FakeContainerd(NRIConnection(self.plugin, self.clock))
+        self.containerd.sent()  # the registration
+
+    def servers(self) -> HookServers:
+        return HookServers((HookServerConfig("tuner.json", "/run/tuner.sock", self.policy, self.CATCHING, 10.0),))
+
+    def synchronize(self) -> int:
+        request = nri.SynchronizeRequest(pods=[nri_pod()], containers=[nri_container(nri.CONTAINER_RUNNING)])
+        return self.containerd.call("Synchronize", request, timeout=2.0)
+
+    def answer_all(self, calls: list[PendingCall]) -> None:
+        for pending in calls:
+            if pending.hook is HookType.PRE_RUN_POD_SANDBOX:
+                pending.answer(hook.PodSandboxHookResponse(cgroup_parent="/elsewhere"))
+            else:
+                pending.answer(
+                    hook.ContainerResourceHookResponse(
+                        container_resources=hook.LinuxContainerResources(cpu_shares=512), container_envs={"HOOKED": "1"}
+                    )
+                )
+
+    def catch_up(self) -> list[PendingCall]:
+        """Answers each pre hook as it comes, in order; the calls made."""
+        for _ in range(3):
+            self.answer_all([call for call in calls_to(self.clients, "/run/tuner.sock") if not call.answered.called])
+        return calls_to(self.clients, "/run/tuner.sock")
+
+    def test_each_missed_pre_hook_is_called_in_order_marked_and_the_resources_go_back_in_the_reply(self) -> None:
+        stream = self.synchronize()
+        calls = self.catch_up()
+        self.assertEqual(
+            [call.hook for call in calls],
+            [HookType.PRE_RUN_POD_SANDBOX, PRE_CREATE, HookType.PRE_START_CONTAINER, POST_START],
+        )
+        marks = [
+            (call.request.annotations if isinstance(call.request, PodHookRequest) else call.request.container_annotations)
+            for call in calls
+        ]
+        self.assertEqual([mark.get(CATCH_UP_ANNOTATION) for mark in marks], ["true"] * 4)
+        answer = self.containerd.answers()[stream]
+        self.assertEqual(answer.status.code, 0, answer.status.message)
+        [update] = nri.SynchronizeResponse.FromString(answer.payload).update
+        self.assertEqual((update.container_id, update.linux.resources.cpu.shares.value), ("c-1", 512))
+        stored = self.store.container("c-1")
+        assert stored is not None
+        self.assertTrue(stored.hooked)
+        self.assertEqual(stored.asked.container_resources.cpu_shares, 2)  # what containerd had: kubelet's, as far as known
+        self.assertNotIn(CATCH_UP_ANNOTATION, stored.asked.container_annotations)
+        self.assertNotIn(CATCH_UP_ANNOTATION, stored.given.container_annotations)
+        [line] = [e for e in self.events if e.get("log_namespace") == "koordrp.calls" and e["method"] == "CreateContainer (catch-up)"]
+        self.assertIn("changed resources.cpu_shares 2→512, ", line["hooks"])
+        self.assertIn("left alone (late) envs +HOOKED", line["hooks"])
+        self.assertEqual(self.metrics.caught_up.labels("container")._value.get(), 1)
+
+    def test_what_koordrp_saw_made_is_not_caught_up_again(self) -> None:
+        self.catch_up_once()
+        restarted = Store(self.checkpoint)
+        parts = Parts(restarted, Dispatcher(self.clients, self.clock), self.servers, SKIP, self.clock)
+        containerd = FakeContainerd(NRIConnection(NRIPlugin(parts, PluginIdentity("koordrp", "10")), self.clock))
+        stream = containerd.call("Synchronize", nri.SynchronizeRequest(pods=[nri_pod()], containers=[nri_container(nri.CONTAINER_RUNNING)]))
+        self.assertEqual(containerd.answers()[stream].status.code, 0)
+        self.assertEqual(len(calls_to(self.clients, "/run/tuner.sock")), 4)
+
+    def catch_up_once(self) -> None:
+        stream = self.synchronize()
+        self.catch_up()
+        self.assertEqual(self.containerd.answers()[stream].status.code, 0)
+
+    def test_an_answer_that_misses_the_reply_follows_it_as_an_update(self) -> None:
+        stream = self.synchronize()
+        [pod_call] = calls_to(self.clients, "/run/tuner.sock")
+        self.answer_all([pod_call])
+        [_, create] = calls_to(self.clients, "/run/tuner.sock")
+        self.clock.advance(2.0 - ANSWER_MARGIN - CATCH_UP_REPLY_SLACK)
+        answer = self.containerd.answers()[stream]
+        self.assertEqual((answer.status.code, list(nri.SynchronizeResponse.FromString(answer.payload).update)), (0, []))
+        self.answer_all([create])
+        [sent] = [sent for sent in self.containerd.sent() if sent.request is not None]
+        assert sent.request is not None
+        self.assertEqual(sent.request.method, "UpdateContainers")
+        [update] = nri.UpdateContainersRequest.FromString(sent.request.payload).update
+        self.assertEqual(update.linux.resources.cpu.shares.value, 512)
+
+    def test_a_fail_policy_server_that_cannot_be_heard_is_one_warning_and_refuses_nothing(self) -> None:
+        self.policy = FailurePolicy.FAIL
+        stream = self.synchronize()
+        [pod_call] = calls_to(self.clients, "/run/tuner.sock")
+        pod_call.answered.errback(RuntimeError("down"))
+        self.catch_up()
+        answer = self.containerd.answers()[stream]
+        self.assertEqual(answer.status.code, 0, answer.status.message)
+        [warning] = self.logged("was not heard at the catch-up")
+        self.assertEqual((warning["server"], warning["hook"], warning["subject"]), ("tuner.json", "PreRunPodSandbox", "pod default/web"))
+        self.assertEqual(self.metrics.catch_up_unheard.labels("tuner.json")._value.get(), 1)
+        self.assertTrue(self.store.container("c-1").hooked)  # type: ignore[union-attr]
+
+    def test_a_stopped_container_is_not_caught_up_and_owes_no_post_stop(self) -> None:
+        request = nri.SynchronizeRequest(pods=[nri_pod()], containers=[nri_container(nri.CONTAINER_STOPPED)])
+        stream = self.containerd.call("Synchronize", request, timeout=2.0)
+        self.answer_all(calls_to(self.clients, "/run/tuner.sock"))
+        self.assertEqual(self.containerd.answers()[stream].status.code, 0)
+        self.assertEqual([call.hook for call in calls_to(self.clients, "/run/tuner.sock")], [HookType.PRE_RUN_POD_SANDBOX])
+        self.assertFalse(self.store.stopped("c-1"))
+
+    def test_a_split_synchronization_is_caught_up_as_one_in_its_last_reply(self) -> None:
+        first = self.containerd.call("Synchronize", nri.SynchronizeRequest(pods=[nri_pod()], more=True), timeout=2.0)
+        answer = self.containerd.answers()[first]
+        self.assertEqual(nri.SynchronizeResponse.FromString(answer.payload), nri.SynchronizeResponse(more=True))
+        self.assertEqual(calls_to(self.clients, "/run/tuner.sock"), [])  # nothing before the whole is known
+        last = self.containerd.call("Synchronize", nri.SynchronizeRequest(containers=[nri_container(nri.CONTAINER_RUNNING)]))
+        self.assertEqual(len(self.catch_up()), 4)
+        [update] = nri.SynchronizeResponse.FromString(self.containerd.answers()[last].payload).update
+        self.assertEqual(update.container_id, "c-1")

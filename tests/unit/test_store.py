@@ -8,7 +8,7 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from koordrp.checkpoint import CheckpointError, DirectoryCheckpoint, Kind, Parsed
 from koordrp.hooks.messages import ContainerHookRequest, PodHookRequest, Resources
-from koordrp.store import ContainerState, Store, StoredContainer, StoredPod
+from koordrp.store import ContainerState, StoppedWhileAway, Store, StoredContainer, StoredPod
 from tests.support.logs import logged_events
 
 
@@ -134,7 +134,7 @@ class CheckpointTests(SynchronousTestCase):
         store.put_pod("p1", pod("asked"), pod("given"))
         store.put_container("c1", "p1", container("asked"), container("given"))
         store.put_container("c2", "p1", container("same"), container("same"))
-        self.assertEqual((self.files("pods"), self.files("containers")), (["p1"], ["c1"]))
+        self.assertEqual((self.files("pods"), self.files("containers")), (["p1"], ["c1", "c2"]))
         mode = os.stat(self.directory).st_mode & 0o777
         self.assertEqual((mode, os.stat(os.path.join(self.directory, "containers", "c1")).st_mode & 0o777), (0o700, 0o600))
 
@@ -154,13 +154,13 @@ class CheckpointTests(SynchronousTestCase):
         )
         self.assertEqual(restarted.container("c2"), StoredContainer("p1", container("same"), container("same"), ContainerState.RUNNING))
 
-    def test_what_is_forgotten_or_no_longer_differs_is_removed(self) -> None:
+    def test_what_koordrp_saw_made_is_kept_until_it_is_forgotten(self) -> None:
         store = Store(self.opened())
         store.put_pod("p1", pod("asked"), pod("given"))
         store.put_container("c1", "p1", container("asked"), container("given"))
         store.put_container("c2", "p1", container("asked"), container("given"))
         store.revise_container("c1", container("now the same"), container("now the same"))
-        self.assertEqual(self.files("containers"), ["c2"])
+        self.assertEqual(self.files("containers"), ["c1", "c2"])
         store.forget_pod("p1")
         self.assertEqual((self.files("pods"), self.files("containers")), ([], []))
 
@@ -180,7 +180,7 @@ class CheckpointTests(SynchronousTestCase):
         self.assertIsNone(store.container("c1"))
         warnings = [event["log_format"] for event in events if event.get("log_level") is LogLevel.warn]
         self.assertEqual(len(warnings), 2, warnings)
-        self.assertTrue(warnings[0].startswith("cannot keep what kubelet asked in {directory}"))
+        self.assertTrue(warnings[0].startswith("cannot write {path}: "))
         self.assertTrue(warnings[1].startswith("cannot remove what was kept"))
 
     def test_what_was_kept_for_things_removed_while_koordrp_was_away_goes(self) -> None:
@@ -249,7 +249,7 @@ class CheckpointTests(SynchronousTestCase):
         store.put_pod("p1", pod("asked"), pod("given"))
         store.put_container("c1", "p1", container("asked"), container("given"))
         store.put_container("c2", "p1", container("same"), container("same"))
-        self.assertEqual(store.state_files(), 2)
+        self.assertEqual(store.state_files(), 3)
         store.forget_pod("p1")
         self.assertEqual((store.state_files(), Store().state_files()), (0, 0))
 
@@ -280,7 +280,8 @@ class CheckpointTests(SynchronousTestCase):
         store.put_container("c1", "p1", container("asked"), container("given"))
         listed = [(cid, StoredContainer.read_back("p1", container("given"), ContainerState.RUNNING)) for cid in ("c1", "c2")]
         store.reconcile((set(), {"c1", "c2"}), [], listed, store.ids())
-        self.assertEqual(reads, ["c2"])
+        self.assertEqual(reads[0], "c2")
+        self.assertNotIn("c1", reads)
         self.assertEqual(store.container("c1").asked, container("asked"))  # type: ignore[union-attr]
 
     def test_a_directory_others_may_write_is_refused(self) -> None:
@@ -292,4 +293,137 @@ class CheckpointTests(SynchronousTestCase):
         checkpoint = self.opened()
         checkpoint.write("containers", "../escape", b"x")
         checkpoint.write("containers", "", b"x")
-        self.assertEqual((self.files("containers"), sorted(os.listdir(self.directory))), ([], ["containers", "pods"]))
+        self.assertEqual((self.files("containers"), sorted(os.listdir(self.directory))), ([], ["containers", "pending", "pods"]))
+
+
+class AbsenceTests(SynchronousTestCase):
+    """What koordrp keeps tells, after it was away, what it saw made, what it must still tell of, and what
+    kubelet asked for what it was about to make when it was killed."""
+
+    def setUp(self) -> None:
+        self.directory = self.mktemp()
+        self.owed: list[tuple[list[str], list[str]]] = []
+
+    def restarted(self) -> Store:
+        checkpoint = DirectoryCheckpoint(self.directory)
+        checkpoint.open()
+
+        def owed(stopped: StoppedWhileAway) -> None:
+            self.owed.append(
+                ([p.pod_meta.name for p in stopped.pods], [c.container_meta.name for c in stopped.containers])
+            )
+
+        return Store(checkpoint, owed)
+
+    def test_what_koordrp_never_saw_made_is_not_hooked_and_owes_no_post_hook(self) -> None:
+        store = self.restarted()
+        store.put_pod("p1", pod("seen"), pod("seen"))
+        store.learn(
+            [("p2", StoredPod.read_back(pod("unseen"), False))],
+            [("c1", StoredContainer.read_back("p2", container("unseen"), ContainerState.RUNNING))],
+        )
+        self.assertEqual((store.pod("p1").hooked, store.pod("p2").hooked), (True, False))  # type: ignore[union-attr]
+        self.assertFalse(store.container("c1").hooked)  # type: ignore[union-attr]
+        self.assertFalse(store.stopped("c1"))
+        self.assertEqual(store.pod_stopped("p2"), (False, []))
+        self.assertEqual(os.listdir(os.path.join(self.directory, "containers")), [])  # nothing kept: not seen after a restart
+
+    def test_without_a_state_directory_everything_read_back_counts_as_seen(self) -> None:
+        store = Store()
+        store.learn([], [("c1", StoredContainer.read_back("p1", container("x"), ContainerState.RUNNING))])
+        self.assertTrue(store.stopped("c1"))
+
+    def test_a_pod_and_container_koordrp_was_killed_before_it_heard_were_made_keep_kubelets_values(self) -> None:
+        store = self.restarted()
+        asked_pod, asked_container = pod("web"), container("app")
+        asked_pod.pod_meta.uid, asked_container.pod_meta.uid = "uid-1", "uid-1"
+        asked_container.container_envs["FROM_KUBELET"] = "1"
+        store.expect_pod(asked_pod)
+        store.expect_container("p1", asked_container, changed=True)
+        # killed here: the runtime made both, with the hooks' changes
+        given_pod, given_container = pod("web"), container("app")
+        given_pod.pod_meta.uid, given_container.pod_meta.uid = "uid-1", "uid-1"
+        given_container.container_envs["FROM_KUBELET"] = "1"
+        given_container.container_envs["FROM_A_HOOK"] = "1"
+        restarted = self.restarted()
+        restarted.reconcile(
+            ({"p1"}, {"c1"}),
+            [("p1", StoredPod.read_back(given_pod, False))],
+            [("c1", StoredContainer.read_back("p1", given_container, ContainerState.RUNNING))],
+            restarted.ids(),
+        )
+        stored = restarted.container("c1")
+        assert stored is not None
+        self.assertEqual(dict(stored.asked.container_envs), {"FROM_KUBELET": "1"})
+        self.assertEqual((stored.asked.container_meta.id, stored.hooked), ("c1", True))
+        self.assertTrue(restarted.pod("p1").hooked)  # type: ignore[union-attr]
+        # Kept under its id now, and nothing is left pending.
+        self.assertEqual(
+            (os.listdir(os.path.join(self.directory, "containers")), os.listdir(os.path.join(self.directory, "pending"))),
+            (["c1"], []),
+        )
+
+    def test_a_container_made_without_the_hooks_answer_counts_as_made_while_koordrp_was_away(self) -> None:
+        """NRI: containerd goes on without a plugin killed before its answer reached it."""
+        asked = container("app")
+        asked.container_resources.cpu_shares = 102
+        self.restarted().expect_container("p1", asked, changed=True)
+        restarted = self.restarted()
+        restarted.learn([], [("c1", StoredContainer.read_back("p1", asked, ContainerState.RUNNING))])
+        self.assertFalse(restarted.container("c1").hooked)  # type: ignore[union-attr]
+        self.assertEqual(os.listdir(os.path.join(self.directory, "pending")), [])
+
+    def test_what_was_about_to_be_made_and_never_was_goes_after_two_readings(self) -> None:
+        store = self.restarted()
+        store.expect_container("p1", container("never made"), changed=False)
+        store.reconcile((set(), set()), [], [], store.ids())
+        self.assertEqual(len(os.listdir(os.path.join(self.directory, "pending"))), 1)  # its call may still be under way
+        store.reconcile((set(), set()), [], [], store.ids())
+        self.assertEqual(os.listdir(os.path.join(self.directory, "pending")), [])
+
+    def test_what_went_while_koordrp_was_away_owes_its_post_stops_once_with_kubelets_values(self) -> None:
+        store = self.restarted()
+        store.put_pod("p1", pod("running"), pod("running, given"))
+        store.put_container("c1", "p1", container("running"), container("running, given"))
+        store.put_pod("p2", pod("stopped"), pod("stopped"))
+        store.put_container("c2", "p2", container("stopped"), container("stopped"))
+        store.pod_stopped("p2")
+        restarted = self.restarted()
+        restarted.reconcile((set(), set()), [], [], restarted.ids())
+        self.assertEqual(self.owed, [(["running"], ["running"])])
+        restarted.reconcile((set(), set()), [], [], restarted.ids())
+        self.assertEqual(len(self.owed), 1)
+
+    def test_what_the_store_knew_and_is_gone_at_a_reading_owes_its_post_stops(self) -> None:
+        store = self.restarted()
+        store.put_pod("p1", pod("web"), pod("web"))
+        store.put_container("c1", "p1", container("app"), container("app"))
+        store.put_container("c2", "p1", container("done"), container("done"))
+        store.stopped("c2")
+        store.reconcile((set(), set()), [], [], store.ids())
+        self.assertEqual(self.owed, [(["web"], ["app"])])
+
+    def test_what_stopped_while_koordrp_was_away_owes_its_post_stop_once(self) -> None:
+        store = self.restarted()
+        store.put_container("c1", "p1", container("app"), container("app"))
+        restarted = self.restarted()
+        exited = [("c1", StoredContainer.read_back("p1", container("app"), ContainerState.STOPPED))]
+        restarted.reconcile((set(), {"c1"}), [], exited, restarted.ids())
+        self.assertEqual(self.owed, [([], ["app"])])
+        again = self.restarted()
+        again.reconcile((set(), {"c1"}), [], exited, again.ids())
+        self.assertEqual(len(self.owed), 1)
+        self.assertFalse(again.stopped("c1"))
+
+    def test_what_was_kept_unreadably_for_something_gone_is_one_warning_and_no_post_stop(self) -> None:
+        self.restarted()
+        with open(os.path.join(self.directory, "containers", "c1"), "wb") as garbage:
+            garbage.write(b"\xff\xff\xff")
+        restarted = self.restarted()
+        events = logged_events(self)
+        restarted.reconcile((set(), set()), [], [], restarted.ids())
+        [warning] = [event for event in events if event.get("log_level") is LogLevel.warn]
+        self.assertEqual((warning["kind"], warning["id"]), ("container", "c1"))
+        self.assertIn("its post stop cannot be told", warning["consequence"])
+        self.assertEqual((self.owed, restarted.unreadable_state_files), ([], 1))
+        self.assertEqual(os.listdir(os.path.join(self.directory, "containers")), [])
