@@ -6,7 +6,7 @@ Per containerd release with NRI (1.7 and 2.1), a private containerd, a hook serv
 shares 512 at PreCreateContainer (in this process), and koordrp as its NRI plugin. Each round:
 
 * **baseline**: koordrp started with nothing to catch up; seconds from its start until it is containerd's
-  plugin (its log says its store was rebuilt from the synchronization): what every start pays;
+  plugin (its log says it registered, as its reply to the synchronization leaves): what every start pays;
 * **away**: koordrp killed (SIGKILL), ``--pods`` pods of one running container made on containerd, koordrp
   started again (its state directory kept); seconds from its start until registered, and until every
   container has the hook's cpu shares in containerd's spec (what containerd applied);
@@ -38,6 +38,7 @@ from tests.support.pods import TIMEOUT, remove_pod, runtime_spec, start_containe
 from tests.support.stack import start_containerd
 
 SHARES = 512
+REGISTERED = "] registered with containerd"
 
 
 def wait(condition: Any, what: str, timeout: float = 120.0) -> float:
@@ -69,11 +70,12 @@ def pods(runtime: Any, logs: Path, prefix: str, count: int) -> Iterator[list[str
 
 
 def started(koordrp: KoordrpProcess) -> float:
-    """Starts ``koordrp``; seconds until it is containerd's plugin (its store rebuilt from the synchronization)."""
+    """Starts ``koordrp``; seconds until it is containerd's plugin (its log says it registered: its reply to the
+    synchronization, with what the catch-up changed by then, is on its way)."""
     earlier = len(koordrp.log())
     began = time.monotonic()
     koordrp.process = subprocess.Popen(koordrp.argv(), cwd=koordrp.base, stdin=subprocess.DEVNULL, env=koordrp.environ)
-    wait(lambda: koordrp.ready_line in koordrp.log()[earlier:], "koordrp registered")
+    wait(lambda: REGISTERED in koordrp.log()[earlier:], "koordrp registered")
     return time.monotonic() - began
 
 

@@ -1,12 +1,12 @@
-"""What kubelet asked for each pod and container, kept on disk where it differs from what the runtime has.
+"""Files in the state directory, by kind and id: what the store (``koordrp.store``) keeps of each pod and
+container koordrp saw made, and of each about to be made, so that it outlives koordrp.
 
 The runtime keeps what it was given, hooks' changes included, and koordrp rebuilds its store from it
-after a restart; what kubelet asked before the hooks changed it is kept nowhere else. Hooks are asked
-with kubelet's values (a hook that scales a value must scale kubelet's, once), so koordrp keeps
-them here, one small file per pod or container whose hooks changed something, in a directory only
-root may read (environment values may be secrets): ``<dir>/pods/<id>``, ``<dir>/containers/<id>``,
-each the serialized hook request. The default directory is under /var/run: it lasts as long as the
-node's running containers do.
+after a restart; what kubelet asked before the hooks changed it, and which pods and containers koordrp
+saw made, are kept nowhere else. This module knows files, not what is in them: ``<dir>/pods/<id>``,
+``<dir>/containers/<id>``, ``<dir>/pending/<name>``, in a directory only root may read (environment
+values may be secrets). The default directory is under /var/run: it lasts as long as the node's running
+containers do.
 
 A file is written whole or not at all (a temporary file, renamed into place once every byte is in it):
 a full or read-only directory costs what it would have kept, never a truncated file. Nothing is

@@ -62,7 +62,7 @@ from koordrp.hooks.messages import (
     subject_text,
 )
 from koordrp.hooks.types import UNREADABLE, HookServers, HookType, PostStage
-from koordrp.store import ContainerState, StoppedWhileAway
+from koordrp.store import ContainerState, OwedStops
 from koordrp.text import shortened
 
 # The hook points of each CRI method (Docker calls stand for one of them); tests check the flows
@@ -185,7 +185,7 @@ async def create_container(call: Call[AnyReply], request: CreateContainer) -> An
     container = copied(asked)
     call.concerns(container)
     rewritten = await call.pre_rewriting(HookType.PRE_CREATE_CONTAINER, container, request.rewritten, sent, keep_late=True)
-    call.store.expect_container(request.sandbox_id, asked, changed=rewritten is not None)
+    call.store.expect_container(request.sandbox_id, asked, changed=None if rewritten is None else container)
     reply = await call.forward(rewritten)
     if reply.ok:
         container_id = reply.created_id  # Docker mode reads it from the JSON answer, so once
@@ -314,7 +314,7 @@ async def remove_pod_sandbox(call: Call[AnyReply], sandbox_id: str) -> AnyReply:
     )
 
 
-def stops_while_away(parts: Parts, stopped: StoppedWhileAway) -> None:
+def tell_owed_stops(parts: Parts, stopped: OwedStops) -> None:
     """The post stops owed for pods and containers that stopped, or went, while koordrp was away: told once each,
     marked as catch-up calls (``CATCH_UP_ANNOTATION``), containers before their pods, to the servers registered
     now (a pod with the skip label is spared)."""
@@ -328,7 +328,7 @@ def stops_while_away(parts: Parts, stopped: StoppedWhileAway) -> None:
         if subscribed and not parts.skip.skips(labels):
             stages.append(PostStage(hook, subscribed, marked_catch_up(copied(request))))
             Call.log.info(
-                "{subject} stopped or went while koordrp was away: its {hook} is told now, late",
+                "{subject} stopped or went without koordrp seeing it: its {hook} is told now, late",
                 subject=subject_text(request),
                 hook=hook.value,
             )

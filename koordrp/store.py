@@ -12,9 +12,11 @@ is also why a CRI worker may read an entry without the reactor (``koordrp.flows.
 dict's read is whole under the GIL, and an entry read is one the store had.
 
 After a restart the store is rebuilt from the runtime, which knows only ``given``; ``asked`` comes
-back from the checkpoint (``koordrp.checkpoint``), where it is kept whenever it differs. A kept file
-koordrp cannot read costs a warning naming it, and the entry is marked (``asked_lost``) so that the
-lines of the calls about it say their hooks were not shown kubelet's values.
+back from the checkpoint (``koordrp.checkpoint``), where a file is kept for every pod and container koordrp
+saw made (``hooked``: its post hooks are owed), with whether its stop was told, and, before the runtime
+may make one, under a name from what kubelet calls it (``expect_pod``). A kept file koordrp cannot read
+costs a warning naming it, and the entry is marked (``asked_lost``) so that the lines of the calls about
+it say their hooks were not shown kubelet's values.
 """
 
 import hashlib
@@ -125,6 +127,8 @@ class Record:
     asked: PodHookRequest | ContainerHookRequest
     stopped: bool
     changed: bool = False
+    earlier: bool = False
+    """Written by an earlier koordrp (no header)."""
 
 
 def _parser(template: type[Request], uid: str | None) -> Callable[[bytes], Record]:
@@ -132,12 +136,14 @@ def _parser(template: type[Request], uid: str | None) -> Callable[[bytes], Recor
 
     koordrp writes the fields it knows and no other, about the pod (or a container of the pod) the
     runtime has: bytes that parse into something else were not written by it for this entry. A file
-    without the header was written by an earlier koordrp: the request alone, for one not stopped.
+    without the header was written by an earlier koordrp (the request alone), which did not say whether the
+    stop was told: it is taken as told, so that no stop is told twice.
     """
 
     def parse(data: bytes) -> Record:
-        flags = 0
-        if data.startswith(_RECORD_HEADER):
+        flags = _STOPPED
+        earlier = not data.startswith(_RECORD_HEADER)
+        if not earlier:
             if len(data) < len(_RECORD_HEADER) + 1:
                 raise ValueError("shorter than its header")
             flags = data[len(_RECORD_HEADER)]
@@ -147,7 +153,7 @@ def _parser(template: type[Request], uid: str | None) -> Callable[[bytes], Recor
             raise ValueError(f"not a {template.__name__} as koordrp writes it")
         if uid is not None and kept.pod_meta.uid != uid:
             raise ValueError(f"about pod uid {kept.pod_meta.uid!r}, not {uid!r}")
-        return Record(kept, bool(flags & _STOPPED), bool(flags & _CHANGED))
+        return Record(kept, bool(flags & _STOPPED), bool(flags & _CHANGED), earlier)
 
     return parse
 
@@ -169,16 +175,15 @@ def pending_container_name(sandbox_id: str, container: ContainerHookRequest) -> 
     return _name("container", sandbox_id, meta.name, str(meta.attempt))
 
 
-def _as_asked(given: PodHookRequest | ContainerHookRequest, asked: PodHookRequest | ContainerHookRequest) -> bool:
-    """Whether the runtime has a container as kubelet asked, in what hooks change (its resources and environment)."""
-    assert isinstance(given, ContainerHookRequest) and isinstance(asked, ContainerHookRequest)
-    return given.container_resources == asked.container_resources and given.container_envs == asked.container_envs
+def _as_the_runtime_shows(container: ContainerHookRequest) -> tuple[Resources, dict[str, str]]:
+    """What of a container the runtime shows as it was made, whatever the front end: its resources and environment."""
+    return container.container_resources, dict(container.container_envs)
 
 
 @dataclass
-class StoppedWhileAway:
-    """Pods and containers koordrp saw made whose stop it did not see: they stopped, or went, while it was away.
-    Each owes its post stop, once (what kubelet asked for it, as kept)."""
+class OwedStops:
+    """Pods and containers koordrp saw made whose stop it did not see: they stopped, or went, while it was away or
+    behind its back. Each owes its post stop, once (what kubelet asked for it, as kept)."""
 
     pods: list[PodHookRequest] = field(default_factory=list)
     containers: list[ContainerHookRequest] = field(default_factory=list)
@@ -195,13 +200,15 @@ class _Kept:
     lost: bool
     hooked: bool
     stopped: bool
+    rewrite: bool = False
+    """Its state file is to be written as this koordrp writes them (an earlier koordrp's, or none where it kept none)."""
 
 
 class Store:
     log = Logger()
 
     def __init__(
-        self, checkpoint: Checkpoint | None = None, owed: Callable[[StoppedWhileAway], None] = lambda stopped: None
+        self, checkpoint: Checkpoint | None = None, owed: Callable[[OwedStops], object] = lambda stopped: None
     ) -> None:
         """``owed`` is told of what stopped, or went, while koordrp was away (its post stops are owed)."""
         self._pods: dict[str, StoredPod] = {}
@@ -211,6 +218,7 @@ class Store:
         self.unreadable_state_files = 0
         """How many times a kept file could not be read (each costs one warning)."""
         self._pending_seen: AbstractSet[str] = frozenset()
+        self._earlier: bool | None = None
         """What was kept for pods and containers about to be made at the previous reconcile."""
 
     def pod(self, sandbox_id: str) -> StoredPod | None:
@@ -239,12 +247,18 @@ class Store:
     def expect_pod(self, asked: PodHookRequest) -> None:
         """The runtime is about to run this pod: what kubelet asked is kept first, so that a koordrp killed before
         it hears that the pod runs still has it (``learn`` takes it)."""
-        self._checkpoint.write("pending", pending_pod_name(asked), _record(asked, False))
+        name = pending_pod_name(asked)
+        self._checkpoint.write("pending", name, _record(asked, False))
+        self._pending_seen -= {name}
 
-    def expect_container(self, sandbox_id: str, asked: ContainerHookRequest, changed: bool) -> None:
-        """As ``expect_pod``, for a container about to be created in ``sandbox_id``; ``changed``: the hooks changed
-        what the runtime is to make (if the runtime then has it as kubelet asked, their answer never reached it)."""
-        self._checkpoint.write("pending", pending_container_name(sandbox_id, asked), _record(asked, False, changed))
+    def expect_container(self, sandbox_id: str, asked: ContainerHookRequest, changed: ContainerHookRequest | None) -> None:
+        """As ``expect_pod``, for a container about to be created in ``sandbox_id``; ``changed``: what the hooks made of
+        it, if the runtime is sent their changes (if the runtime then shows it as kubelet asked where the hooks
+        changed it, their answer never reached it)."""
+        name = pending_container_name(sandbox_id, asked)
+        shown_changed = changed is not None and _as_the_runtime_shows(changed) != _as_the_runtime_shows(asked)
+        self._checkpoint.write("pending", name, _record(asked, False, shown_changed))
+        self._pending_seen -= {name}
 
     def put_pod(self, sandbox_id: str, asked: PodHookRequest, given: PodHookRequest) -> None:
         """A pod the runtime has just run."""
@@ -327,6 +341,14 @@ class Store:
                     containers.append(container)
         return newly and stored is not None and stored.hooked, [container.copy() for container in containers]
 
+    def unhook(self, container_id: str) -> None:
+        """What the hooks made of a container did not reach the runtime: it is taken again for one made while
+        koordrp was away (its state file goes)."""
+        stored = self._containers.get(container_id)
+        if stored is not None:
+            self._containers[container_id] = replace(stored, hooked=False)
+            self._checkpoint.write("containers", container_id, None)
+
     def forget_container(self, container_id: str) -> None:
         self._containers.pop(container_id, None)
         self._checkpoint.write("containers", container_id, None)
@@ -351,15 +373,18 @@ class Store:
         made) is not ``hooked``. One it saw made and not stopped, that the runtime has stopped, owes its
         post stop (``owed``).
         """
-        owed = StoppedWhileAway()
+        self._kept_by_earlier_koordrp()  # looked at once, before any file is rewritten
+        owed = OwedStops()
         for sandbox_id, pod in pods:
             if sandbox_id not in self._pods:
                 kept = self._kept("pods", sandbox_id, pod.given, pending_pod_name(pod.given))
                 assert isinstance(kept.asked, PodHookRequest)
                 learnt = replace(pod, asked=kept.asked, given=copied(pod.given), asked_lost=kept.lost, hooked=kept.hooked)
                 self._pods[sandbox_id] = learnt
-                if learnt.hooked and learnt.stopped and not kept.stopped:
+                owes = learnt.hooked and learnt.stopped and not kept.stopped and not kept.rewrite
+                if owes:
                     owed.pods.append(learnt.asked)
+                if owes or kept.rewrite:
                     self._keep_pod(sandbox_id, learnt)
         for container_id, stored in containers:
             if container_id not in self._containers:
@@ -370,8 +395,11 @@ class Store:
                     stored, asked=kept.asked, given=copied(stored.given), asked_lost=kept.lost, hooked=kept.hooked
                 )
                 self._containers[container_id] = learnt_container
-                if learnt_container.hooked and learnt_container.state is ContainerState.STOPPED and not kept.stopped:
+                stopped = learnt_container.state is ContainerState.STOPPED
+                owes = learnt_container.hooked and stopped and not kept.stopped and not kept.rewrite
+                if owes:
                     owed.containers.append(learnt_container.asked)
+                if owes or kept.rewrite:
                     self._keep_container(container_id, learnt_container)
         if owed:
             self._owed(owed)
@@ -398,14 +426,32 @@ class Store:
             asked = record.asked
             if where == "pending":
                 self._checkpoint.write("pending", name, None)
-                if record.changed and _as_asked(given, asked):
+                if record.changed and isinstance(given, ContainerHookRequest) and isinstance(asked, ContainerHookRequest) and (
+                    _as_the_runtime_shows(given) == _as_the_runtime_shows(asked)
+                ):
                     # koordrp was killed before the runtime had the hooks' answer: made as if it were away.
                     return _Kept(copied(given), False, False, False)
                 if isinstance(asked, ContainerHookRequest):
                     asked.container_meta.id = identifier
                 self._checkpoint.write(kind, identifier, _record(asked, False))
-            return _Kept(asked, False, True, record.stopped)
+            return _Kept(asked, False, True, record.stopped, rewrite=record.earlier)
+        if self._kept_by_earlier_koordrp():
+            # It kept files only for what the hooks changed: what it has none for was seen made all the same.
+            return _Kept(copied(given), False, True, False, rewrite=True)
         return _Kept(copied(given), False, not self._checkpoint.remembers, False)
+
+    def _kept_by_earlier_koordrp(self) -> bool:
+        """Whether the state directory holds files of an earlier koordrp, read once (then rewritten as they are learnt)."""
+        if self._earlier is None:
+
+            def earlier(kind: Kind, name: str) -> bool:
+                try:
+                    return bool(self._checkpoint.read(kind, name, lambda data: not data.startswith(_RECORD_HEADER)))
+                except StateUnreadable:
+                    return False
+
+            self._earlier = any(earlier(kind, name) for kind in ("pods", "containers") for name in self._checkpoint.kept(kind))
+        return self._earlier
 
     def ids(self) -> tuple[set[str], set[str]]:
         """The pod and container ids known now: what a later reconcile may forget."""
@@ -417,6 +463,7 @@ class Store:
         pods: list[tuple[str, StoredPod]],
         containers: list[tuple[str, StoredContainer]],
         known_before: tuple[AbstractSet[str], AbstractSet[str]],
+        learns: bool = True,
     ) -> tuple[int, int]:
         """Agree with a listing of the runtime taken after ``known_before``; returns (forgotten, learnt).
 
@@ -426,13 +473,15 @@ class Store:
         for pods and containers neither known nor listed (removed while koordrp was away). Of those,
         each koordrp saw made and whose stop it did not tell owes its post stop (``owed``). Entries
         written after ``known_before`` came from calls the listing may have missed, and are kept.
-        Everything read back and unknown is learnt.
+        Everything read back and unknown is learnt. ``learns``: the reading reads back what the store
+        lacks (NRI mode's listing does not: only then is what was kept for things about to be made, and
+        not taken, let go).
         """
         pods_before, containers_before = known_before
         listed_pods, listed_containers = listed
         gone_pods = [i for i in pods_before - listed_pods if i in self._pods]
         gone_containers = [i for i in containers_before - listed_containers if i in self._containers]
-        owed = StoppedWhileAway()
+        owed = OwedStops()
         for container_id in gone_containers:
             container = self._containers.pop(container_id)
             if container.hooked and container.state is not ContainerState.STOPPED:
@@ -456,9 +505,10 @@ class Store:
         self._checkpoint.retain("containers", self._containers.keys() | listed_containers)
         # What was kept for a pod or container about to be made, and not taken since the previous reconcile: its
         # call failed (or was given up before the runtime made it).
-        pending = self._checkpoint.kept("pending")
-        self._checkpoint.retain("pending", pending - self._pending_seen)
-        self._pending_seen = pending - self._pending_seen
+        if learns:
+            pending = self._checkpoint.kept("pending")
+            self._checkpoint.retain("pending", pending - self._pending_seen)
+            self._pending_seen = pending - self._pending_seen
         if owed:
             self._owed(owed)
         return len(gone_pods) + len(gone_containers), new

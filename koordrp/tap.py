@@ -303,8 +303,9 @@ def makeService(config: Options, reactor: IReactorCore | None = None) -> service
     registry = HookRegistry(config["hook-config-dir"], config["hook-timeout"], clock, on_change=registered)
     checkpoint = DirectoryCheckpoint(config["state-dir"])
     parts: Parts = Parts(
-        # Told of what stopped or went while koordrp was away once the runtime says so (parts is complete by then).
-        store=Store(checkpoint, owed=lambda stopped: flows.stops_while_away(parts, stopped)),
+        # What stopped or went unseen is told on the reactor's next turn, apart from the reading or call that found
+        # it (parts is complete by then).
+        store=Store(checkpoint, owed=lambda stopped: clock.callLater(0, flows.tell_owed_stops, parts, stopped)),
         dispatcher=dispatcher,
         registrations=lambda: registry.current,
         skip=SkipLabel(config["runtime-hook-server-key"], config["runtime-hook-server-val"]),

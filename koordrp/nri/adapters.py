@@ -9,7 +9,8 @@ from typing import Callable
 
 from twisted.internet.defer import Deferred, TimeoutError as DeferredTimeout
 
-from koordrp import adapters
+from koordrp import adapters, flows
+from koordrp.call import Call
 from koordrp.api.nri.v1alpha1 import api_pb2 as nri
 from koordrp.hooks.messages import ContainerHookRequest, placed_in_pod
 from koordrp.nri import translate
@@ -18,6 +19,14 @@ from koordrp.store import StoredContainer, StoredPod
 
 UPDATE_SECONDS = 30.0
 """How long koordrp waits for containerd to apply a late answer (containerd applies it between its calls to plugins)."""
+
+def not_done(call: Call[NRIReply], why: str, because: str) -> None:
+    """containerd did not do what the call told of, or did not take what its hooks changed: the call's line says
+    ``why``, and names every change of its hooks as left alone ``because``."""
+    call.record.why = why
+    for hook in flows.METHOD_HOOKS[call.lifecycle]:
+        call.record.leave_alone(hook, "", because)
+
 
 @dataclass(frozen=True)
 class NRIReply:

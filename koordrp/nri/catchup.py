@@ -22,11 +22,13 @@ from typing import Any, Callable, Coroutine
 from twisted.internet.defer import Deferred, DeferredList, ensureDeferred
 from twisted.logger import Logger
 
+from twisted.python.failure import Failure
+
 from koordrp import adapters, flows
 from koordrp.api.nri.v1alpha1 import api_pb2 as nri
 from koordrp.call import Call, Parts
 from koordrp.nri import translate
-from koordrp.nri.adapters import LateAnswers, NRIReply
+from koordrp.nri.adapters import LateAnswers, NRIReply, not_done
 from koordrp.store import ContainerState, StoredContainer, StoredPod
 from koordrp.text import shortened
 
@@ -36,37 +38,55 @@ REPLY_SLACK = 0.1
 log = Logger()
 
 
+NOT_APPLIED = "late, and not applied"
+"""Why what a catch-up call's hooks changed is named left alone when containerd did not take it."""
+
+
 class _Updates:
     """What the caught-up containers' hooks changed: in the reply while it has not left, with UpdateContainers after."""
 
     def __init__(self, late: LateAnswers) -> None:
         self._late = late
-        self.in_reply: list[nri.ContainerUpdate] = []
+        self.in_reply: dict[str, nri.ContainerUpdate] = {}
         self.replied = False
 
-    async def add(self, update: bytes, subject: str) -> None:
+    async def add(self, container_id: str, update: bytes) -> str | None:
+        """Why containerd did not take ``update`` (an UpdateContainersRequest), if it did not."""
         if not self.replied:
-            self.in_reply.extend(nri.UpdateContainersRequest.FromString(update).update)
-            return
+            for each in nri.UpdateContainersRequest.FromString(update).update:
+                self.in_reply[container_id] = each
+            return None
         try:
             await self._late.send(update)
         except adapters.LateNotApplied as error:
-            log.warn("the catch-up of {subject} could not be applied: {error}", subject=subject, error=shortened(str(error)))
+            return str(error)
+        return None
 
 
 class _CatchUpBackend:
     """``adapters.Backend`` of a catch-up call: containerd has made the pod or container already; "forwarding" is
-    handing what the hooks changed to ``_Updates``."""
+    handing what the hooks changed to ``_Updates``, and what the flow then stores is what still exists."""
 
-    def __init__(self, updates: _Updates, created_id: str, subject: str) -> None:
+    def __init__(self, parts: Parts, updates: _Updates, pod_id: str, container_id: str | None) -> None:
+        self._store = parts.store
         self._updates = updates
-        self._created_id = created_id
-        self._subject = subject
+        self._pod_id = pod_id
+        self._container_id = container_id
 
     async def forward(self, rewritten: bytes | None, timeout: float | None) -> NRIReply:
-        if rewritten is not None:
-            await self._updates.add(rewritten, self._subject)
-        return NRIReply(True, self._created_id)
+        created = self._container_id or self._pod_id
+        if rewritten is not None and self._container_id is not None:
+            refused = await self._updates.add(self._container_id, rewritten)
+            if refused is not None:
+                return NRIReply(False, created, f"containerd did not take the update: {shortened(refused)}")
+        # containerd's events while the hooks were asked win: a pod or container gone or stopped meanwhile stays so.
+        if self._container_id is None:
+            pod = self._store.pod(self._pod_id)
+            gone = pod is None or pod.stopped
+        else:
+            container = self._store.container(self._container_id)
+            gone = container is None or container.state is ContainerState.STOPPED
+        return NRIReply(not gone, created, "containerd stopped or removed it meanwhile" if gone else "")
 
     async def read_pod(self, sandbox_id: str, timeout: float | None) -> StoredPod | None:
         return None  # the store learnt every pod of the synchronization first
@@ -83,11 +103,16 @@ def _missed(stored: StoredPod | StoredContainer | None) -> bool:
 
 
 class CatchUp:
-    """One synchronization's catch-up: ``reply`` fires with the updates for containerd's reply."""
+    """One synchronization's catch-up: ``reply`` fires with the updates for containerd's reply.
 
-    def __init__(self, parts: Parts, late: LateAnswers) -> None:
+    ``catching_up`` holds the ids of what is being caught up now, by any connection's synchronization: a
+    reconnect while a chain still waits on a hook does not call its hooks a second time.
+    """
+
+    def __init__(self, parts: Parts, late: LateAnswers, catching_up: set[str]) -> None:
         self._parts = parts
         self._updates = _Updates(late)
+        self._catching_up = catching_up
 
     def reply(self, synchronization: nri.SynchronizeRequest, reply_by: float | None) -> Deferred[list[nri.ContainerUpdate]]:
         """Run the pre hooks the pods and containers of ``synchronization`` missed; fires once they are all done,
@@ -96,20 +121,24 @@ class CatchUp:
         store = self._parts.store
         containers: dict[str, list[nri.Container]] = {}
         for container in synchronization.containers:
-            if _missed(store.container(container.id)):
+            if container.id not in self._catching_up and _missed(store.container(container.id)):
                 containers.setdefault(container.pod_sandbox_id, []).append(container)
         chains = []
         for pod in synchronization.pods:
-            pod_missed = _missed(store.pod(pod.id))
+            pod_missed = pod.id not in self._catching_up and _missed(store.pod(pod.id))
             if pod_missed or pod.id in containers:
-                chains.append(ensureDeferred(self._pod(pod, pod_missed, containers.get(pod.id, []))))
+                ids = [pod.id] if pod_missed else []
+                ids += [container.id for container in containers.get(pod.id, [])]
+                self._catching_up.update(ids)
+                chain = ensureDeferred(self._pod(pod, pod_missed, containers.get(pod.id, [])))
+                chains.append(chain.addErrback(self._failed, pod).addBoth(self._done, ids))
         replying: Deferred[list[nri.ContainerUpdate]] = Deferred()
         if not chains:
             replying.callback([])
             return replying
         log.info(
-            "catching up on {pods} pods and {containers} containers made while koordrp was away",
-            pods=len(chains),
+            "catching up on what containerd made while koordrp was away: {pods} pods, {containers} containers",
+            pods=sum(1 for pod in synchronization.pods if pod.id in self._catching_up),
             containers=sum(len(found) for found in containers.values()),
         )
         clock = self._parts.clock
@@ -120,41 +149,62 @@ class CatchUp:
                 timer.cancel()
             self._reply(replying)
 
-        DeferredList(chains, consumeErrors=True).addCallback(done)
+        DeferredList(chains).addCallback(done)
         return replying
 
     def _reply(self, replying: Deferred[list[nri.ContainerUpdate]]) -> None:
         if not replying.called:
             self._updates.replied = True
-            replying.callback(self._updates.in_reply)
+            replying.callback(list(self._updates.in_reply.values()))
+
+    def not_replied(self) -> None:
+        """The reply that carried the updates never reached containerd: what they were for is caught up again at
+        the next synchronization."""
+        for container_id in self._updates.in_reply:
+            self._parts.store.unhook(container_id)
+
+    def _failed(self, failure: Failure, pod: nri.PodSandbox) -> None:
+        log.failure("catching up on pod {namespace}/{name} failed inside koordrp", failure, namespace=pod.namespace, name=pod.name)
+
+    def _done(self, result: object, ids: list[str]) -> object:
+        self._catching_up.difference_update(ids)
+        return result
 
     async def _pod(self, pod: nri.PodSandbox, pod_missed: bool, containers: list[nri.Container]) -> None:
         if pod_missed:
-            await self._call("RunPodSandbox", pod.id, lambda call: flows.run_pod_sandbox(call, translate.CaughtUpPod(pod)))
+            if not await self._call("RunPodSandbox", pod.id, None, lambda call: flows.run_pod_sandbox(call, translate.CaughtUpPod(pod))):
+                return
             self._counted("pod")
         for container in containers:  # one after another, as kubelet makes them
-            await self._call(
-                "CreateContainer", container.id, lambda call: flows.create_container(call, translate.CaughtUpContainer(pod, container))
-            )
+            create = translate.CaughtUpContainer(pod, container)
+            if not await self._call("CreateContainer", pod.id, container.id, lambda call: flows.create_container(call, create)):
+                continue
             self._counted("container")
             if container.state in (nri.CONTAINER_RUNNING, nri.CONTAINER_PAUSED):
-                await self._call("StartContainer", container.id, lambda call: flows.start_container(call, container.id))
+                await self._call("StartContainer", pod.id, container.id, lambda call: flows.start_container(call, container.id))
 
     async def _call(
-        self, method: str, created_id: str, flow: Callable[[Call[NRIReply]], Coroutine[Any, Any, NRIReply]]
-    ) -> None:
-        subject = f"{method} of {shortened(created_id, 16)}"
+        self,
+        method: str,
+        pod_id: str,
+        container_id: str | None,
+        flow: Callable[[Call[NRIReply]], Coroutine[Any, Any, NRIReply]],
+    ) -> bool:
+        """One catch-up call through its flow; whether containerd has what it is about, as the hooks left it."""
         call = Call(
             self._parts,
             f"{method} (catch-up)",
-            _CatchUpBackend(self._updates, created_id, subject),
+            _CatchUpBackend(self._parts, self._updates, pod_id, container_id),
             # Each hook call may take its server's own timeout: what misses the reply follows it.
             None,
             uneventful_line=False,
             catch_up=True,
         )
-        await call.run(flow(call))
+        outcome = await call.run(flow(call))
+        if isinstance(outcome, NRIReply) and not outcome.ok:
+            not_done(call, outcome.why_not, NOT_APPLIED)
         call.ended()
+        return isinstance(outcome, NRIReply) and outcome.ok
 
     def _counted(self, kind: str) -> None:
         metrics = self._parts.metrics

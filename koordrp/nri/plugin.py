@@ -31,7 +31,7 @@ from koordrp.api.nri.v1alpha1 import api_pb2 as nri
 from koordrp.hooks.limit import PreHookLimit
 from koordrp.hooks.messages import subject_text
 from koordrp.nri import translate
-from koordrp.nri.adapters import LateAnswers, NRIBackend, NRIReply, Synchronized
+from koordrp.nri.adapters import LateAnswers, NRIBackend, NRIReply, Synchronized, not_done
 from koordrp.nri.catchup import REPLY_SLACK as CATCH_UP_REPLY_SLACK, CatchUp
 from koordrp.nri.connection import UNKNOWN, UNIMPLEMENTED, NRIConnection, NRIConnectionLost, NRIError
 from koordrp.nri.wire import MAX_TTRPC_MESSAGE
@@ -197,12 +197,15 @@ class NRIPlugin:
         identity: PluginIdentity,
         on_synchronized: Callable[[str, str], None] = lambda runtime, deadline: None,
         on_configured: Callable[[PreHookLimit], None] = lambda limit: None,
+        catching_up: set[str] | None = None,
     ) -> None:
         """``on_synchronized`` is told containerd's name and version, and the deadline it gives each call, once it
         has synchronized the plugin;
-        ``on_configured``, what pre hooks get of containerd's deadline, once it has configured it."""
+        ``on_configured``, what pre hooks get of containerd's deadline, once it has configured it;
+        ``catching_up``, the ids of what is being caught up (``CatchUp``), shared by every connection's plugin."""
         self._parts = parts
         self._identity = identity
+        self._catching_up = set() if catching_up is None else catching_up
         self._on_configured = on_configured
         self._confirmations = Confirmations(parts.clock)
         self._calls: set[Call[NRIReply]] = set()
@@ -343,8 +346,10 @@ class NRIPlugin:
             # What was made while koordrp was away gets the pre hooks it missed; what they change goes in the reply,
             # or follows it (the reply never waits past containerd's deadline).
             reply_by = synchronizing.reply_by(CATCH_UP_REPLY_SLACK)
-            updates = await CatchUp(self._parts, LateAnswers(self._connection)).reply(whole, reply_by)
+            catch_up = CatchUp(self._parts, LateAnswers(self._connection), self._catching_up)
+            updates = await catch_up.reply(whole, reply_by)
             if synchronizing.late(self._parts.clock.seconds()):
+                catch_up.not_replied()
                 raise NRIError(UNKNOWN, f"koordrp synchronized after containerd's deadline ({synchronizing.timeout:g}s from its first part)")
             self._synchronized = True
             self._on_synchronized(self._runtime, self._deadline)
@@ -440,9 +445,7 @@ class NRIPlugin:
     def _not_done(self, call: Call[NRIReply], why: str) -> None:
         """containerd did not do what it told koordrp of: the call's line says why, and that its hooks' changes
         were not applied."""
-        call.record.why = why
-        for hook in flows.METHOD_HOOKS[call.lifecycle]:
-            call.record.leave_alone(hook, "", NOT_DONE)
+        not_done(call, why, NOT_DONE)
         changed = next(call.record.left_alone(), None) is not None
         if why == UNDONE_CREATE and changed and not self._told_of_undone_creates:
             self._told_of_undone_creates = True

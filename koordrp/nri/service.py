@@ -63,7 +63,13 @@ class _Session(NRIPlugin):
     """The plugin of one connection, telling the service how the connection goes."""
 
     def __init__(self, owner: NRIService) -> None:
-        super().__init__(owner.parts, owner.settings.identity, on_synchronized=owner.synchronized, on_configured=owner.on_configured)
+        super().__init__(
+            owner.parts,
+            owner.settings.identity,
+            on_synchronized=owner.synchronized,
+            on_configured=owner.on_configured,
+            catching_up=owner.catching_up,
+        )
         self._owner = owner
 
     def made(self, connection: NRIConnection) -> Deferred[None]:
@@ -97,6 +103,8 @@ class NRIService(service.Service):
         self._connection: NRIConnection | None = None
         self.session: NRIPlugin | None = None
         """The plugin of the connection that is up."""
+        self.catching_up: set[str] = set()
+        """What is being caught up, whichever connection's synchronization began it (nri.catchup.CatchUp)."""
         self._retrying = Retrying(
             self._clock,
             self.log,

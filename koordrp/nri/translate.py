@@ -281,21 +281,10 @@ def late_update(container_id: str, before: ContainerHookRequest, after: Containe
     return Written(nri.UpdateContainersRequest(update=[update]).SerializeToString(), tuple(left))
 
 
-class CaughtUpContainer:
+class CaughtUpContainer(CreateContainer):
     """A container created while koordrp was away, caught up at Synchronize (adapters.CreateContainer): what its
     pre hooks changed goes to containerd as an update of the created container (``late_update``: an
     UpdateContainersRequest), what cannot change once it is created left alone as ``LATE``."""
 
-    def __init__(self, pod: nri.PodSandbox, container: nri.Container) -> None:
-        self.pod = pod
-        self.container = container
-        self.sandbox_id = container.pod_sandbox_id
-
-    def hook_request(self) -> ContainerHookRequest:
-        return container_hook_request(self.container, self.pod.linux.cgroup_parent)
-
     def rewritten(self, before: ContainerHookRequest, after: ContainerHookRequest) -> Written:
         return late_update(self.container.id, before, after)
-
-    def envs_sent(self) -> dict[str, str]:
-        return oci_env_map(self.container.env)

@@ -6,8 +6,9 @@ gets its post stops once, what it saw made is not caught up again, and what kube
 import contextlib
 import os
 import threading
+import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 from cri_api.v1 import api_pb2
@@ -25,7 +26,14 @@ from tests.support.pods import TIMEOUT, remove_pod, runtime_spec, start_containe
 from tests.support.waiting import eventually
 
 CREATE = "PreCreateContainerHook"
-HOOKS = ["PreRunPodSandbox", "PreCreateContainer", "PreStartContainer", "PreUpdateContainerResources", "PostStopPodSandbox"]
+HOOKS = [
+    "PreRunPodSandbox",
+    "PreCreateContainer",
+    "PreStartContainer",
+    "PreUpdateContainerResources",
+    "PostStopContainer",
+    "PostStopPodSandbox",
+]
 
 
 @pytest.fixture(params=NRI_RELEASES)
@@ -76,6 +84,14 @@ def pods(runtime: Any, workdir: Path, prefix: str, count: int) -> Iterator[list[
 def cpu_shares(runtime: Any, container_id: str) -> int:
     shares: int = runtime_spec(runtime, container_id)["linux"]["resources"]["cpu"]["shares"]
     return shares
+
+
+def spin_until(condition: Callable[[], object], what: str, timeout: float = 60.0) -> None:
+    """``eventually`` without its pause between looks: for a moment that lasts milliseconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not reached in time: {what}")
 
 
 def cgroup_value(shares: int) -> tuple[str, int]:
@@ -161,7 +177,7 @@ def test_a_container_koordrp_saw_made_is_not_caught_up_after_a_restart(
                 assert [call.pod_meta.name for call in tuner.calls(CREATE)] == ["seen-0", "after-0"]
 
 
-def test_pods_removed_while_koordrp_was_away_get_their_post_stop_once(
+def test_pods_removed_while_koordrp_was_away_get_their_post_stops_once(
     nri_containerd: Containerd, tuner: FakeHookServer, workdir: Path
 ) -> None:
     runtime = nri_containerd.runtime()
@@ -171,17 +187,24 @@ def test_pods_removed_while_koordrp_was_away_get_their_post_stop_once(
             koordrp.kill()
             for sandbox_id, _ in made:
                 remove_pod(runtime, sandbox_id)
-        with koordrp_in(nri_containerd, workdir) as again:
-            wait_registered(again, 1)
-            names = {f"gone-{index}" for index in range(3)}
+    names = {f"gone-{index}" for index in range(3)}
 
-            def told() -> list[Any]:
-                return [call for call in tuner.calls("PostStopPodSandboxHook") if call.pod_meta.name in names]
+    def told(rpc: str) -> list[Any]:
+        return [call for call in tuner.calls(rpc) if call.pod_meta.name in names]
 
-            eventually(lambda: len(told()) == 3, "a PostStopPodSandbox for each pod removed while koordrp was away")
-            assert all(call.annotations[CATCH_UP_ANNOTATION] == "true" for call in told())
-            assert again.terminate() == 0  # after its stop drained every post stop it owed
-            assert len(told()) == 3
+    with koordrp_in(nri_containerd, workdir) as again:
+        wait_registered(again, 1)
+        eventually(
+            lambda: len(told("PostStopPodSandboxHook")) == 3 and len(told("PostStopContainerHook")) == 3,
+            "a PostStopContainer and a PostStopPodSandbox for each pod removed while koordrp was away",
+        )
+        assert all(call.annotations[CATCH_UP_ANNOTATION] == "true" for call in told("PostStopPodSandboxHook"))
+        assert all(call.container_annotations[CATCH_UP_ANNOTATION] == "true" for call in told("PostStopContainerHook"))
+        assert again.terminate() == 0  # after its stop drained every post stop it owed
+    with koordrp_in(nri_containerd, workdir) as third:  # and once only, across a further restart
+        wait_registered(third, 1)
+        assert third.terminate() == 0
+    assert (len(told("PostStopPodSandboxHook")), len(told("PostStopContainerHook"))) == (3, 3)
 
 
 def test_kubelets_values_survive_a_kill_right_after_the_pre_create_answer(
@@ -196,10 +219,7 @@ def test_kubelets_values_survive_a_kill_right_after_the_pre_create_answer(
         def kill_once_kept() -> None:
             # What kubelet asked is kept just before containerd is answered, and goes once containerd confirms the
             # create, a few milliseconds later: koordrp dies in between. (No sleep: the window is short.)
-            with os.scandir(pending) as found:
-                while not any(found):
-                    found.close()
-                    found = os.scandir(pending)
+            spin_until(lambda: any(os.scandir(pending)), "what kubelet asked kept before the answer")
             koordrp.kill()
 
         tuned = tuner.behaviours[CREATE]
@@ -212,7 +232,8 @@ def test_kubelets_values_survive_a_kill_right_after_the_pre_create_answer(
 
         tuner.behaviours[CREATE] = killed_at_the_answer
         with pods(runtime, workdir, "killed", 1) as made:
-            killer[0].join()
+            killer[0].join(timeout=120)
+            assert koordrp.process is not None and koordrp.process.poll() is not None  # killed where it was meant to be
             container_id = made[0][1]
             # Killed as it answered: containerd made the container with the answer, or, if it had not got it yet,
             # without it, as when koordrp is away (then it is caught up).
@@ -234,9 +255,8 @@ def test_kubelets_values_survive_a_kill_right_after_the_pre_create_answer(
 
 
 def test_the_proxy_tells_the_post_stops_of_pods_removed_while_it_was_away_once(
-    containerd: Containerd, tuner: FakeHookServer, workdir: Path, hooks_dir: Path
+    containerd: Containerd, tuner: FakeHookServer, workdir: Path
 ) -> None:
-    register(hooks_dir, "tuner", tuner.path, [*HOOKS, "PostStopContainer"])
     direct = containerd.runtime()
     first = KoordrpProcess(workdir, containerd.endpoint)
     first.start()
@@ -282,8 +302,7 @@ def test_the_proxy_killed_as_containerd_makes_a_container_keeps_kubelets_values(
 
         def kill_once_made() -> None:
             # Killed once containerd has the container: before or after koordrp heard so and kept it under its id.
-            while not direct.ListContainers(listed, timeout=TIMEOUT).containers:
-                pass
+            spin_until(lambda: direct.ListContainers(listed, timeout=TIMEOUT).containers, "the container made")
             first.kill()
 
         killer = threading.Thread(target=kill_once_made)
@@ -292,7 +311,8 @@ def test_the_proxy_killed_as_containerd_makes_a_container_keeps_kubelets_values(
             container = container_config("app", command=["sleep", "3600"], env={"FROM_KUBELET": "1"})
             create = api_pb2.CreateContainerRequest(pod_sandbox_id=sandbox_id, config=container, sandbox_config=config)
             first.runtime(channel).CreateContainer(create, timeout=TIMEOUT)
-        killer.join()
+        killer.join(timeout=120)
+        assert first.process is not None and first.process.poll() is not None  # killed where it was meant to be
         [made] = direct.ListContainers(listed, timeout=TIMEOUT).containers
         assert "TUNED=1" in runtime_spec(direct, made.id)["process"]["env"]  # as the hook answered
         second = KoordrpProcess(workdir, containerd.endpoint)

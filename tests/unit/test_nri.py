@@ -20,6 +20,7 @@ from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
 from koordrp.hooks.dispatcher import Dispatcher
 from koordrp.hooks.limit import PreHookLimit
 from koordrp.checkpoint import DirectoryCheckpoint
+from koordrp.store import OwedStops
 from koordrp.nri.catchup import REPLY_SLACK as CATCH_UP_REPLY_SLACK
 from koordrp.hooks.messages import CATCH_UP_ANNOTATION, PodHookRequest
 from koordrp.hooks.types import FailurePolicy, HookServerConfig, HookServers, HookType
@@ -988,9 +989,11 @@ class CatchUpTests(LogCapture):
     def setUp(self) -> None:
         super().setUp()
         self.clock = Clock()
-        self.checkpoint = DirectoryCheckpoint(self.mktemp())
+        self.directory = self.mktemp()
+        self.checkpoint = DirectoryCheckpoint(self.directory)
         self.checkpoint.open()
-        self.store = Store(self.checkpoint)
+        self.owed: list[OwedStops] = []
+        self.store = Store(self.checkpoint, self.owed.append)
         self.clients = scripted_clients(self.clock)
         self.policy = FailurePolicy.IGNORE
         self.metrics = Metrics()
@@ -1052,7 +1055,9 @@ class CatchUpTests(LogCapture):
 
     def test_what_koordrp_saw_made_is_not_caught_up_again(self) -> None:
         self.catch_up_once()
-        restarted = Store(self.checkpoint)
+        reopened = DirectoryCheckpoint(self.directory)  # what the state directory holds, read again
+        reopened.open()
+        restarted = Store(reopened)
         parts = Parts(restarted, Dispatcher(self.clients, self.clock), self.servers, SKIP, self.clock)
         containerd = FakeContainerd(NRIConnection(NRIPlugin(parts, PluginIdentity("koordrp", "10")), self.clock))
         stream = containerd.call("Synchronize", nri.SynchronizeRequest(pods=[nri_pod()], containers=[nri_container(nri.CONTAINER_RUNNING)]))
@@ -1098,7 +1103,9 @@ class CatchUpTests(LogCapture):
         self.answer_all(calls_to(self.clients, "/run/tuner.sock"))
         self.assertEqual(self.containerd.answers()[stream].status.code, 0)
         self.assertEqual([call.hook for call in calls_to(self.clients, "/run/tuner.sock")], [HookType.PRE_RUN_POD_SANDBOX])
-        self.assertFalse(self.store.stopped("c-1"))
+        self.containerd.call("StateChange", event(nri.REMOVE_POD_SANDBOX))
+        self.assertEqual([stops.containers for stops in self.owed], [])  # its stop is not told: it was not caught up
+        self.assertEqual(os.listdir(os.path.join(self.directory, "containers")), [])
 
     def test_a_split_synchronization_is_caught_up_as_one_in_its_last_reply(self) -> None:
         first = self.containerd.call("Synchronize", nri.SynchronizeRequest(pods=[nri_pod()], more=True), timeout=2.0)
@@ -1109,3 +1116,65 @@ class CatchUpTests(LogCapture):
         self.assertEqual(len(self.catch_up()), 4)
         [update] = nri.SynchronizeResponse.FromString(self.containerd.answers()[last].payload).update
         self.assertEqual(update.container_id, "c-1")
+
+    def test_a_container_stopped_and_removed_while_its_hooks_answer_stays_gone(self) -> None:
+        stream = self.synchronize()
+        [pod_call] = calls_to(self.clients, "/run/tuner.sock")
+        self.answer_all([pod_call])
+        [_, create] = calls_to(self.clients, "/run/tuner.sock")
+        self.clock.advance(2.0 - ANSWER_MARGIN - CATCH_UP_REPLY_SLACK)
+        self.assertEqual(self.containerd.answers()[stream].status.code, 0)
+        self.containerd.call("StopContainer", nri.StopContainerRequest(pod=nri_pod(), container=nri_container(nri.CONTAINER_STOPPED)))
+        self.containerd.call("StateChange", event(nri.REMOVE_CONTAINER, nri_container(nri.CONTAINER_STOPPED)))
+        create.answer(hook.ContainerResourceHookResponse())
+        self.assertIsNone(self.store.container("c-1"))
+        self.assertEqual(os.listdir(os.path.join(self.directory, "containers")), [])
+        self.assertEqual(len(calls_to(self.clients, "/run/tuner.sock")), 2)  # no PreStartContainer for it
+        [line] = [e for e in self.events if e.get("log_namespace") == "koordrp.calls" and e["method"] == "CreateContainer (catch-up)"]
+        self.assertEqual((line["outcome"], line["why"]), ("NOT-CONFIRMED", "containerd stopped or removed it meanwhile"))
+
+    def test_a_second_synchronization_while_a_container_is_caught_up_calls_its_hooks_once(self) -> None:
+        self.synchronize()
+        [pod_call] = calls_to(self.clients, "/run/tuner.sock")
+        self.answer_all([pod_call])
+        [_, create] = calls_to(self.clients, "/run/tuner.sock")
+        # containerd reconnects (a new connection's plugin, the same store) before the hook answers
+        parts = Parts(self.store, Dispatcher(self.clients, self.clock), self.servers, SKIP, self.clock)
+        plugin = NRIPlugin(parts, PluginIdentity("koordrp", "10"), catching_up=self.plugin._catching_up)
+        again = FakeContainerd(NRIConnection(plugin, self.clock))
+        stream = again.call("Synchronize", nri.SynchronizeRequest(pods=[nri_pod()], containers=[nri_container(nri.CONTAINER_RUNNING)]))
+        self.assertEqual(again.answers()[stream].status.code, 0)
+        self.assertEqual(len(calls_to(self.clients, "/run/tuner.sock")), 2)
+        self.answer_all([create])
+
+    def test_updates_of_a_reply_that_came_too_late_are_caught_up_again(self) -> None:
+        """A reactor too busy to reply by the deadline: containerd never took the updates."""
+        stream = self.synchronize()
+        self.catch_up_in_time_but_reply_late()
+        self.assertNotEqual(self.containerd.answers()[stream].status.code, 0)
+        stored = self.store.container("c-1")
+        assert stored is not None
+        self.assertFalse(stored.hooked)
+        self.assertEqual(os.listdir(os.path.join(self.directory, "containers")), [])
+
+    def catch_up_in_time_but_reply_late(self) -> None:
+        [pod_call] = calls_to(self.clients, "/run/tuner.sock")
+        self.answer_all([pod_call])
+        [_, create] = calls_to(self.clients, "/run/tuner.sock")
+        self.answer_all([create])  # the update goes in the reply, the start is still asked
+        self.clock.advance(1.95)  # the reply's timer runs this late
+
+    def test_an_update_containerd_refuses_after_the_reply_is_named_and_caught_up_again(self) -> None:
+        stream = self.synchronize()
+        [pod_call] = calls_to(self.clients, "/run/tuner.sock")
+        self.answer_all([pod_call])
+        [_, create] = calls_to(self.clients, "/run/tuner.sock")
+        self.clock.advance(2.0 - ANSWER_MARGIN - CATCH_UP_REPLY_SLACK)
+        self.assertEqual(self.containerd.answers()[stream].status.code, 0)
+        self.answer_all([create])
+        [sent] = [sent for sent in self.containerd.sent() if sent.request is not None]
+        self.containerd.answer(sent.stream_id, nri.UpdateContainersResponse(failed=[nri.ContainerUpdate(container_id="c-1")]))
+        self.assertFalse(self.store.container("c-1").hooked)  # type: ignore[union-attr]
+        [line] = [e for e in self.events if e.get("log_namespace") == "koordrp.calls" and e["method"] == "CreateContainer (catch-up)"]
+        self.assertEqual(line["outcome"], "NOT-CONFIRMED")
+        self.assertIn("left alone (late, and not applied) resources.cpu_shares 2→512", line["hooks"])

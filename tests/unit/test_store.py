@@ -8,7 +8,7 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from koordrp.checkpoint import CheckpointError, DirectoryCheckpoint, Kind, Parsed
 from koordrp.hooks.messages import ContainerHookRequest, PodHookRequest, Resources
-from koordrp.store import ContainerState, StoppedWhileAway, Store, StoredContainer, StoredPod
+from koordrp.store import ContainerState, OwedStops, Store, StoredContainer, StoredPod
 from tests.support.logs import logged_events
 
 
@@ -278,6 +278,8 @@ class CheckpointTests(SynchronousTestCase):
         checkpoint.open()
         store = Store(checkpoint)
         store.put_container("c1", "p1", container("asked"), container("given"))
+        store.learn([], [])  # the first reading looks once at every file, for an earlier koordrp's
+        reads.clear()
         listed = [(cid, StoredContainer.read_back("p1", container("given"), ContainerState.RUNNING)) for cid in ("c1", "c2")]
         store.reconcile((set(), {"c1", "c2"}), [], listed, store.ids())
         self.assertEqual(reads[0], "c2")
@@ -308,7 +310,7 @@ class AbsenceTests(SynchronousTestCase):
         checkpoint = DirectoryCheckpoint(self.directory)
         checkpoint.open()
 
-        def owed(stopped: StoppedWhileAway) -> None:
+        def owed(stopped: OwedStops) -> None:
             self.owed.append(
                 ([p.pod_meta.name for p in stopped.pods], [c.container_meta.name for c in stopped.containers])
             )
@@ -339,7 +341,9 @@ class AbsenceTests(SynchronousTestCase):
         asked_pod.pod_meta.uid, asked_container.pod_meta.uid = "uid-1", "uid-1"
         asked_container.container_envs["FROM_KUBELET"] = "1"
         store.expect_pod(asked_pod)
-        store.expect_container("p1", asked_container, changed=True)
+        hooked = container("app")
+        hooked.container_envs["FROM_A_HOOK"] = "1"
+        store.expect_container("p1", asked_container, changed=hooked)
         # killed here: the runtime made both, with the hooks' changes
         given_pod, given_container = pod("web"), container("app")
         given_pod.pod_meta.uid, given_container.pod_meta.uid = "uid-1", "uid-1"
@@ -365,9 +369,9 @@ class AbsenceTests(SynchronousTestCase):
 
     def test_a_container_made_without_the_hooks_answer_counts_as_made_while_koordrp_was_away(self) -> None:
         """NRI: containerd goes on without a plugin killed before its answer reached it."""
-        asked = container("app")
-        asked.container_resources.cpu_shares = 102
-        self.restarted().expect_container("p1", asked, changed=True)
+        asked, hooked = container("app"), container("app")
+        asked.container_resources.cpu_shares, hooked.container_resources.cpu_shares = 102, 512
+        self.restarted().expect_container("p1", asked, changed=hooked)
         restarted = self.restarted()
         restarted.learn([], [("c1", StoredContainer.read_back("p1", asked, ContainerState.RUNNING))])
         self.assertFalse(restarted.container("c1").hooked)  # type: ignore[union-attr]
@@ -375,7 +379,7 @@ class AbsenceTests(SynchronousTestCase):
 
     def test_what_was_about_to_be_made_and_never_was_goes_after_two_readings(self) -> None:
         store = self.restarted()
-        store.expect_container("p1", container("never made"), changed=False)
+        store.expect_container("p1", container("never made"), changed=None)
         store.reconcile((set(), set()), [], [], store.ids())
         self.assertEqual(len(os.listdir(os.path.join(self.directory, "pending"))), 1)  # its call may still be under way
         store.reconcile((set(), set()), [], [], store.ids())
@@ -427,3 +431,34 @@ class AbsenceTests(SynchronousTestCase):
         self.assertIn("its post stop cannot be told", warning["consequence"])
         self.assertEqual((self.owed, restarted.unreadable_state_files), ([], 1))
         self.assertEqual(os.listdir(os.path.join(self.directory, "containers")), [])
+
+    def test_a_container_whose_hooks_changed_only_its_annotations_counts_as_seen_made(self) -> None:
+        asked, hooked = container("app"), container("app")
+        hooked.container_annotations["set-by"] = "a hook"  # the runtime shows the same resources and environment
+        self.restarted().expect_container("p1", asked, changed=hooked)
+        restarted = self.restarted()
+        restarted.learn([], [("c1", StoredContainer.read_back("p1", asked, ContainerState.RUNNING))])
+        self.assertTrue(restarted.container("c1").hooked)  # type: ignore[union-attr]
+
+    def test_a_state_directory_of_an_earlier_koordrp_is_taken_over_without_a_stop_told_twice(self) -> None:
+        """It kept a file only for what hooks changed, the request alone."""
+        os.makedirs(os.path.join(self.directory, "containers"))
+        with open(os.path.join(self.directory, "containers", "c1"), "wb") as earlier:
+            earlier.write(container("asked").SerializeToString())
+        store = self.restarted()
+        store.learn(
+            [],
+            [
+                ("c1", StoredContainer.read_back("p1", container("given"), ContainerState.STOPPED)),  # its stop was told
+                ("c2", StoredContainer.read_back("p1", container("unchanged"), ContainerState.RUNNING)),  # no file
+            ],
+        )
+        self.assertEqual(self.owed, [])
+        self.assertEqual(store.container("c1").asked, container("asked"))  # type: ignore[union-attr]
+        self.assertTrue(store.container("c2").hooked)  # type: ignore[union-attr]
+        # Both kept as this koordrp keeps them: after its restart, nothing is taken for made while it was away.
+        again = self.restarted()
+        again.learn([], [("c2", StoredContainer.read_back("p1", container("unchanged"), ContainerState.RUNNING))])
+        self.assertTrue(again.container("c2").hooked)  # type: ignore[union-attr]
+        self.assertTrue(again.stopped("c2"))
+        self.assertEqual(self.owed, [])
