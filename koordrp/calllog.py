@@ -6,20 +6,23 @@ each hook server did to it, how it ended.
     envs +KOORDLET_SEEN
 
 Each hook server called (or spared) is named with its outcome and, for a pre hook, what its answer
-changed. Environment variables, labels and annotations are named by key only: their values may be
-secrets. The same facts are the event's fields (``hook_calls``) for JSON logs.
+changed, what of it was left alone, and what koordrp refused of it (``refused resources.cpuset_cpus "abc":
+not a cpu list``). Environment variables, labels and annotations are named by key only: their values may be
+secrets. Whatever an answer sent is shown escaped (control characters and NUL as ``\x00``) and cut short,
+and each hook call names at most ``MAX_LISTED`` changes of each kind (then ``… and K more``), so an answer
+cannot make a line of any size. The same facts are the event's fields (``hook_calls``) for JSON logs.
 """
 
-import json
 from dataclasses import dataclass, field, replace
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from twisted.logger import Logger
 
 from koordrp.adapters import OK
 from koordrp.hooks.messages import Change, ContainerHookRequest, HookRequest, left_alone
 from koordrp.hooks.types import ERROR, LATE, NOT_ANSWERING, TIMEOUT, HookCall, HookType
-from koordrp.text import shortened
+from koordrp.hooks.validation import refused_text, value_text
+from koordrp.text import escaped, shortened
 
 log = Logger(namespace="koordrp.calls")
 
@@ -33,6 +36,8 @@ ASKED_LOST = "; kubelet's values not available (its state file could not be read
 _NAMES = {"container_resources.": "resources.", "pod_cgroup_parent": "cgroup_parent"}
 _KEYS_ONLY = ("container_envs[", "labels[", "annotations[", "container_annotations[")
 _SHORT_MAP_NAMES = {"container_envs": "envs", "container_annotations": "annotations"}
+MAX_LISTED = 10
+"""Changes of each kind (changed, left alone for one reason, refused) one hook call's text names."""
 
 
 def _name(path: str) -> str:
@@ -42,15 +47,21 @@ def _name(path: str) -> str:
     return path
 
 
-def _value(value: object) -> str:
-    return shortened(json.dumps(value) if isinstance(value, str) else str(value), 80)
-
-
 def change_text(change: Change) -> str:
+    if change.refused:
+        return refused_text(change.path, change.after, change.why)
     if change.path.startswith(_KEYS_ONLY):
         map_name, _, key = change.path[:-1].partition("[")
-        return f"{_SHORT_MAP_NAMES.get(map_name, map_name)} {'+' if change.added else '~'}{shortened(key, 80)}"
-    return f"{_name(change.path)} {_value(change.before)}→{_value(change.after)}"
+        return f"{_SHORT_MAP_NAMES.get(map_name, map_name)} {'+' if change.added else '~'}{escaped(key, 80)}"
+    return f"{_name(change.path)} {value_text(change.before)}→{value_text(change.after)}"
+
+
+def _reason(call: HookCall, limit: int) -> str:
+    return escaped(shortened(call.reason, limit), limit + 1)
+
+
+def _texts(changes: list[Change]) -> str:
+    return ", ".join(_bounded(changes, change_text))
 
 
 def call_text(call: HookCall) -> str:
@@ -60,21 +71,37 @@ def call_text(call: HookCall) -> str:
     trial = "trial; " if call.trial else ""
     if call.result in (ERROR, TIMEOUT, NOT_ANSWERING):
         fails = call.server.must_be_heard(call.hook)
-        return f"{text} ({trial}{shortened(call.reason, 120)}; {'Fail policy: the call failed' if fails else 'went on without it'})"
+        return f"{text} ({trial}{_reason(call, 120)}; {'Fail policy: the call failed' if fails else 'went on without it'})"
     if call.result == LATE:
-        text += f" ({trial}{shortened(call.reason, 120)}: went on without it, then applied what could change)"
+        text += f" ({trial}{_reason(call, 120)}: went on without it, then applied what could change)"
     elif call.trial:
         text += " (trial: it answers in time again)"
-    applied = [change_text(change) for change in call.changes if change.applied]
+    applied = [change for change in call.changes if change.applied]
     if applied:
-        text += ", changed " + ", ".join(applied)
-    left: dict[str, list[str]] = {}
+        text += ", changed " + _texts(applied)
+    left: dict[str, list[Change]] = {}
+    refused: list[Change] = []
     for change in call.changes:
-        if not change.applied:
-            left.setdefault(change.why, []).append(change_text(change))
-    for why, texts in left.items():
-        text += f", left alone ({why}) " + ", ".join(texts)
+        if change.refused:
+            refused.append(change)
+        elif not change.applied:
+            left.setdefault(change.why, []).append(change)
+    for why, changes in left.items():
+        text += f", left alone ({why}) " + _texts(changes)
+    if refused:
+        text += ", " + _texts(refused)
     return text
+
+
+def _bounded(changes: list[Change], text: Callable[[Change], str]) -> list[str]:
+    """The first MAX_LISTED of ``changes`` as ``text`` names them, then how many more (not named: an answer may
+    make thousands)."""
+    texts = [text(change) for change in changes[:MAX_LISTED]]
+    return texts if len(changes) <= MAX_LISTED else [*texts, f"… and {len(changes) - MAX_LISTED} more"]
+
+
+def _left_alone_text(change: Change) -> str:
+    return change_text(change) if change.refused else f"{change_text(change)} ({change.why})"
 
 
 def field_name(change: Change) -> str:
@@ -88,9 +115,9 @@ def call_fields(call: HookCall) -> dict[str, object]:
         "server": call.server.name,
         "result": call.result,
         "duration_ms": None if call.seconds is None else round(call.seconds * 1000, 3),
-        "changed": [change_text(change) for change in call.changes if change.applied],
-        "left_alone": [f"{change_text(change)} ({change.why})" for change in call.changes if not change.applied],
-        "reason": shortened(call.reason, 200),
+        "changed": _bounded([change for change in call.changes if change.applied], change_text),
+        "left_alone": _bounded([change for change in call.changes if not change.applied], _left_alone_text),
+        "reason": _reason(call, 200),
         "trial": call.trial,
     }
 

@@ -33,7 +33,7 @@ from typing import Callable, Iterator, Sequence
 
 import grpc
 
-from koordrp import koordrp_version
+from koordrp import koordrp_version, trust
 from koordrp.api.cri.v1 import api_pb2 as cri
 from koordrp.hooks.config import DEFAULT_HOOK_TIMEOUT
 from koordrp.hooks.registry import Rejection, describe, list_registrations, read_registration, understand
@@ -261,6 +261,9 @@ def koordrp_findings(socket_path: str, timeout: float) -> list[Finding]:
 
 def hook_findings(directory: str, default_timeout: float, timeout: float) -> tuple[list[Finding], list[HookServerConfig]]:
     """A finding per registration, as koordrp reads it; and the servers koordrp would register."""
+    refused = trust.directory_problem(os.path.abspath(directory))
+    if refused is not None:
+        return [Finding(False, f"{directory} is not trusted: {refused}; koordrp reads none of its registrations", _FIX_DIRECTORY)], []
     listing = list_registrations(directory)
     if listing is None:
         return [Finding(True, f"no hook server is registered ({directory} does not exist)")], []
@@ -277,6 +280,10 @@ def hook_findings(directory: str, default_timeout: float, timeout: float) -> tup
             continue
         registered.append(understood.config)
         summary = describe(HookServers((understood.config,)))
+        distrust = trust.socket_trust(understood.config.endpoint).problem
+        if distrust is not None:  # not connected to: whoever serves it is not known
+            findings.append(Finding(False, f"{path} registers {summary}; koordrp does not call it: {distrust}", _FIX_SOCKET))
+            continue
         problem = _unreachable(understood.config.endpoint, timeout)
         if problem is None:
             findings.append(Finding(True, f"{path} registers {summary}; its socket accepts connections"))
@@ -289,6 +296,11 @@ def hook_findings(directory: str, default_timeout: float, timeout: float) -> tup
 
 _FIX_FILE = "fix the file: koordrp keeps its last good version, or none"
 _FIX_SERVER = "start the hook server, or remove its file"
+_FIX_SOCKET = (
+    "serve the socket as root from a directory only root may write (as /var/run/koordlet/, 0755), "
+    "or register the path of such a socket"
+)
+_FIX_DIRECTORY = "make it and each directory above it root's and not writable by group or others (chown root, chmod go-w)"
 
 
 def _unreachable(path: str, timeout: float) -> str | None:

@@ -22,6 +22,8 @@ from typing import AbstractSet, Callable, Literal, Protocol, TypeVar
 from google.protobuf.message import DecodeError
 from twisted.logger import Logger
 
+from koordrp import files
+
 Kind = Literal["pods", "containers", "pending"]
 KINDS: tuple[Kind, ...] = ("pods", "containers", "pending")
 """``pending``: what kubelet asked for a pod or container about to be made, kept before koordrp lets the runtime
@@ -213,15 +215,14 @@ class DirectoryCheckpoint:
         kept.add(identifier)
 
     def _create(self, kind: Kind, temporary: str) -> int:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
         try:
-            return os.open(temporary, flags, 0o600)
+            return files.create_file(temporary)
         except FileNotFoundError:
             if not self._checked:
                 raise
         # Not made at open (a directory read-only or full then): made now, or the filesystem's reason said.
         os.mkdir(os.path.join(self.directory, kind), DIRECTORY_MODE)
-        return os.open(temporary, flags, 0o600)
+        return files.create_file(temporary)
 
     def _failed(self, error: OSError, path: str, format: str) -> None:
         """Counted; one warning (naming the first file) for each thing that fails and why, until a write succeeds."""
@@ -236,14 +237,22 @@ class DirectoryCheckpoint:
         if path is None or identifier not in self._kept[kind]:
             return None
         try:
-            with open(path, "rb") as stream:
-                data = stream.read(MAX_FILE_BYTES + 1)
+            # Read on the reactor: a FIFO, device or socket there is never opened (a FIFO's open would wait for a
+            # writer, forever), nor is a symbolic link followed (koordrp writes none).
+            descriptor, info = files.open_file(path, follow=False)
+            try:
+                data = b"" if info.st_size > MAX_FILE_BYTES else files.read_at_most(descriptor, MAX_FILE_BYTES)
+            finally:
+                os.close(descriptor)
         except FileNotFoundError:  # removed by someone else: nothing is kept
             self._kept[kind].discard(identifier)
             return None
+        except files.NotAFile as error:
+            # A directory in words open(2) uses for one, as any other error here is said.
+            raise StateUnreadable(f"{path}: {os.strerror(errno.EISDIR) if stat.S_ISDIR(error.info.st_mode) else error}") from None
         except OSError as error:
             raise StateUnreadable(f"{path}: {error.strerror}") from None
-        if len(data) > MAX_FILE_BYTES:
+        if len(data) > MAX_FILE_BYTES or info.st_size > MAX_FILE_BYTES:
             raise StateUnreadable(f"{path}: larger than {MAX_FILE_BYTES >> 20} MiB")
         try:
             return parse(data)
@@ -283,7 +292,7 @@ def _write_all(descriptor: int, data: bytes) -> None:
 def _probe(path: str) -> None:
     """OSError: a file of one byte cannot be written at ``path`` (a full filesystem takes an empty one)."""
     try:
-        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        descriptor = files.create_file(path)
         try:
             _write_all(descriptor, b"\n")
         finally:

@@ -8,6 +8,8 @@ import time
 from typing import Callable, Iterable, Iterator, TypeVar
 
 import grpc
+from cri_api.v1 import api_pb2 as cri_v1
+from cri_api.v1alpha2 import api_pb2 as cri_v1alpha2
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -17,6 +19,33 @@ from koordrp.store import Store
 
 Request = TypeVar("Request")
 Answer = TypeVar("Answer")
+
+OTHER_METHOD = "other"
+"""The method label of a call to a method koordrp's CRI schemas do not name: the label set is closed, whatever
+names clients call."""
+
+
+def _cri_methods() -> frozenset[str]:
+    """Every ``/service/Method`` of CRI v1 and v1alpha2 (``cri.methods.KNOWN_METHODS``, from the same descriptors)."""
+    return frozenset(
+        f"/{service.full_name}/{method.name}"
+        for module in (cri_v1, cri_v1alpha2)
+        for service in module.DESCRIPTOR.services_by_name.values()
+        for method in service.methods
+    )
+
+
+CRI_METHODS = _cri_methods()
+CRI_METHOD_NAMES = frozenset(method.rsplit("/", 1)[-1] for method in CRI_METHODS)
+
+
+def method_label(method: str) -> str:
+    """``method`` as the label ``koordrp_cri_calls_total`` and ``koordrp_cri_call_seconds`` give it: a CRI method's
+    name (from its full ``/service/Method`` path, or the name alone), else ``other``."""
+    if method.startswith("/"):
+        return method.rsplit("/", 1)[-1] if method in CRI_METHODS else OTHER_METHOD
+    return method if method in CRI_METHOD_NAMES else OTHER_METHOD
+
 
 # CRI calls range from ~0.5 ms (queries) to minutes (image pulls).
 _CRI_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -83,15 +112,17 @@ class Metrics:
             self.hook_seconds.labels(server, hook).observe(seconds)
 
     def cri_call(self, method: str, code: str, seconds: float) -> None:
-        """One call answered: ``method`` is the CRI method (a Docker call, the one it stands for), ``code`` its status."""
-        self.cri_calls.labels(method, code).inc()
-        self.cri_seconds.labels(method).observe(seconds)
+        """One call answered: ``method`` is the CRI method (a Docker call, the one it stands for; one the schemas do
+        not name is ``other``), ``code`` its status."""
+        label = method_label(method)
+        self.cri_calls.labels(label, code).inc()
+        self.cri_seconds.labels(label).observe(seconds)
 
     def unary(
         self, method: str, behaviour: Callable[[Request, grpc.ServicerContext], Answer]
     ) -> Callable[[Request, grpc.ServicerContext], Answer]:
         """``behaviour`` counted and timed; the code is the one the caller gets."""
-        short = method.rsplit("/", 1)[-1]
+        short = method_label(method)
 
         def counted(request: Request, context: grpc.ServicerContext) -> Answer:
             started = time.perf_counter()
@@ -109,7 +140,7 @@ class Metrics:
     def streaming(
         self, method: str, behaviour: Callable[[Request, grpc.ServicerContext], Iterator[Answer]]
     ) -> Callable[[Request, grpc.ServicerContext], Iterator[Answer]]:
-        short = method.rsplit("/", 1)[-1]
+        short = method_label(method)
 
         def counted(request: Request, context: grpc.ServicerContext) -> Iterator[Answer]:
             code = "OK"

@@ -24,6 +24,7 @@ from koordrp.checkpoint import CheckpointError, DirectoryCheckpoint
 from koordrp.cri.listing import CRIListing
 from koordrp.cri.server import CRIProxyService, CRIProxySettings
 from koordrp.docker.service import DockerProxyService, DockerProxySettings
+from koordrp.bounds import raise_descriptor_limit
 from koordrp.call import Parts, SkipLabel
 from koordrp.frontend import IFrontEnd
 from koordrp.hooks.client import HookClients
@@ -182,8 +183,11 @@ class Options(usage.Options):
             raise usage.UsageError(f"--socket-group: no group named {value!r}") from None
 
     def opt_metrics_endpoint(self, value: str) -> None:
+        from koordrp.web import unix_listening  # only with the flag: twisted.web and prometheus_client cost ~6 MB
+
         try:
             strports.service(value, Factory())
+            unix_listening(value)
         except (ValueError, KeyError, TypeError) as error:
             raise usage.UsageError(f"--metrics-endpoint: {value!r} is not a Twisted endpoint: {error}") from None
         self["metrics-endpoint"] = value
@@ -261,6 +265,10 @@ class Koordrp(service.MultiService):
         self._dispatcher = dispatcher
 
     def startService(self) -> None:
+        soft, limit = raise_descriptor_limit()
+        self.log.info(
+            "file descriptors: at most {limit} open{raised}", limit=limit, raised=f" (raised from {soft})" if soft != limit else ""
+        )
         try:
             # Before the store is rebuilt from the runtime: what kubelet asked comes back from it.
             self._checkpoint.open()

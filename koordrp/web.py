@@ -1,17 +1,37 @@
 """``--metrics-endpoint``: Prometheus metrics at /metrics, a health check at /healthz (koordrp serves
-calls: the runtime answers, or koordrp is containerd's NRI plugin) and /livez (koordrp's reactor turns)."""
+calls: the runtime answers, or koordrp is containerd's NRI plugin) and /livez (koordrp's reactor turns, and
+it has file descriptors left).
 
-from typing import Callable
+The endpoint's connections are bounded (``METRICS_BOUNDS``, ``koordrp.bounds``): whoever may connect
+cannot hold koordrp's descriptors. A ``unix:`` endpoint's socket is made as koordrp makes its CRI
+socket (``koordrp.unix``: its directory checked, a stale socket replaced), 0660 unless the endpoint
+says ``mode=``, and the lock Twisted keeps beside it (``<path>.lock``, the pid of the koordrp
+serving it) is taken over when that pid is not a live koordrp (gone, a zombie, or reused).
+"""
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from twisted.application import service, strports
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from twisted.application import service
+from twisted.internet import endpoints
 from twisted.internet.defer import Deferred
-from twisted.internet.interfaces import IReactorCore, IReactorTime
+from twisted.internet.interfaces import IListeningPort, IReactorTime, IReactorUNIX
+from twisted.logger import Logger
 from twisted.python.failure import Failure
+from twisted.web import http
+from twisted.web.http import HTTPChannel
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
 
+from koordrp import bounds
+from koordrp.bounds import Bounds, BoundedFactory
 from koordrp.metrics import Metrics
+from koordrp.unix import CannotListen, SocketInUse, prepare_listening_path, umask
 
 # "The backend answered within the last few seconds": a success this recent is not asked again.
 FRESH_SECONDS = 5.0
@@ -69,7 +89,9 @@ class HealthResource(Resource):
 
 
 class LiveResource(Resource):
-    """200 from the reactor: a koordrp whose reactor stalls (a deadlock) answers nothing, which restarts it.
+    """200 from the reactor: a koordrp whose reactor stalls (a deadlock) answers nothing, which restarts it;
+    503 when koordrp has (almost) no file descriptor left, where it can open no socket or file and a restart
+    gives it back those it leaked.
 
     Nothing else is asked: a koordrp whose runtime is away is alive, retrying by itself, and a
     restart would not bring the runtime back (that is /healthz's to say).
@@ -77,16 +99,236 @@ class LiveResource(Resource):
 
     isLeaf = True
 
+    def __init__(self, descriptors: Callable[[], tuple[int, int]] = bounds.descriptors_in_use) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self._descriptors = descriptors
+
     def render_GET(self, request: Request) -> bytes:
+        shortage = bounds.descriptor_shortage(self._descriptors)
+        if shortage is not None:
+            request.setResponseCode(503)
+            return f"unhealthy: {shortage}\n".encode()
         return b"ok: koordrp's reactor answers\n"
 
 
-def metrics_service(endpoint: str, metrics: Metrics, probe: Probe, reactor: IReactorTime) -> service.Service:
+METRICS_BOUNDS = Bounds(connections=64, arrival_seconds=10.0, idle_seconds=30.0, arrival_bytes=64 * 1024)
+"""A scraper or a probe sends its request at once and reads the answer; 64 connections are far more than
+a node's scrapers and probes hold, and far fewer than koordrp's descriptors (1024 at the least)."""
+UNIX_SOCKET_MODE = 0o660
+"""A ``unix:`` metrics socket's mode unless the endpoint says ``mode=``: root and koordrp's group."""
+
+
+class BoundedHTTPChannel(HTTPChannel):
+    """twisted.web's channel, telling ``koordrp.bounds`` where each request is whole and when it is done.
+
+    twisted.web's own timeout restarts with every byte that comes, so it never closes a client that
+    drips its request: the bounds do that instead (the site has no timeout of its own).
+    """
+
+    def allContentReceived(self) -> None:
+        bounds.arrived(self.transport)
+        super().allContentReceived()  # type: ignore[no-untyped-call]
+
+    def requestDone(self, request: Request) -> None:
+        # First: a pipelined request already here is read by the channel's own requestDone.
+        bounds.waiting(self.transport)
+        super().requestDone(request)  # type: ignore[no-untyped-call]
+
+
+class _Site(Site):
+    protocol = BoundedHTTPChannel  # type: ignore[assignment]
+
+    def log(self, request: http.Request) -> None:
+        """No access log: every client of the endpoint would write koordrp's log (probes and scrapes every few
+        seconds, and whoever else reaches the port), drowning its own lines."""
+
+
+@dataclass(frozen=True)
+class UnixListening:
+    """A ``unix:`` endpoint as koordrp listens on it (Twisted's syntax: ``unix:PATH[:mode=660][:backlog=50][:lockfile=1]``)."""
+
+    path: str
+    mode: int = UNIX_SOCKET_MODE
+    backlog: int = 50
+    lock: bool = True
+
+
+def _fields(description: str) -> tuple[list[str], dict[str, str]]:
+    """Twisted's endpoint syntax: ``:``-separated fields, ``key=value`` keywords, ``\\`` escaping the next character."""
+    fields: list[list[str]] = [[""]]
+    characters = iter(description)
+    for character in characters:
+        if character == "\\":
+            fields[-1][-1] += next(characters, "")
+        elif character == ":":
+            fields.append([""])
+        elif character == "=" and len(fields[-1]) == 1:
+            fields[-1].append("")
+        else:
+            fields[-1][-1] += character
+    positional = [field[0] for field in fields if len(field) == 1]
+    keywords = {field[0]: field[1] for field in fields if len(field) == 2}
+    return positional, keywords
+
+
+def unix_listening(description: str) -> UnixListening | None:
+    """The unix socket a ``unix:`` endpoint names; None for any other endpoint. ValueError: not one koordrp takes."""
+    positional, keywords = _fields(description)
+    if positional[0] != "unix":
+        return None
+    unknown = set(keywords) - {"address", "mode", "backlog", "lockfile"}
+    if unknown:
+        raise ValueError(f"unknown parameters {', '.join(sorted(unknown))}")
+    addresses = positional[1:] + ([keywords["address"]] if "address" in keywords else [])
+    if len(addresses) != 1 or not addresses[0].startswith("/"):
+        raise ValueError("a unix endpoint names one absolute path, e.g. unix:/var/run/koord-runtimeproxy/metrics.sock")
+    try:
+        mode = int(keywords.get("mode", f"{UNIX_SOCKET_MODE:o}"), 8)
+        backlog = int(keywords.get("backlog", "50"))
+        lock = bool(int(keywords.get("lockfile", "1")))
+    except ValueError as error:
+        raise ValueError(f"mode (octal), backlog and lockfile (0 or 1) are numbers: {error}") from None
+    if not 0 <= mode <= 0o777:
+        raise ValueError(f"mode {mode:o} is not a file mode")
+    return UnixListening(os.path.normpath(addresses[0]), mode, backlog, lock)
+
+
+def _holds_lock(pid: int) -> str | None:
+    """What the live koordrp ``pid`` is (its command line), or None: gone, a zombie, this very process (an earlier
+    koordrp's pid, which a container's koordrp has again), or another program (the pid reused)."""
+    if pid == os.getpid() or pid <= 0:
+        return None
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        command = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    except PermissionError:
+        return f"pid {pid} (koordrp may not read its /proc entry)"
+    states = [line.split()[1] for line in status.splitlines() if line.startswith("State:") and len(line.split()) > 1]
+    if not states or states[0] in ("Z", "X"):
+        return None
+    arguments = [os.path.basename(argument.decode(errors="replace")) for argument in command.split(b"\0") if argument]
+    if any("koordrp" in argument or argument.startswith("twistd") for argument in arguments):
+        return f"pid {pid} ({' '.join(arguments)[:200]})"
+    return None
+
+
+def take_over_stale_lock(path: str) -> int | None:
+    """Remove ``path``'s lock (``<path>.lock``, Twisted's) unless a live koordrp holds it; the pid it named, if removed.
+
+    Twisted refuses a lock whose pid is alive, which after an unclean exit may be a zombie or another
+    program that got the pid (in a container, koordrp's next start has the same one): koordrp reads
+    ``/proc/<pid>`` instead.
+    """
+    lock = path + ".lock"
+    try:
+        named = os.readlink(lock)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        raise CannotListen(f"{lock} is in the way of {path}'s lock and is not one (not a symbolic link); remove it") from None
+    pid = int(named) if named.isdigit() else -1
+    holder = _holds_lock(pid)
+    if holder is not None:
+        raise SocketInUse(f"{path} is locked ({lock}) by a live koordrp, {holder}")
+    os.unlink(lock)
+    return pid
+
+
+def listen_unix(reactor: IReactorUNIX, listening: UnixListening, factory: BoundedFactory) -> IListeningPort:
+    """Listen as ``listening`` says, koordrp's way (``koordrp.unix``); CannotListen says why not."""
+    path = listening.path
+    prepare_listening_path(path)
+    if listening.lock:
+        take_over_stale_lock(path)
+    try:
+        # Under a umask: the socket is never, even briefly, wider than its mode.
+        with umask(0o777 & ~listening.mode):
+            return reactor.listenUNIX(
+                path, factory, backlog=listening.backlog, mode=listening.mode, wantPID=listening.lock  # type: ignore[arg-type]
+            )
+    except Exception as error:
+        raise CannotListen(f"cannot listen on {path}: {error}") from None
+
+
+class MetricsServer(service.Service):
+    """The endpoint's listening port. One it cannot take is one error line, and koordrp serves calls without it."""
+
+    log = Logger()
+
+    def __init__(self, endpoint: str, factory: BoundedFactory, reactor: object) -> None:
+        """``reactor`` provides IReactorTCP, IReactorUNIX, whatever ``endpoint`` takes."""
+        self.endpoint = endpoint
+        self.factory = factory
+        self._reactor = reactor
+        self.port: IListeningPort | None = None
+        self._started = False
+
+    def privilegedStartService(self) -> None:
+        # twistd calls this as root, before it drops privileges (--uid): a port under 1024 can be had.
+        super().privilegedStartService()  # type: ignore[no-untyped-call]
+        self._listen()
+
+    def startService(self) -> None:
+        super().startService()  # type: ignore[no-untyped-call]
+        if not self._started:
+            self._listen()
+
+    def _listen(self) -> None:
+        self._started = True
+        try:
+            listening = unix_listening(self.endpoint)
+            if listening is not None:
+                self.port = listen_unix(IReactorUNIX(self._reactor), listening, self.factory)
+                return
+            outcome: list[object] = []
+            endpoint = endpoints.serverFromString(self._reactor, self.endpoint)  # type: ignore[no-untyped-call]
+            endpoint.listen(self.factory).addBoth(outcome.append)
+            if outcome and isinstance(outcome[0], Failure):
+                raise CannotListen(outcome[0].getErrorMessage())
+            if outcome:
+                self.port = IListeningPort(outcome[0])
+        except (CannotListen, OSError, ValueError) as error:
+            self.log.error(
+                "cannot serve /metrics, /healthz and /livez on {endpoint}: {error}; koordrp goes on without them",
+                endpoint=self.endpoint,
+                error=str(error),
+            )
+
+    def stopService(self) -> "Deferred[None] | None":
+        super().stopService()  # type: ignore[no-untyped-call]
+        self._started = False
+        port, self.port = self.port, None
+        return None if port is None else port.stopListening()
+
+
+class _ConnectionsCollector(Collector):
+    def __init__(self, factory: BoundedFactory) -> None:
+        self._factory = factory
+
+    def collect(self) -> Iterable[Metric]:
+        yield GaugeMetricFamily("koordrp_metrics_connections", "connections open to --metrics-endpoint", value=self._factory.open)
+        closed = CounterMetricFamily(
+            "koordrp_metrics_connections_closed",
+            "connections to --metrics-endpoint koordrp closed, by reason: idle, slow (no whole request within its "
+            "bound), oversized, evicted (aborted for a newer one, at the cap), refused (closed at once, at the cap)",
+            labels=["reason"],
+        )
+        for reason, count in self._factory.closed.items():
+            closed.add_metric([reason], count)
+        yield closed
+
+
+def metrics_service(endpoint: str, metrics: Metrics, probe: Probe, reactor: IReactorTime) -> MetricsServer:
     root = Resource()  # type: ignore[no-untyped-call]
     root.putChild(b"metrics", MetricsResource(metrics.registry))
     root.putChild(b"healthz", HealthResource(probe, reactor))
-    root.putChild(b"livez", LiveResource())  # type: ignore[no-untyped-call]
-    site = Site(root)  # type: ignore[no-untyped-call]
+    root.putChild(b"livez", LiveResource())
+    # No timeout of its own (twisted.web's restarts with each byte): the bounds close idle and slow clients.
+    site = _Site(root, timeout=None, reactor=reactor)  # type: ignore[no-untyped-call]
     site.noisy = False
-    served: service.Service = strports.service(endpoint, site, reactor=IReactorCore(reactor))
-    return served
+    factory = BoundedFactory(site, METRICS_BOUNDS, reactor, "the metrics endpoint")
+    factory.noisy = False
+    metrics.registry.register(_ConnectionsCollector(factory))
+    return MetricsServer(endpoint, factory, reactor)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import grpc
@@ -15,6 +15,7 @@ from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 from zope.interface import implementer
 
+from koordrp.bounds import OWN_DESCRIPTORS, connection_cap, descriptor_limit, reserve_unkept
 from koordrp.call import Parts
 from koordrp.cri.backend import CHANNEL_OPTIONS, Answer, BackendChannel, call_unary
 from koordrp.cri.handoff import Later
@@ -37,6 +38,46 @@ _PROBE_TIMEOUT = 2.0
 # enough for kubelet to take the answer on a busy two-core node (~0.1 ms), too short to matter to anyone.
 _END_AFTER_ANSWER_SECONDS = 0.001
 
+MOST_CONNECTIONS = 256
+"""The CRI socket's cap: kubelet holds two connections (runtime and image), crictl and koordrp check one each
+while they run."""
+
+
+@dataclass(frozen=True)
+class CRIConnectionBounds:
+    """What one client connection to the CRI socket may hold, enforced by grpc core (each verified with grpcio 1.85
+    in ``tests.unit.test_service``).
+
+    A connection must send HTTP/2's preface and SETTINGS within ``handshake_seconds``, however dripped; one
+    without a call in flight is sent GOAWAY after ``idle_seconds`` (a call in flight, a stream such as
+    GetContainerEvents included, keeps it; grpc clients open a new one for their next call unseen); one with a
+    call is pinged every ``keepalive_seconds`` and closed if the ping is not acknowledged within
+    ``ping_timeout_seconds`` (a client that sent half a request and went silent). At most ``connections`` are
+    open: one more is closed as it comes (kubelet's own stays open and keeps serving), fewer under a descriptor
+    limit too low for them all (``connection_cap``).
+    """
+
+    handshake_seconds: float = 10.0
+    idle_seconds: float = 60.0
+    keepalive_seconds: float = 60.0
+    ping_timeout_seconds: float = 20.0
+    connections: int = MOST_CONNECTIONS
+
+
+def server_options(bounds: CRIConnectionBounds, connections: int) -> list[tuple[str, int]]:
+    """grpc's options for the CRI server: the channel's (message sizes left to the runtime), and the bounds."""
+    return [
+        *CHANNEL_OPTIONS,
+        ("grpc.server_handshake_timeout_ms", round(bounds.handshake_seconds * 1000)),
+        ("grpc.max_connection_idle_ms", round(bounds.idle_seconds * 1000)),
+        ("grpc.keepalive_time_ms", round(bounds.keepalive_seconds * 1000)),
+        # grpc 1.85 times a keepalive ping out after the ping timeout, not keepalive_timeout_ms: both are set.
+        ("grpc.keepalive_timeout_ms", round(bounds.ping_timeout_seconds * 1000)),
+        ("grpc.http2.ping_timeout_ms", round(bounds.ping_timeout_seconds * 1000)),
+        ("grpc.max_allowed_incoming_connections", connections),
+    ]
+
+
 _REACHABILITY_MESSAGES = {
     Reachability.FIRST_CONNECTED: "backend unix://{endpoint} is reachable",
     Reachability.UNREACHABLE: "backend unix://{endpoint} is unreachable; CRI calls answer UNAVAILABLE until it is back",
@@ -55,6 +96,7 @@ class CRIProxySettings:
     """The group that may use the socket (mode 0660); None: koordrp's own group."""
     reconcile_interval: float = 0.0
     """Seconds between readings of the runtime for the store (0: at start and after an outage only)."""
+    bounds: CRIConnectionBounds = field(default_factory=CRIConnectionBounds)
 
 
 @implementer(IFrontEnd)
@@ -80,6 +122,8 @@ class CRIProxyService(service.Service):
         self._backends: list[BackendChannel] = []
         self._later: Later | None = None
         self._sync: StoreSync | None = None
+        self.connections = 0
+        """The most client connections the socket holds (``CRIConnectionBounds.connections``), once started."""
 
     def startService(self) -> None:
         settings = self.settings
@@ -94,10 +138,12 @@ class CRIProxyService(service.Service):
         interceptor = Interceptor(self._reactor, runtime, self._parts, lookup, self._later.queue)
         backends = {BackendRole.RUNTIME: runtime, BackendRole.IMAGE: image}
         self._handler = PassThroughHandler(backends, interceptor.handlers, self._metrics)
+        limit = descriptor_limit()
+        self.connections = connection_cap(settings.bounds.connections, 1, limit)
         server = grpc.server(
             ThreadPoolExecutor(max_workers=settings.max_workers, thread_name_prefix="koordrp-cri"),
             handlers=[self._handler],
-            options=CHANNEL_OPTIONS,
+            options=server_options(settings.bounds, self.connections),
         )
         with umask(0o777 & ~SOCKET_MODE):
             server.add_insecure_port(grpc_target(settings.listen_path))
@@ -111,6 +157,18 @@ class CRIProxyService(service.Service):
             runtime=settings.runtime_path,
             image=settings.image_path,
         )
+        self.log.info(
+            "CRI connections: at most {connections} open, {own} of {limit} file descriptors kept for koordrp's own",
+            connections=self.connections,
+            own=OWN_DESCRIPTORS,
+            limit=limit,
+        )
+        if reserve_unkept(limit, self.connections, 1):
+            self.log.warn(
+                "only {limit} file descriptors: clients may take those koordrp keeps for its runtime and hook calls; "
+                "raise its hard limit (LimitNOFILE=)",
+                limit=limit,
+            )
         # CRI calls are served throughout: a call about something not learnt yet reads it back itself.
         self._sync = StoreSync(
             self._parts.store,

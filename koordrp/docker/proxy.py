@@ -11,6 +11,13 @@ intercepted call until it is answered and its post stages are announced, each re
 dockerd until dockerd begins its answer. Once an answer has begun koordrp cannot tell one that is
 about to end from a stream that never does (events, a followed log, stats, an attach, an exec, a
 wait: dockerd begins each at once), so those are closed at the end of the stop (``let_go``).
+
+Each client connection is bounded (``DOCKER_BOUNDS``, ``koordrp.bounds``): one that sends nothing is
+closed after ``idle_seconds``, one whose request (its head, and an intercepted call's body) has not
+come whole ``arrival_seconds`` after its first byte is closed, and at most ``connections`` are open.
+Once the request is whole (``bounds.arrived``) nothing bounds the exchange's time: a followed log, an
+attach or events may last for days. A connection serves one request, so there is no idle keep-alive
+phase to bound: koordrp closes it after the exchange.
 """
 
 import select
@@ -33,9 +40,12 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import Interface, implementer
 
+from koordrp import bounds
+from koordrp.bounds import Bounds
 from koordrp.drain import Drain
 from koordrp.docker.http import (
     MAX_BODY_BYTES,
+    MAX_HEAD_BYTES,
     BodyTooLarge,
     ChunkedBody,
     HeadReader,
@@ -54,6 +64,18 @@ dropped."""
 
 LINGER_SECONDS = 10.0
 """How long koordrp reads (and drops) what a client still sends after answering its request early."""
+
+DOCKER_BOUNDS = Bounds(
+    connections=1024,
+    arrival_seconds=10.0,
+    idle_seconds=30.0,
+    arrival_bytes=MAX_HEAD_BYTES + 2 * MAX_BODY_BYTES,
+)
+"""What one client connection may hold before its request is whole. cri-dockerd writes a request as it
+connects; it may hold a few hundred connections at once on a full node (a stats request per container,
+exec probes, followed logs, events), each with one to dockerd beside it (``connection_cap`` gives each
+two descriptors, and lowers ``connections`` under a low descriptor limit). The head's and body's own
+limits (431, 413) come first: the byte bound only stops a body's chunked framing from growing without end."""
 
 _REFUSALS = {
     HeadTooLarge: (431, "Request Header Fields Too Large"),
@@ -191,6 +213,7 @@ class DockerClientConnection(protocol.Protocol):
         if self._body is not None:
             self._read_body(self._body, read[1])
         else:
+            bounds.arrived(self.transport)  # what follows the head is the exchange's, however long it takes
             self._after_head = read[1]
             self._awaiting_dockerd = True
             # Until dockerd is connected there is nowhere to put what the client sends (a 200 MB image).
@@ -205,6 +228,7 @@ class DockerClientConnection(protocol.Protocol):
             self._refuse(error)
             return
         self._body = None
+        bounds.arrived(self.transport)
         head, interceptor = self._head, self.proxy.interceptor
         assert head is not None and interceptor is not None
         handled: Deferred[Intercepted] = interceptor.handle(head, reader.body)
@@ -242,6 +266,7 @@ class DockerClientConnection(protocol.Protocol):
         self._head_reader = self._body = None
         if self._gone:
             return
+        bounds.arrived(self.transport)  # the lingering that follows has its own bound
         transport = ITCPTransport(self.transport)
         transport.write(response)
         transport.loseWriteConnection()

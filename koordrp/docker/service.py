@@ -1,6 +1,6 @@
 """Docker mode as a Twisted service: the Docker API proxy on koordrp's socket, on the reactor."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from twisted.application import service
 from twisted.internet.defer import Deferred, ensureDeferred, maybeDeferred
@@ -8,10 +8,11 @@ from twisted.internet.interfaces import IListeningPort, IReactorTime, IReactorUN
 from twisted.logger import Logger
 from zope.interface import implementer
 
+from koordrp.bounds import OWN_DESCRIPTORS, Bounds, BoundedFactory, connection_cap, descriptor_limit, reserve_unkept
 from koordrp.call import Parts
 from koordrp.docker.dockerd import Dockerd
 from koordrp.docker.intercept import DockerInterceptor
-from koordrp.docker.proxy import DockerProxyFactory
+from koordrp.docker.proxy import DOCKER_BOUNDS, DockerProxyFactory
 from koordrp.frontend import IFrontEnd
 from koordrp.resync import StoreSync
 from koordrp.unix import SOCKET_MODE, prepare_listening_path, remove_socket, restrict_socket
@@ -26,6 +27,8 @@ class DockerProxySettings:
     """The stop's bound: how long calls in flight and post hooks still running get, in all."""
     reconcile_interval: float = 0.0
     """Seconds between readings of dockerd for the store (0: at start only)."""
+    bounds: Bounds = DOCKER_BOUNDS
+    """Each client connection's bounds; its ``connections`` lowered at start under a low descriptor limit."""
 
 
 @implementer(IFrontEnd)
@@ -48,6 +51,8 @@ class DockerProxyService(service.Service):
         )
         self._port: IListeningPort | None = None
         self._factory: DockerProxyFactory | None = None
+        self.bounded: BoundedFactory | None = None
+        """The client connections as ``koordrp.bounds`` holds them (how many are open, how many it closed, why)."""
 
     def probe(self) -> "Deferred[object]":
         return self._dockerd.probe()
@@ -58,7 +63,16 @@ class DockerProxyService(service.Service):
         self._factory = factory = DockerProxyFactory(
             settings.backend_path, self._reactor, self._interceptor, self._dockerd.unavailable
         )
-        self._port = self._reactor.listenUNIX(settings.listen_path, factory, mode=SOCKET_MODE, wantPID=False)
+        # Each client connection holds a second descriptor while it is spliced to dockerd.
+        limit = descriptor_limit()
+        connections = connection_cap(settings.bounds.connections, 2, limit)
+        self.bounded = BoundedFactory(
+            factory, replace(settings.bounds, connections=connections), IReactorTime(self._reactor), "the Docker API socket"
+        )
+        self.bounded.noisy = False
+        self._port = self._reactor.listenUNIX(
+            settings.listen_path, self.bounded, mode=SOCKET_MODE, wantPID=False  # type: ignore[arg-type]
+        )
         restrict_socket(settings.listen_path, settings.socket_gid)
         super().startService()  # type: ignore[no-untyped-call]
         self.log.info(
@@ -66,6 +80,18 @@ class DockerProxyService(service.Service):
             listen=settings.listen_path,
             backend=settings.backend_path,
         )
+        self.log.info(
+            "Docker API connections: at most {connections} open, {own} of {limit} file descriptors kept for koordrp's own",
+            connections=connections,
+            own=OWN_DESCRIPTORS,
+            limit=limit,
+        )
+        if reserve_unkept(limit, connections, 2):
+            self.log.warn(
+                "only {limit} file descriptors: clients may take those koordrp keeps for its own calls to dockerd "
+                "and hook servers; raise its hard limit (LimitNOFILE=)",
+                limit=limit,
+            )
         self._dockerd.cgroup_driver.start()
         self._sync.start()
 

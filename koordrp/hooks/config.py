@@ -107,6 +107,9 @@ def _endpoint(document: dict[str, object]) -> str:
     if len(encoded) > 4 * MAX_SOCKET_PATH_BYTES:
         raise HookConfigError(f'"remote-endpoint" {_show(value)} is too long for a unix socket path')
     try:
+        # ".." is resolved by the text, as os.path.normpath does ("/run/a/../k.sock" is "/run/k.sock"): the path that
+        # results is the one koordrp checks (koordrp.trust: its symbolic links followed as the kernel does) and
+        # dials; the text as written is never given to the kernel.
         path = parse_unix_endpoint(value)
     except EndpointError as error:
         raise HookConfigError(f'"remote-endpoint": {error}') from None

@@ -14,6 +14,7 @@ from koordrp.drain import Drain
 from koordrp.hooks.answering import Admitted, Answering, Silence
 from koordrp.hooks.client import HookCallError, HookClients, HookTimedOut, no_answer_within
 from koordrp.hooks.messages import HookRequest, HookResponse, copied, merge_response, subject_text
+from koordrp.hooks.validation import Checked, check
 from koordrp.hooks.types import (
     ERROR,
     LATE,
@@ -49,7 +50,9 @@ class Dispatcher:
         self._clients = clients
         self._reactor = reactor
         self._metrics = metrics
-        self._announced: set[Deferred[None]] = set()
+        self._announced: dict[Deferred[None], int] = {}
+        """Each server's sequence of one call's post hooks still running, and which call (a number) it is of."""
+        self._calls_announced = 0
         self._drain = Drain(reactor)
         self._answering = Answering(reactor, socket_identity)
 
@@ -63,19 +66,25 @@ class Dispatcher:
         """Start the post hook stages one call owes, without waiting for them.
 
         The runtime has answered and nothing a post hook says can change that answer, so the caller
-        does not wait. One call's stages run one after another, so a server hears of a pod's
-        containers stopping before it hears of the pod; the stages of different calls start in the
-        order the calls answered and may overlap. Stopping waits for the ones still running (drain),
-        up to its bound.
+        does not wait. Each server hears of one call's stages one after another, so it hears of a pod's
+        containers stopping before it hears of the pod; each server has a sequence of its own, so one
+        that does not answer delays only itself, never another server's post hooks. The stages of
+        different calls start in the order the calls answered and may overlap. Stopping waits for the
+        ones still running (drain), up to its bound.
         """
-        announced = ensureDeferred(self._in_order(stages))
-        self._announced.add(announced)
-        announced.addErrback(self._post_failed).addBoth(self._post_over, announced)
+        self._calls_announced += 1
+        sequences: dict[str, list[tuple[PostStage, HookServerConfig]]] = {}
+        for stage in stages:
+            for server in stage.servers:
+                sequences.setdefault(server.name, []).append((stage, server))
+        for calls in sequences.values():
+            sequence = ensureDeferred(self._in_order(calls))
+            self._announced[sequence] = self._calls_announced
+            sequence.addErrback(self._post_failed).addBoth(self._post_over, sequence)
 
-    async def _in_order(self, stages: Sequence[PostStage]) -> None:
-        # A post hook's answer changes nothing, so each server is called on its own: a stop that cuts
-        # the calls can name the one it cut.
-        calls = [(stage, server) for stage in stages for server in stage.servers]
+    async def _in_order(self, calls: Sequence[tuple[PostStage, HookServerConfig]]) -> None:
+        # One server's post hooks of one call. A post hook's answer changes nothing, so each is a call of its
+        # own: a stop that cuts the sequence can name the one it cut.
         for made, (stage, server) in enumerate(calls):
             try:
                 await self.run(stage.hook, (server,), stage.request)
@@ -93,25 +102,25 @@ class Dispatcher:
         if not isinstance(failure.value, CancelledError):
             self.log.failure("post hook stages failed inside koordrp", failure)
 
-    def _post_over(self, _: object, announced: "Deferred[None]") -> None:
-        self._announced.discard(announced)
+    def _post_over(self, _: object, sequence: "Deferred[None]") -> None:
+        self._announced.pop(sequence, None)
         if not self._announced:
             self._drain.idle()
 
     def drain(self, timeout: float) -> "Deferred[None]":
         """Fire once no post hook stage runs (those announced meanwhile included), or after ``timeout`` seconds,
-        when the hook calls still running are cut, one line each."""
+        when the hook calls still running are cut, one line each (server, hook, pod and container)."""
         if self._announced and not self._drain.waiting:
             self.log.info(
                 "stopping: post hooks are still running for {count} call(s); they get {timeout:.3g}s, then are cut",
-                count=len(self._announced),
+                count=len(set(self._announced.values())),
                 timeout=timeout,
             )
         return self._drain.wait(bool(self._announced), timeout, self._cut_all)
 
     def _cut_all(self) -> None:
-        for announced in list(self._announced):
-            announced.cancel()
+        for sequence in list(self._announced):
+            sequence.cancel()
 
     def close(self) -> None:
         """koordrp stops: every hook channel is closed."""
@@ -197,7 +206,9 @@ class Dispatcher:
                 outcome.calls.append(recorded)
                 self._heard(server, hook, error, reason, admitted)
                 if kept and timed_out and call is not None and not call.called:  # still running past the budget
-                    outcome.late = LateCall(recorded, copied(request), self._late(server, hook, call, recorded, started))
+                    sent = copied(request)
+                    ended = self._late(server, hook, call, recorded, started).addCallback(_checked_late, hook, sent, server)
+                    outcome.late = LateCall(recorded, sent, ended)
                 else:
                     self._count(server, hook, result, started)
                 if server.must_be_heard(hook):
@@ -218,8 +229,20 @@ class Dispatcher:
                 )
                 continue
             self._answering.answered(server, hook, admitted)
+            # Checked before any of it is used: a field koordrp refuses fails the call (Fail) or is left out of the
+            # merge, the rest of the answer applied (Ignore); the runtime never sees it either way.
+            checked = check(request, response, server.apply_pod_resources) if hook.is_pre else Checked(response)
+            if checked.refused:
+                fails = server.must_be_heard(hook)
+                _say_refused(hook, server, request, checked.reason, fails)
+                if fails:
+                    seconds = self._count(server, hook, ERROR, started)
+                    refused = tuple(checked.changes())
+                    outcome.calls.append(HookCall(server, hook, ERROR, seconds, refused, reason=checked.reason, trial=admitted.trial))
+                    outcome.failure = HookFailure(server, hook, checked.reason)
+                    return outcome
             seconds = self._count(server, hook, OK, started)
-            changes = merge_response(request, response, server.apply_pod_resources) if hook.is_pre else []
+            changes = merge_response(request, checked.response, server.apply_pod_resources) + checked.changes() if hook.is_pre else []
             outcome.calls.append(HookCall(server, hook, OK, seconds, tuple(changes), trial=admitted.trial))
             for change in changes:
                 if not change.applied:
@@ -274,6 +297,30 @@ class Dispatcher:
 
         call.addCallbacks(answered, failed).addBoth(_settle, ended)
         return ended
+
+
+def _say_refused(hook: HookType, server: HookServerConfig, request: HookRequest, refused: str, fails: bool) -> None:
+    """One warning for what koordrp refused of an answer, and what the server's policy makes of it."""
+    Dispatcher.log.warn(
+        "hook {hook} on {server} for {subject}: {refused}; {policy}",
+        hook=hook.value,
+        server=server.name,
+        subject=subject_text(request),
+        refused=refused,
+        policy="policy Fail, the CRI call fails" if fails else "policy Ignore, the rest of its answer applies",
+    )
+
+
+def _checked_late(answer: LateAnswer, hook: HookType, request: HookRequest, server: HookServerConfig) -> LateAnswer:
+    """A late answer is checked as any other before it is used (a call kept past its budget is never a Fail-policy
+    server's): what koordrp refuses is left out of it, and said, in a warning and the call's reason."""
+    if answer.response is None:
+        return answer
+    checked = check(request, answer.response, server.apply_pod_resources)
+    if not checked.refused:
+        return answer
+    _say_refused(hook, server, request, checked.reason, fails=False)
+    return LateAnswer(replace(answer.call, reason=f"{answer.call.reason}; {checked.reason}"), checked.response)
 
 
 def _settle(result: object, settled: "Deferred[Any]") -> None:

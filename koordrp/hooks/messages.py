@@ -1,9 +1,10 @@
 """Hook messages and the rules that merge hook answers, whichever front end a call came through.
 
 A stage's hook request is changed in place by each server's answer, so the next server in the chain
-sees it (``merge_response``); what the chain changed is later written back into the front end's own
-request (``koordrp.cri.translate``, ``koordrp.docker.translate``). Nothing here knows about threads,
-grpc, the reactor or a wire format other than the hook API's.
+sees it (``merge_response``), once ``koordrp.hooks.validation`` has checked the answer; what the chain
+changed is later written back into the front end's own request (``koordrp.cri.translate``,
+``koordrp.docker.translate``). Nothing here knows about threads, grpc, the reactor or a wire format
+other than the hook API's.
 """
 
 from dataclasses import dataclass, replace
@@ -22,8 +23,8 @@ Resources: TypeAlias = hook.LinuxContainerResources
 # Numbers a hook may set: a zero means "not mentioned", except for the CFS quota, where -1 means
 # unlimited. oom_score_adj 0 is also taken as "not mentioned" (Koordinator would apply it): a
 # plugin answering with only the fields it cares about must not reset the container's OOM score.
-_POSITIVE_FIELDS = ("cpu_period", "cpu_shares", "memory_limit_in_bytes", "memory_swap_limit_in_bytes")
-_NON_ZERO_FIELDS = ("cpu_quota", "oom_score_adj")
+POSITIVE_FIELDS = ("cpu_period", "cpu_shares", "memory_limit_in_bytes", "memory_swap_limit_in_bytes")
+NON_ZERO_FIELDS = ("cpu_quota", "oom_score_adj")
 CPUSET_FIELDS = ("cpuset_cpus", "cpuset_mems")
 """The resource fields an empty value in an answer clears (elsewhere an unset field keeps the request's)."""
 
@@ -65,6 +66,9 @@ class Change:
     """False: what the answer asked for, left alone (the log names it all the same, with ``why``)."""
     why: str = ""
     """Why a change was left alone."""
+    refused: bool = False
+    """What the answer asked for breaks a rule of ``koordrp.hooks.validation`` (``why`` says which): never applied,
+    named ``refused`` in the call's line."""
 
 
 Changes = list[Change]
@@ -127,11 +131,11 @@ def _merge_map(
 
 
 def _merge_numbers_and_maps(target: Resources, source: Resources, prefix: str, changes: Changes) -> None:
-    for name in _POSITIVE_FIELDS:
+    for name in POSITIVE_FIELDS:
         value = getattr(source, name)
         if value > 0:
             _set(target, name, value, prefix, changes)
-    for name in _NON_ZERO_FIELDS:
+    for name in NON_ZERO_FIELDS:
         value = getattr(source, name)
         if value != 0:
             _set(target, name, value, prefix, changes)

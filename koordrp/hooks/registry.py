@@ -12,7 +12,7 @@ import hashlib
 import os
 import stat
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Mapping
 
 from twisted.application import service
@@ -21,6 +21,7 @@ from twisted.internet.interfaces import IDelayedCall, IReactorFDSet, IReactorTim
 from twisted.logger import Logger, LogLevel
 from twisted.python.filepath import FilePath
 
+from koordrp import files, trust
 from koordrp.hooks.config import (
     MAX_CONFIG_BYTES,
     TOO_LARGE,
@@ -46,8 +47,6 @@ DEGRADED_SECONDS = 1.0
 RACY_NANOSECONDS = 2_000_000_000
 """A file modified this recently may change again without its mtime moving (coarse file system
 clocks), so its stat is not trusted to mean "unchanged" and it is read again at the next rescan."""
-
-_READ_CHUNK = 64 * 1024
 
 _DIRECTORY_MASK = inotify.IN_WATCH_MASK | inotify.IN_ONLYDIR
 _PARENT_MASK = (
@@ -98,6 +97,8 @@ class Entry:
     good: HookServerConfig | None
     complaint: tuple[str, bytes | None] | None
     """The rejection already logged for the file's current version."""
+    distrust: str | None = None
+    """Why koordrp does not trust the socket its good version names, as already logged (``koordrp.trust``)."""
 
 
 REJECTED = "hook server registration {file} rejected: {reason}"
@@ -110,6 +111,13 @@ UNREGISTERED = "hook server {name} unregistered: {file} is gone"
 DIRECTORY_GONE = "hook server directory {directory} is gone; its hook servers are unregistered"
 DIRECTORY_BACK = "hook server directory {directory} is back"
 SERVERS = "hook servers: {servers}"
+DISTRUSTED = "hook server registration {file} is not called: {reason}; its calls fail, as with a missing socket"
+TRUSTED = "hook server registration {file}: its socket is trusted now"
+DIRECTORY_REFUSED = (
+    "hook server directory {directory} is not trusted: {reason}; none of its registrations is read, "
+    "and the hook servers it registered are unregistered"
+)
+DIRECTORY_TRUSTED = "hook server directory {directory} is trusted again; its registrations are read"
 
 
 def list_registrations(directory: str) -> dict[str, StatKey | Rejection] | None:
@@ -144,18 +152,9 @@ def list_registrations(directory: str) -> dict[str, StatKey | Rejection] | None:
     return listing
 
 
-_KINDS = (
-    (stat.S_ISDIR, "a directory"),
-    (stat.S_ISFIFO, "a FIFO"),
-    (stat.S_ISCHR, "a character device"),
-    (stat.S_ISBLK, "a block device"),
-    (stat.S_ISSOCK, "a socket"),
-)
-
-
 def not_a_file(path: str, mode: int) -> str:
     """Why ``path``, of ``mode`` (as stat follows links), is no registration: what it is, through which link."""
-    kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
+    kind = files.kind(mode)
     try:
         target = os.readlink(path)
     except OSError:
@@ -168,39 +167,31 @@ def stat_key(info: os.stat_result) -> StatKey:
 
 
 def read_registration(path: str) -> Reading:
-    """Read one registration, never more than MAX_CONFIG_BYTES + 1 bytes of it."""
+    """Read one registration, never more than MAX_CONFIG_BYTES + 1 bytes of it, never waiting (``koordrp.files``)."""
     try:
-        # O_NONBLOCK: a FIFO swapped in after the listing must not hang the reactor in open().
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+        # A FIFO or device swapped in after the listing is not opened, or not waited for: the reactor reads this.
+        fd, info = files.open_file(path)
     except FileNotFoundError:
         return None
+    except files.NotAFile as error:
+        return Rejection(not_a_file(path, error.info.st_mode), seen=stat_key(error.info))
     except OSError as error:
         return Rejection(f"cannot open: {error.strerror or error}")
     try:
-        info = os.fstat(fd)
         key = stat_key(info)
-        if not stat.S_ISREG(info.st_mode):  # swapped in after the listing
-            return Rejection(not_a_file(path, info.st_mode), seen=key)
         # Checked on the opened file, so a swap between this check and the read cannot slip through.
         untrusted = permission_problem(info.st_mode, info.st_uid, os.geteuid())
         if untrusted is not None:
             return Rejection(untrusted, seen=key)
         if info.st_size > MAX_CONFIG_BYTES:
             return Rejection(TOO_LARGE, seen=key)
-        chunks: list[bytes] = []
-        total = 0
-        while total <= MAX_CONFIG_BYTES:
-            chunk = os.read(fd, _READ_CHUNK)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            total += len(chunk)
-        if total > MAX_CONFIG_BYTES:  # it grew after fstat
+        data = files.read_at_most(fd, MAX_CONFIG_BYTES)
+        if len(data) > MAX_CONFIG_BYTES:  # it grew after fstat
             return Rejection(TOO_LARGE, seen=key)
         # Keyed by the fstat taken before reading: a write that lands during the read moves
         # mtime past it, so the next rescan reads again.
         fresh = time.time_ns() - info.st_mtime_ns < RACY_NANOSECONDS
-        return Content(b"".join(chunks), seen=None if fresh else key)
+        return Content(data, seen=None if fresh else key)
     except OSError as error:
         return Rejection(f"cannot read: {error.strerror or error}")
     finally:
@@ -252,6 +243,7 @@ class RegistrationBook:
         self._present = True
         self._described = False
         self._limit: PreHookLimit | None = None
+        self._refused: str | None = None
         self.servers = HookServers()
 
     def limit_known(self, limit: PreHookLimit) -> list[Notice]:
@@ -266,9 +258,28 @@ class RegistrationBook:
         notices = [Notice(LogLevel.warn, "{warning}", {"warning": limit.warning(server)}) for server in slow]
         return notices + [Notice(LogLevel.info, SERVERS, {"servers": describe(self.servers, limit)})]
 
-    def update(self, listing: Listing | None, read: Callable[[str], Reading]) -> tuple[bool, list[Notice]]:
-        """Take in ``listing`` (None: the directory is gone); say whether the servers changed, and what to log."""
+    def update(
+        self,
+        listing: Listing | None,
+        read: Callable[[str], Reading],
+        judge: Callable[[HookServerConfig], str | None] | None = None,
+        refused: str | None = None,
+    ) -> tuple[bool, list[Notice]]:
+        """Take in ``listing`` (None: the directory is gone); say whether the servers changed, and what to log.
+
+        ``judge`` says why koordrp does not trust the socket a server names (None: it does), said once per
+        reason; ``refused``, why it does not trust the directory itself: every server it registered is then let
+        go, and its files are read again once it is trusted.
+        """
         notices: list[Notice] = []
+        if refused is not None:
+            if refused != self._refused:
+                notices.append(Notice(LogLevel.warn, DIRECTORY_REFUSED, {"directory": self.directory, "reason": refused}))
+            self._refused = refused
+            return self._publish({}, notices)
+        if self._refused is not None:
+            notices.append(Notice(LogLevel.info, DIRECTORY_TRUSTED, {"directory": self.directory}))
+            self._refused = None
         if listing is None:
             if self._present:
                 notices.append(Notice(LogLevel.info, DIRECTORY_GONE, {"directory": self.directory}))
@@ -286,8 +297,26 @@ class RegistrationBook:
         for name, old in sorted(self._entries.items()):
             if name not in entries and old.good is not None:
                 notices.append(Notice(LogLevel.info, UNREGISTERED, {"name": name, "file": self._path(name)}))
-        self._entries = entries
+        if judge is not None:
+            for name, entry in entries.items():
+                entries[name] = self._judged(name, entry, judge, notices)
+        return self._publish(entries, notices)
 
+    def _judged(self, name: str, entry: Entry, judge: Callable[[HookServerConfig], str | None], notices: list[Notice]) -> Entry:
+        """``entry``, with what koordrp makes of the socket it names now; a new reason not to trust it is said."""
+        if entry.good is None:
+            return entry
+        old = self._entries.get(name)
+        said = old.distrust if old is not None and old.good is not None and old.good.endpoint == entry.good.endpoint else None
+        distrust = judge(entry.good)
+        if distrust is not None and distrust != said:
+            notices.append(Notice(LogLevel.warn, DISTRUSTED, {"file": self._path(name), "reason": distrust}))
+        elif distrust is None and said is not None:
+            notices.append(Notice(LogLevel.info, TRUSTED, {"file": self._path(name)}))
+        return replace(entry, distrust=distrust)
+
+    def _publish(self, entries: dict[str, Entry], notices: list[Notice]) -> tuple[bool, list[Notice]]:
+        self._entries = entries
         servers = HookServers(tuple(entry.good for _, entry in sorted(entries.items()) if entry.good is not None))
         changed = servers != self.servers
         self.servers = servers
@@ -350,6 +379,20 @@ class RegistrationBook:
 
     def _path(self, name: str) -> str:
         return os.path.join(self.directory, name)
+
+
+def _socket_distrust(server: HookServerConfig) -> str | None:
+    """Why ``server`` is not called, as far as that shows before a call: koordrp does not trust its socket, or what is
+    at its endpoint is no socket (``/var/run/../../etc/passwd`` is ``/etc/passwd``). None: it is called (a socket not
+    there yet is said at each call, as ever)."""
+    judged = trust.socket_trust(server.endpoint)
+    if judged.problem is not None or judged.socket is not None:
+        return judged.problem
+    try:
+        mode = os.stat(server.endpoint).st_mode
+    except OSError:
+        return None
+    return None if stat.S_ISSOCK(mode) else f"{server.endpoint} is {files.kind(mode)}, not a socket"
 
 
 def _identity(path: str) -> Identity | None:
@@ -454,6 +497,10 @@ class HookRegistry(service.Service):
             self._tick_call = self._reactor.callLater(interval, self._rescan)
 
     def _refresh(self) -> None:
+        refused = trust.directory_problem(self.directory)
+        if refused is not None:
+            self._take(None, refused)
+            return
         try:
             listing = list_registrations(self.directory)
         except OSError as error:
@@ -462,7 +509,10 @@ class HookRegistry(service.Service):
             self._emit(self._list_trouble.report(problem))
             return
         self._emit(self._list_trouble.report(None, directory=self.directory))
-        changed, notices = self._book.update(listing, self._read)
+        self._take(listing, None)
+
+    def _take(self, listing: Listing | None, refused: str | None) -> None:
+        changed, notices = self._book.update(listing, self._read, _socket_distrust, refused)
         for notice in notices:
             self._emit(notice)
         if changed:

@@ -9,7 +9,11 @@ import json
 import os
 from dataclasses import asdict, dataclass
 
+from koordrp.files import NotAFile, create_file, open_file, read_at_most
+
 FILE_NAME = "nri-plugin.json"
+MAX_BYTES = 64 * 1024
+"""More than koordrp ever writes there: a larger file is not one it wrote."""
 
 
 @dataclass(frozen=True)
@@ -27,7 +31,7 @@ def write(state_dir: str, registration: Registration) -> None:
     """Written whole (a temporary file, then a rename); an error is the caller's to report."""
     path = os.path.join(state_dir, FILE_NAME)
     temporary = path + ".new"
-    with open(temporary, "w", encoding="utf-8") as stream:
+    with os.fdopen(create_file(temporary, 0o644), "w", encoding="utf-8") as stream:
         json.dump(asdict(registration), stream)
     os.replace(temporary, path)
 
@@ -42,7 +46,8 @@ def remove(state_dir: str) -> None:
 def read(state_dir: str) -> Registration | None:
     """What the file says, or None when there is none (or it is not one koordrp wrote)."""
     try:
-        with open(os.path.join(state_dir, FILE_NAME), encoding="utf-8") as stream:
-            return Registration(**json.load(stream))
-    except (OSError, ValueError, TypeError):
+        descriptor, _ = open_file(os.path.join(state_dir, FILE_NAME), follow=False)
+        with os.fdopen(descriptor, "rb") as stream:
+            return Registration(**json.loads(read_at_most(stream.fileno(), MAX_BYTES)))
+    except (OSError, NotAFile, ValueError, TypeError):
         return None

@@ -20,6 +20,7 @@ from koordrp.hooks.messages import (
     oci_env_map,
     oci_env_variable,
 )
+from koordrp.nri.wire import MAX_TTRPC_MESSAGE
 from koordrp.store import ContainerState, runtime_state
 
 # kubelet's annotation with a container's restart count (CRI's ContainerMetadata.attempt): NRI has no field for it.
@@ -31,6 +32,12 @@ NO_OOM_SCORE = "NRI cannot set a container's OOM score"
 NO_SWAP = "containerd 1.7's NRI sets no swap limit (a new memory limit sets swap to the same value)"
 NOT_IN_AN_UPDATE = "an NRI update has no annotations"
 NOT_UNDER_ITS_POD = "the container's cgroups path is not under its pod's cgroup parent"
+NOT_CARRIED = (
+    f"containerd's messages about the container so changed would pass the {MAX_TTRPC_MESSAGE >> 20} MiB ttrpc carries: "
+    "it could neither start it nor tell plugins of it"
+)
+TTRPC_ENVELOPE = 1024
+"""Bytes of ttrpc's Request around an NRI message (service, method, timeout, metadata), kept for it."""
 LATE = "late"
 """Why a late answer's change to what is fixed once a container is created was left alone."""
 FIXED_AT_CREATE = ("container_envs", "container_annotations", "pod_cgroup_parent")
@@ -231,11 +238,40 @@ class CreateContainer:
                 left.append(LeftAlone("pod_cgroup_parent", NOT_UNDER_ITS_POD))
             else:
                 adjust.linux.cgroups_path = moved
+        if (adjust.annotations or adjust.env) and not self._carried(adjust):
+            # What grows the container is left out: the rest of the answer (its resources, its place) still applies.
+            adjust.ClearField("annotations")
+            adjust.ClearField("env")
+            self._env = list(self.container.env)
+            left += [LeftAlone("container_annotations", NOT_CARRIED), LeftAlone("container_envs", NOT_CARRIED)]
         changed = adjust.ByteSize() > 0
         return Written(nri.CreateContainerResponse(adjust=adjust).SerializeToString() if changed else None, tuple(left))
 
+    def _carried(self, adjust: nri.ContainerAdjustment) -> bool:
+        """Whether every message containerd sends about the container as ``adjust`` makes it stays within ttrpc's
+        limit. containerd takes an adjustment just under it, then cannot start the container (its next event
+        about it is too large) nor synchronize a plugin while the container exists."""
+        grows = adjust.ByteSize()
+        if self.pod.ByteSize() + 2 * (self.container.ByteSize() + grows) + TTRPC_ENVELOPE <= MAX_TTRPC_MESSAGE:
+            return True  # as it always is: not worth weighing the container as adjusted
+        grown = nri.Container()
+        grown.CopyFrom(self.container)
+        grown.annotations.update(adjust.annotations)
+        del grown.env[:]
+        grown.env.extend(self._env)
+        grown.linux.resources.MergeFrom(adjust.linux.resources)
+        return told_size(self.pod, grown) <= MAX_TTRPC_MESSAGE
+
     def envs_sent(self) -> dict[str, str]:
         return oci_env_map(self._env)
+
+
+def told_size(pod: nri.PodSandbox, container: nri.Container) -> int:
+    """Bytes of the largest message containerd sends a plugin about ``container``, in ttrpc's envelope: an
+    UpdateContainerRequest, which carries the pod, the container and its resources once more (an event carries
+    the pod and the container; a synchronization's part at least as much)."""
+    request = nri.UpdateContainerRequest(pod=pod, container=container, linux_resources=container.linux.resources)
+    return request.ByteSize() + TTRPC_ENVELOPE
 
 
 def _container_update(

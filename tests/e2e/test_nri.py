@@ -33,7 +33,7 @@ from tests.support.scrape import free_port, get, sample
 from tests.support.stack import start_containerd
 
 CREATE = "PreCreateContainerHook"
-CGROUP_PARENT = "/koordrp-nri-e2e"
+CGROUP_PARENT = "/kubepods/koordrp-nri-e2e"  # a hook may move a pod within the pods' cgroup root, not out of it
 BESTEFFORT = "/kubepods/besteffort/pod-nri-e2e"
 
 

@@ -1,10 +1,11 @@
 """The call log line: each hook server with its outcome and what its answer changed, env values never."""
 
 import json
+from typing import Any, cast
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from koordrp.calllog import CallRecord, call_text, field_name
+from koordrp.calllog import MAX_LISTED, CallRecord, call_text, field_name
 from koordrp.hooks.messages import Change, ContainerHookRequest
 from koordrp.hooks.types import ERROR, LATE, OK, SENT, SKIPPED, TIMEOUT, FailurePolicy, HookCall, HookServerConfig, HookType
 
@@ -108,3 +109,58 @@ class RecordTests(SynchronousTestCase):
         self.assertFalse(spared.uneventful("OK"))
         self.assertFalse(CallRecord("StartContainer", why="containerd told of a stop first").uneventful("OK"))
         self.assertFalse(CallRecord("StartContainer", asked_lost=True).uneventful("OK"))
+
+
+class BoundedLineTests(SynchronousTestCase):
+    """Whatever an answer sent, its line is safe to read and of bounded size."""
+
+    def test_keys_values_and_reasons_are_escaped_never_written_raw(self) -> None:
+        changes = (
+            Change("container_envs[A\x00B]", added=True),
+            Change("container_annotations[line\nbreak]", added=True),
+            Change("container_resources.unified[cpu.max]", None, "max\x00\x1b[31m", added=True),
+            Change("pod_cgroup_parent", "/kubepods/p", '/kubepods/"q"\u2028'),
+        )
+        text = call_text(HookCall(KOORDLET, CREATE, OK, 0.001, changes))
+        self.assertEqual(
+            text,
+            "PreCreateContainer@koordlet.json: ok 1.0 ms, changed envs +A\\x00B, annotations +line\\nbreak, "
+            'resources.unified[cpu.max] None→"max\\x00\\x1b[31m", cgroup_parent "/kubepods/p"→"/kubepods/\\"q\\"\\u2028"',
+        )
+        failed = call_text(HookCall(STRICT, CREATE, ERROR, 0.001, reason="FAILED_PRECONDITION: no\x00pe\nreally"))
+        self.assertEqual(failed, "PreCreateContainer@strict.json: error 1.0 ms (FAILED_PRECONDITION: no\\x00pe really; Fail policy: the call failed)")
+        for line in (text, failed):
+            self.assertTrue(line.isprintable(), line)
+
+    def test_a_call_names_at_most_so_many_changes_of_each_kind(self) -> None:
+        changes = tuple(Change(f"container_envs[VAR_{index:05}]", added=True) for index in range(10_000))
+        refused = tuple(
+            Change(f"container_envs[BAD{index}=]", applied=False, why="a name with =", refused=True) for index in range(50)
+        )
+        call = HookCall(KOORDLET, CREATE, OK, 0.001, changes + refused)
+        text = call_text(call)
+        self.assertLess(len(text), 1000)
+        self.assertIn(", envs +VAR_00009, … and 9990 more, refused envs[BAD0=]: a name with =", text)
+        self.assertTrue(text.endswith(", … and 40 more"), text)
+        record = CallRecord("CreateContainer", calls=[call])
+        fields = record.fields("OK", 0.01)
+        [hook_call] = cast(list[dict[str, Any]], fields["hook_calls"])
+        self.assertEqual(len(hook_call["changed"]), MAX_LISTED + 1)
+        self.assertEqual(hook_call["changed"][-1], "… and 9990 more")
+        self.assertEqual(hook_call["left_alone"][:2], ["refused envs[BAD0=]: a name with =", "refused envs[BAD1=]: a name with ="])
+        self.assertLess(len(json.dumps(fields)), 3000)
+
+    def test_a_refused_field_is_named_with_its_value_where_values_are_shown_and_why(self) -> None:
+        changes = (
+            Change("container_resources.cpu_shares", 2, 512),
+            Change("container_resources.cpuset_cpus", None, "abc", applied=False, why="not a cpu list", refused=True),
+            Change("container_annotations[big]", applied=False, why="4192003 bytes, beyond the 262144 one answer may change in a map", refused=True),
+        )
+        record = CallRecord("CreateContainer", calls=[HookCall(KOORDLET, CREATE, OK, 0.001, changes)])
+        record.leave_alone(CREATE, "container_resources.cpu", "NRI cannot")  # what is refused keeps its reason
+        self.assertEqual(
+            call_text(record.calls[0]),
+            'PreCreateContainer@koordlet.json: ok 1.0 ms, left alone (NRI cannot) resources.cpu_shares 2→512, refused '
+            'resources.cpuset_cpus "abc": not a cpu list, refused annotations[big]: 4192003 bytes, beyond the 262144 one '
+            "answer may change in a map",
+        )

@@ -2,6 +2,9 @@
 
 import errno
 import os
+import socket
+import stat
+import threading
 from typing import Any, Callable
 
 from prometheus_client import generate_latest
@@ -9,7 +12,7 @@ from twisted.logger import LogEvent, LogLevel, formatEvent
 from twisted.trial.unittest import SynchronousTestCase
 
 from koordrp import tap
-from koordrp.checkpoint import CheckpointError, DirectoryCheckpoint, NoCheckpoint
+from koordrp.checkpoint import MAX_FILE_BYTES, CheckpointError, DirectoryCheckpoint, NoCheckpoint, StateUnreadable
 from koordrp.hooks.client import HookClients
 from koordrp.hooks.dispatcher import Dispatcher
 from koordrp.metrics import Metrics
@@ -242,3 +245,120 @@ class MetricTests(SynchronousTestCase):
         checkpoint.write("pods", "p2", b"asked")
         self.assertIn(b"\nkoordrp_state_file_write_failures_total 2.0\n", generate_latest(metrics.registry))
         self.assertEqual(NoCheckpoint().write_failures, 0)
+
+
+class FifoWriter:
+    """A writer waiting (on a thread of its own) to open a FIFO, and closing it at once if it ever can: a read that
+    opened the FIFO and waited would get its end of file, and the test its failure, instead of a hang."""
+
+    def __init__(self, case: SynchronousTestCase, path: str) -> None:
+        self.path = path
+        self._thread = threading.Thread(target=self._open_and_close, daemon=True)
+        self._thread.start()
+        case.addCleanup(self._release)
+
+    def _open_and_close(self) -> None:
+        os.close(os.open(self.path, os.O_WRONLY))
+
+    def _release(self) -> None:
+        # Still waiting for a reader (nothing opened the FIFO): be that reader, so the thread ends.
+        descriptor = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
+        self._thread.join()
+        os.close(descriptor)
+
+
+class NotAFileTests(SynchronousTestCase):
+    """A state file that is no regular file is StateUnreadable naming what it is, at once: a FIFO, socket or device
+    is never opened (a FIFO's open would hold the reactor until a writer came), nor a symbolic link followed."""
+
+    def setUp(self) -> None:
+        self.directory = self.mktemp()
+        DirectoryCheckpoint(self.directory).open()
+        self.path = os.path.join(self.directory, "containers", "c1")
+
+    def unreadable(self) -> str:
+        checkpoint = DirectoryCheckpoint(self.directory)
+        checkpoint.open()  # learns that something is kept for c1
+        with self.assertRaises(StateUnreadable) as raised:
+            checkpoint.read("containers", "c1", bytes)
+        return str(raised.exception)
+
+    def test_a_fifo(self) -> None:
+        os.mkfifo(self.path)
+        FifoWriter(self, self.path)
+        self.assertEqual(self.unreadable(), f"{self.path}: is a FIFO, not a regular file")
+
+    def test_a_socket(self) -> None:
+        listening = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.addCleanup(listening.close)
+        listening.bind(self.path)
+        self.assertEqual(self.unreadable(), f"{self.path}: is a socket, not a regular file")
+
+    def test_a_device(self) -> None:
+        if os.geteuid() != 0:
+            self.skipTest("making a device takes root")
+        os.mknod(self.path, stat.S_IFCHR | 0o600, os.makedev(1, 3))  # as /dev/null
+        self.assertEqual(self.unreadable(), f"{self.path}: is a character device, not a regular file")
+
+    def test_a_symbolic_link_even_to_a_file(self) -> None:
+        target = os.path.join(self.directory, "elsewhere")
+        with open(target, "wb") as elsewhere:
+            elsewhere.write(b"asked")
+        os.symlink(os.path.abspath(target), self.path)
+        self.assertEqual(self.unreadable(), f"{self.path}: is a symbolic link, not a regular file")
+
+    def test_a_fifo_swapped_in_after_the_look_is_opened_without_waiting_and_refused(self) -> None:
+        os.mkfifo(self.path)
+        FifoWriter(self, self.path)
+        regular = os.lstat(__file__)
+        real_lstat, real_open = os.lstat, os.open
+        flags: list[int] = []
+
+        def lstat(path: Any, *args: Any, **kwargs: Any) -> os.stat_result:
+            return regular if path == self.path else real_lstat(path, *args, **kwargs)
+
+        def open_(path: Any, given: int, *args: Any, **kwargs: Any) -> int:
+            if path == self.path:
+                flags.append(given)
+            return real_open(path, given, *args, **kwargs)
+
+        self.patch(os, "lstat", lstat)
+        self.patch(os, "open", open_)
+        self.assertEqual(self.unreadable(), f"{self.path}: is a FIFO, not a regular file")
+        [opened] = flags
+        self.assertEqual(opened & (os.O_NONBLOCK | os.O_NOFOLLOW), os.O_NONBLOCK | os.O_NOFOLLOW)
+
+    def test_a_regular_file_is_read_and_one_too_large_is_not(self) -> None:
+        with open(self.path, "wb") as kept:
+            kept.write(b"asked")
+        checkpoint = DirectoryCheckpoint(self.directory)
+        checkpoint.open()
+        self.assertEqual(checkpoint.read("containers", "c1", bytes), b"asked")
+        with open(self.path, "wb") as kept:
+            kept.truncate(MAX_FILE_BYTES + 1)
+        self.assertEqual(self.unreadable(), f"{self.path}: larger than 16 MiB")
+
+
+class PlantedNamesTests(SynchronousTestCase):
+    """What is planted at a name koordrp writes (its temporary files, its probe) is removed, never opened: a FIFO
+    would hold the reactor, a symbolic link would have root write where it points."""
+
+    def test_a_fifo_or_a_link_where_a_file_is_written_is_replaced_not_opened(self) -> None:
+        directory = self.mktemp()
+        checkpoint = DirectoryCheckpoint(directory)
+        checkpoint.open()
+        outside = self.mktemp()
+        with open(outside, "wb") as target:
+            target.write(b"not koordrp's")
+        os.mkfifo(os.path.join(directory, "pods", ".koordrp-probe"))
+        DirectoryCheckpoint(directory).open()  # its probe goes where the FIFO was
+        os.mkfifo(os.path.join(directory, "containers", ".c1.new"))
+        os.symlink(outside, os.path.join(directory, "containers", ".c2.new"))
+        checkpoint.write("containers", "c1", b"one")
+        checkpoint.write("containers", "c2", b"two")
+        self.assertEqual(
+            [checkpoint.read("containers", name, bytes) for name in ("c1", "c2")], [b"one", b"two"]
+        )
+        with open(outside, "rb") as target:
+            self.assertEqual(target.read(), b"not koordrp's")
+        self.assertEqual(checkpoint.write_failures, 0)

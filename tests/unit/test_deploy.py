@@ -80,6 +80,20 @@ class DeployTests(SynchronousTestCase):
         for probe, path in (("readinessProbe", "/healthz"), ("livenessProbe", "/livez")):
             self.assertEqual(self.container[probe]["httpGet"], {"path": path, "port": port["name"]})
 
+    def test_the_metrics_port_is_open_to_the_node_and_the_scrapers_namespaces_only(self) -> None:
+        """kubelet's probes come from the node, which no NetworkPolicy can block: the policy needs no rule for them."""
+        [policy] = [document for document in documents() if document["kind"] == "NetworkPolicy"]
+        [port] = self.container["ports"]
+        template = daemonset()["spec"]["template"]["metadata"]
+        self.assertEqual(policy["metadata"]["namespace"], daemonset()["metadata"]["namespace"])
+        selected = policy["spec"]["podSelector"]["matchLabels"]
+        self.assertLessEqual(selected.items(), template["labels"].items())
+        self.assertEqual(policy["spec"]["policyTypes"], ["Ingress"])  # egress left alone
+        [rule] = policy["spec"]["ingress"]
+        self.assertEqual(rule["ports"], [{"protocol": "TCP", "port": port["containerPort"]}])
+        self.assertEqual(rule["from"], [{"namespaceSelector": {"matchLabels": {"koordrp/metrics": "scrape"}}}])
+        self.assertEqual(self.container["ports"], [port])  # nothing else is served on the pod network
+
     def test_a_stalled_koordrp_is_replaced_within_30_s_a_hiccup_is_not_and_a_stop_has_its_grace(self) -> None:
         live, ready = self.container["livenessProbe"], self.container["readinessProbe"]
         period, timeout, failures = live["periodSeconds"], live["timeoutSeconds"], live["failureThreshold"]

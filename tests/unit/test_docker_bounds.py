@@ -8,22 +8,31 @@ before reading, as naive HTTP clients do.
 import json
 import select
 import socket
+from dataclasses import replace
 from typing import Any, cast
 
 from twisted.internet import reactor
+from twisted.internet.address import UNIXAddress
 from twisted.internet.defer import Deferred, inlineCallbacks
+from twisted.internet.testing import MemoryReactorClock, StringTransportWithDisconnection
 from twisted.internet.threads import deferToThread
 from twisted.logger import formatEvent
+from twisted.trial.unittest import SynchronousTestCase
+from zope.interface import implementer
 
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
+from koordrp.bounds import BoundedFactory
 from koordrp.call import Parts, SkipLabel
 from koordrp.docker import dockerd as dockerd_module
 from koordrp.docker import proxy as proxy_module
-from koordrp.docker.http import MAX_BODY_BYTES, MAX_HEAD_BYTES
+from koordrp.docker import service as service_module
+from koordrp.docker.http import MAX_BODY_BYTES, MAX_HEAD_BYTES, RequestHead, json_response
+from koordrp.docker.proxy import DOCKER_BOUNDS, DockerProxyFactory, IDockerInterceptor
+from koordrp.bounds import FEWEST_CONNECTIONS, METRICS_DESCRIPTORS, OWN_DESCRIPTORS, connection_cap
 from koordrp.hooks.types import FailurePolicy, HookServerConfig, HookServers, HookType
 from koordrp.store import Store
 from koordrp.trouble import Backoff
-from tests.fake.dockerd import WEDGED, ScriptedDockerd, answer
+from tests.fake.dockerd import WEDGED, Endless, ScriptedDockerd, answer
 from tests.fake.flows import ScriptedStages
 from tests.support.waiting import until
 from tests.unit.test_docker_waits import DockerModeTestCase
@@ -59,6 +68,21 @@ def naive_client(path: str, parts: list[bytes]) -> bytes:
 def status_and_message(response: bytes) -> tuple[int, str]:
     head, _, body = response.partition(b"\r\n\r\n")
     return int(head.split(b" ")[1]), str(json.loads(body).get("message", ""))
+
+
+def read_until_closed(client: socket.socket, timeout: float = 30.0) -> bytes:
+    """What came until koordrp closed ``client`` (an end of file or a reset); AssertionError if it is still open
+    after ``timeout`` seconds (a generous bound, not a measure)."""
+    client.settimeout(timeout)
+    received = b""
+    try:
+        while data := client.recv(65536):
+            received += data
+    except ConnectionResetError:
+        pass
+    except TimeoutError:
+        raise AssertionError(f"koordrp kept the connection open {timeout:g}s") from None
+    return received
 
 
 def hung_up_within(client: socket.socket, seconds: float) -> bool:
@@ -170,6 +194,55 @@ class DockerModeOnRealSockets(DockerModeTestCase):
         self.assertIn(f"koordrp: backend unix://{backend} is unavailable", message)
         self.assertEqual(self.lines("failed inside koordrp"), [])
 
+    # Every connection bounded
+
+    def bounded(self, **changes: float) -> None:
+        """Start with the service's connection bounds changed."""
+        bounds = replace(self.service.settings.bounds, **changes)  # type: ignore[arg-type]
+        self.service.settings = replace(self.service.settings, bounds=bounds)
+        self.start()
+
+    def connected(self, request: bytes = b"") -> socket.socket:
+        client = socket.socket(socket.AF_UNIX)
+        self.addCleanup(client.close)
+        client.connect(self.listen)
+        client.sendall(request)
+        return client
+
+    @inlineCallbacks
+    def test_a_connection_that_sends_nothing_or_half_a_head_is_closed_and_calls_go_on(self):  # type: ignore[no-untyped-def]
+        self.bounded(idle_seconds=0.2, arrival_seconds=0.2)
+        silent, half = self.connected(), self.connected(b"GET /v1.41/info HTTP/1.1\r\nHost: do")
+        for client in (silent, half):
+            self.assertEqual((yield deferToThread(read_until_closed, client)), b"")
+        response = yield self.create_sandbox()
+        self.assertEqual(status_and_message(response)[0], 201)
+        assert self.service.bounded is not None
+        self.assertEqual((self.service.bounded.closed["idle"], self.service.bounded.closed["slow"]), (1, 1))
+
+    @inlineCallbacks
+    def test_over_the_cap_a_connection_is_closed_at_once_and_the_streams_go_on(self):  # type: ignore[no-untyped-def]
+        self.dockerd.answers["GET /events"] = Endless(STREAM_BEGINS)
+        self.bounded(connections=2)
+        streams = [self.connected(EVENTS) for _ in range(2)]
+        for stream in streams:
+            self.assertEqual((yield deferToThread(stream.recv, 65536)), STREAM_BEGINS)
+        self.assertEqual((yield deferToThread(read_until_closed, self.connected(EVENTS))), b"")
+        self.assertEqual(len(self.dockerd.asked("GET /v1.41/events")), 2)
+        [line] = self.lines("Docker API connections: at most")
+        self.assertIn("at most 2 open, 256 of", line)
+
+    @inlineCallbacks
+    def test_the_cap_follows_the_descriptor_limit_and_a_limit_too_low_is_told(self):  # type: ignore[no-untyped-def]
+        self.patch(service_module, "descriptor_limit", lambda: 300)
+        self.start()
+        assert self.service.bounded is not None
+        self.assertEqual(self.service.bounded.bounds.connections, FEWEST_CONNECTIONS)
+        [warning] = self.lines("file descriptors: clients may take")
+        self.assertIn("only 300 file descriptors", warning)
+        response = yield self.create_sandbox()
+        self.assertEqual(status_and_message(response)[0], 201)
+
     # dockerd's cgroup driver
 
     def subscribe_a_mover(self) -> None:
@@ -254,3 +327,133 @@ class DockerModeOnRealSockets(DockerModeTestCase):
         self.assertIn(f"GET /info: no answer within {QUESTION_SECONDS:g}s", warning)
         # One question at a time: the create waited for the one asked at start.
         self.assertEqual(len(self.dockerd.asked("GET /info")), 1)
+
+
+# Each client connection bounded (koordrp.bounds), on Twisted's fakes and clock.
+
+EVENTS = b"GET /v1.41/events HTTP/1.1\r\nHost: docker\r\n\r\n"
+STREAM_BEGINS = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+TWO = replace(DOCKER_BOUNDS, connections=2)
+
+
+@implementer(IDockerInterceptor)
+class HeldInterceptor:
+    """Takes every request through hooks, and answers none until the test says."""
+
+    def __init__(self) -> None:
+        self.handled: list[bytes] = []
+
+    def wants(self, head: RequestHead) -> bool:
+        return head.method == "POST"
+
+    def handle(self, head: RequestHead, body: bytes) -> "Deferred[object]":
+        self.handled.append(body)
+        return Deferred()
+
+
+class BoundedClientConnections(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.reactor = MemoryReactorClock()
+        self.interceptor = HeldInterceptor()
+        proxy = DockerProxyFactory("/run/docker.sock", self.reactor, self.interceptor, lambda why: json_response(503, "", why))
+        self.factory = BoundedFactory(proxy, TWO, self.reactor, "the Docker API socket")
+
+    def connect(self) -> StringTransportWithDisconnection:
+        """A client connection the factory took; its transport (what it was sent, whether it is still open)."""
+        protocol = self.factory.buildProtocol(UNIXAddress(None))
+        assert protocol is not None
+        transport = StringTransportWithDisconnection()
+        transport.protocol = protocol
+        protocol.makeConnection(transport)
+        return transport
+
+    def dockerd_answers(self, data: bytes) -> StringTransportWithDisconnection:
+        """dockerd takes the last exchange koordrp opened, and begins its answer with ``data``."""
+        _, upstream_factory, _, _ = self.reactor.unixClients[-1]
+        upstream = upstream_factory.buildProtocol(UNIXAddress("/run/docker.sock"))
+        transport = StringTransportWithDisconnection()
+        transport.protocol = upstream
+        upstream.makeConnection(transport)
+        upstream.dataReceived(data)
+        return transport
+
+    def test_a_connection_that_sends_nothing_is_closed_at_the_idle_bound(self) -> None:
+        client = self.connect()
+        self.reactor.advance(TWO.idle_seconds - 0.1)
+        self.assertTrue(client.connected)
+        self.reactor.advance(0.1)
+        self.assertFalse(client.connected)
+        self.assertEqual(self.factory.closed["idle"], 1)
+        self.assertEqual(self.factory.open, 0)
+
+    def test_a_head_dripped_a_byte_a_second_is_closed_at_the_arrival_bound_from_its_first_byte(self) -> None:
+        client = self.connect()
+        dripped = 0
+        while client.connected:
+            client.protocol.dataReceived(EVENTS[dripped : dripped + 1])
+            dripped += 1
+            self.reactor.advance(1.0)
+        self.assertEqual(dripped, TWO.arrival_seconds)  # each byte did not start the bound again
+        self.assertEqual(self.factory.closed["slow"], 1)
+        self.assertEqual(self.reactor.unixClients, [])  # dockerd never heard of it
+        self.assertEqual(client.value(), b"")
+
+    def test_an_intercepted_body_dripped_is_closed_at_the_arrival_bound(self) -> None:
+        client = self.connect()
+        client.protocol.dataReceived(CREATE + b"Content-Length: 100\r\n\r\n")
+        while client.connected:
+            client.protocol.dataReceived(b"{")
+            self.reactor.advance(1.0)
+        self.assertEqual(self.factory.closed["slow"], 1)
+        self.assertEqual(self.interceptor.handled, [])
+
+    def test_a_stream_in_progress_is_not_closed(self) -> None:
+        client = self.connect()
+        client.protocol.dataReceived(EVENTS)
+        dockerd = self.dockerd_answers(STREAM_BEGINS)
+        self.reactor.advance(100 * (TWO.idle_seconds + TWO.arrival_seconds))
+        dockerd.protocol.dataReceived(b"2\r\n{}\r\n")
+        self.assertTrue(client.connected)
+        self.assertEqual(client.value(), STREAM_BEGINS + b"2\r\n{}\r\n")
+        self.assertIn(b"GET /v1.41/events HTTP/1.1", dockerd.value())
+
+    def test_an_intercepted_call_waiting_for_its_hooks_is_not_closed(self) -> None:
+        client = self.connect()
+        client.protocol.dataReceived(CREATE + b"Content-Length: 2\r\n\r\n{}")
+        self.reactor.advance(100 * (TWO.idle_seconds + TWO.arrival_seconds))
+        self.assertTrue(client.connected)
+        self.assertEqual(self.interceptor.handled, [b"{}"])
+
+    def test_a_connection_is_closed_once_its_exchange_is_over_never_kept_idle(self) -> None:
+        client = self.connect()
+        client.protocol.dataReceived(EVENTS)
+        dockerd = self.dockerd_answers(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+        dockerd.loseConnection()
+        self.assertFalse(client.connected)
+        self.assertEqual(self.factory.open, 0)
+
+    def test_over_the_cap_a_connection_is_closed_at_once_while_every_one_is_being_answered(self) -> None:
+        streams = [self.connect() for _ in range(2)]
+        for stream in streams:
+            stream.protocol.dataReceived(EVENTS)
+            self.dockerd_answers(STREAM_BEGINS)
+        # None: the listening port closes the connection as it was accepted.
+        self.assertIsNone(self.factory.buildProtocol(UNIXAddress(None)))
+        self.assertEqual(self.factory.closed["refused"], 1)
+        self.assertTrue(all(stream.connected for stream in streams))
+
+    def test_at_the_cap_a_new_connection_takes_the_place_of_the_longest_without_a_request(self) -> None:
+        stream, idle = self.connect(), self.connect()
+        stream.protocol.dataReceived(EVENTS)
+        newest = self.connect()
+        self.assertFalse(idle.connected)
+        self.assertTrue(stream.connected and newest.connected)
+        self.assertEqual(self.factory.closed["evicted"], 1)
+        newest.protocol.dataReceived(EVENTS)
+        self.assertEqual(len(self.reactor.unixClients), 2)
+
+    def test_the_cap_leaves_koordrps_own_descriptors_under_the_limit(self) -> None:
+        self.assertEqual(connection_cap(1024, 2, 1 << 20), 1024)
+        # Two descriptors a connection: its own, and its exchange with dockerd.
+        self.assertEqual(connection_cap(1024, 2, 1024), (1024 - OWN_DESCRIPTORS - METRICS_DESCRIPTORS) // 2)
+        self.assertEqual(connection_cap(1024, 2, 300), FEWEST_CONNECTIONS)

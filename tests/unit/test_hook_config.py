@@ -236,3 +236,15 @@ class PermissionTests(SynchronousTestCase):
         self.assertIn("world-writable", permission_problem(0o100646, 0, 0) or "")
         self.assertIn("group- or world-writable", permission_problem(0o100664, 0, 0) or "")
         self.assertIn("not root", permission_problem(0o100644, 1000, 0) or "")
+
+
+class ClimbingEndpointTests(SynchronousTestCase):
+    """".." is resolved by the text: the path that results is the one koordrp checks (koordrp.trust) and dials."""
+
+    def test_an_endpoint_that_climbs_is_the_path_it_climbs_to(self) -> None:
+        for written, meant in (
+            ("/var/run/../../etc/passwd", "/etc/passwd"),
+            ("unix:///run/./koordlet//../koordlet/k.sock", "/run/koordlet/k.sock"),
+            ("/../../run/k.sock", "/run/k.sock"),
+        ):
+            self.assertEqual(parse_hook_server_config("k.json", encode({"remote-endpoint": written}), 3.0).endpoint, meant)

@@ -14,9 +14,12 @@ from twisted.internet.task import deferLater
 from twisted.logger import LogLevel, formatEvent
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
-from koordrp import check
+from koordrp import check, trust
+from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
 from koordrp.hooks import registry
-from koordrp.hooks.config import MAX_CONFIG_BYTES, TOO_LARGE
+from koordrp.hooks.client import HookCallError, HookClients
+from koordrp.hooks.config import MAX_CONFIG_BYTES, TOO_LARGE, parse_hook_server_config
+from koordrp.hooks.dispatcher import Dispatcher
 from koordrp.hooks.registry import (
     Content,
     HookRegistry,
@@ -31,6 +34,7 @@ from koordrp.hooks.registry import (
 from koordrp.hooks.types import FailurePolicy, HookServerConfig, HookServers, HookType
 from koordrp.nri.plugin import pre_hook_limit
 from koordrp.trouble import Notice
+from tests.fake.hook_server import FakeHookServer
 from tests.support import koordlet
 from tests.support.logs import logged_events
 from tests.support.tempdirs import short_tempdir
@@ -826,3 +830,320 @@ class WatchingTests(TestCase):
         await deferLater(reactor, 0.2, lambda: None)
         self.assertEqual(hooks.current, HookServers())
         self.assertEqual(self.changes, [])
+
+
+NOBODY = 65534
+"""Another user than root (``nobody``): whoever owns what koordrp must not trust."""
+
+
+def bound(path: str) -> socket.socket:
+    """A unix socket bound (and listening) at ``path``, closed when the test ends by the caller's cleanup."""
+    listening = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listening.bind(path)
+    listening.listen(1)
+    return listening
+
+
+def made(path: str, mode: int, owner: int = 0) -> str:
+    """The directory ``path``, with ``mode`` (chmod: makedirs' mode is cut by the umask) and ``owner``."""
+    os.makedirs(path, exist_ok=True)
+    os.chmod(path, mode)
+    os.chown(path, owner, -1)
+    return path
+
+
+class TrustTests(SynchronousTestCase):
+    """koordrp.trust on real paths: koordrp runs as root here, so root alone is trusted."""
+
+    def setUp(self) -> None:
+        if os.geteuid() != 0:
+            self.skipTest("owners other than koordrp's own need root to make")
+        self.root = short_tempdir(self)  # /tmp (1777) above a 0700 directory of root's
+
+    def socket_at(self, path: str) -> str:
+        self.addCleanup(bound(path).close)
+        return path
+
+    def test_a_socket_where_only_root_can_write_is_trusted_through_a_sticky_directory_above(self) -> None:
+        path = self.socket_at(os.path.join(made(os.path.join(self.root, "run"), 0o755), "good.sock"))
+        judged = trust.socket_trust(path)
+        info = os.stat(path)
+        self.assertEqual(judged, trust.SocketTrust(None, (info.st_dev, info.st_ino, info.st_ctime_ns)))
+        self.assertEqual(trust.socket_trust(os.path.join(self.root, "run", "not-yet.sock")), trust.SocketTrust(None))
+
+    def test_a_socket_in_a_directory_anyone_may_write_is_not_trusted_sticky_or_not_there_yet(self) -> None:
+        sticky = made(os.path.join(self.root, "tmp"), 0o1777)
+        for path in (self.socket_at(os.path.join(sticky, "squatted.sock")), os.path.join(sticky, "not-yet.sock")):
+            judged = trust.socket_trust(path)
+            self.assertIsNone(judged.socket)
+            self.assertEqual(
+                judged.problem,
+                f"socket {path} is not trusted: directory {sticky} is group- or world-writable (mode 1777): "
+                "anyone could bind its name there before the hook server does",
+            )
+
+    def test_a_group_writable_directory_on_the_way_or_holding_the_socket_is_not_trusted(self) -> None:
+        group = made(os.path.join(self.root, "group"), 0o775)
+        below = made(os.path.join(group, "below"), 0o755)
+        for path in (os.path.join(below, "a.sock"), os.path.join(group, "b.sock")):
+            problem = trust.socket_trust(path).problem or ""
+            self.assertIn(f"directory {group} is group- or world-writable (mode 0775)", problem)
+
+    def test_a_directory_or_socket_owned_by_another_user_is_not_trusted(self) -> None:
+        theirs = made(os.path.join(self.root, "theirs"), 0o755, NOBODY)
+        self.assertEqual(
+            trust.socket_trust(os.path.join(theirs, "a.sock")).problem,
+            f"socket {theirs}/a.sock is not trusted: directory {theirs} is owned by uid {NOBODY}, not root",
+        )
+        path = self.socket_at(os.path.join(made(os.path.join(self.root, "ours"), 0o755), "b.sock"))
+        os.chown(path, NOBODY, -1)  # as if nobody had bound it
+        self.assertEqual(
+            trust.socket_trust(path).problem, f"socket {path} is not trusted: socket {path} is owned by uid {NOBODY}, not root"
+        )
+
+    def test_symbolic_links_are_followed_as_the_kernel_does_and_their_targets_checked(self) -> None:
+        good = self.socket_at(os.path.join(made(os.path.join(self.root, "good"), 0o755), "s.sock"))
+        sticky = made(os.path.join(self.root, "tmp"), 0o1777)
+        squatted = self.socket_at(os.path.join(sticky, "s.sock"))
+        links = made(os.path.join(self.root, "links"), 0o755)
+        os.symlink(good, os.path.join(links, "absolute.sock"))
+        os.symlink("../good/s.sock", os.path.join(links, "relative.sock"))  # ".." from the link's own directory
+        os.symlink("../tmp", os.path.join(links, "dir"))
+        os.symlink(squatted, os.path.join(links, "squatted.sock"))
+        os.symlink(good, os.path.join(links, "theirs.sock"))
+        os.lchown(os.path.join(links, "theirs.sock"), NOBODY, -1)
+        os.symlink("loop.sock", os.path.join(links, "loop.sock"))
+        info = os.stat(good)
+        judged = {name: trust.socket_trust(os.path.join(links, name)) for name in os.listdir(links) + ["dir/s.sock"]}
+        for name in ("absolute.sock", "relative.sock"):
+            self.assertEqual(judged[name].socket, (info.st_dev, info.st_ino, info.st_ctime_ns))
+        for name in ("dir/s.sock", "squatted.sock"):
+            self.assertIn(
+                f"directory {sticky} is group- or world-writable (mode 1777): anyone could bind {squatted} there",
+                judged[name].problem or "",
+            )
+        self.assertIn(f"symbolic link {links}/theirs.sock is owned by uid {NOBODY}, not root", judged["theirs.sock"].problem or "")
+        self.assertIn("Too many levels of symbolic links", judged["loop.sock"].problem or "")
+
+    def test_an_endpoint_that_climbs_is_the_path_it_climbs_to_and_that_path_is_checked(self) -> None:
+        sticky = made(os.path.join(self.root, "tmp"), 0o1777)
+        made(os.path.join(self.root, "run"), 0o755)
+        endpoint = parse_hook_server_config("x.json", registration(f"{self.root}/run/../tmp/x.sock"), 3.0).endpoint
+        self.assertEqual(endpoint, f"{sticky}/x.sock")
+        self.assertIn(f"directory {sticky} is group- or world-writable", trust.socket_trust(endpoint).problem or "")
+        passwd = parse_hook_server_config("p.json", registration("/var/run/../../etc/passwd"), 3.0)
+        self.assertEqual(passwd.endpoint, "/etc/passwd")
+        self.assertEqual(registry._socket_distrust(passwd), "/etc/passwd is a regular file, not a socket")
+
+    def test_the_registration_directory_is_trusted_like_a_socket_directory(self) -> None:
+        self.assertIsNone(trust.directory_problem(made(os.path.join(self.root, "hookserver.d"), 0o755)))
+        self.assertIsNone(trust.directory_problem(os.path.join(self.root, "missing.d")))
+        for mode in (0o777, 0o1777, 0o775):
+            path = made(os.path.join(self.root, f"{mode:o}.d"), mode)
+            self.assertEqual(
+                trust.directory_problem(path),
+                f"directory {path} is group- or world-writable (mode {mode:04o}): "
+                "others could add, replace or remove what is in it",
+            )
+        theirs = made(os.path.join(self.root, "theirs.d"), 0o755, NOBODY)
+        self.assertEqual(trust.directory_problem(theirs), f"directory {theirs} is owned by uid {NOBODY}, not root")
+        group = made(os.path.join(self.root, "group"), 0o775)
+        below = made(os.path.join(group, "hookserver.d"), 0o755)
+        self.assertIn(f"directory {group} is group- or world-writable (mode 0775): others could replace", trust.directory_problem(below) or "")
+
+    def test_koordrp_check_says_what_koordrp_does_not_trust(self) -> None:
+        hooks = made(os.path.join(self.root, "hookserver.d"), 0o755)
+        sticky = made(os.path.join(self.root, "tmp"), 0o1777)
+        with open(os.path.join(hooks, "squatted.json"), "wb") as file:
+            file.write(registration(os.path.join(sticky, "s.sock")))
+        findings, registered = check.hook_findings(hooks, 3.0, 1.0)
+        [finding] = findings
+        self.assertFalse(finding.ok)
+        self.assertIn(
+            f"{hooks}/squatted.json registers squatted.json ({sticky}/s.sock, Ignore, 3s): PreRunPodSandbox; koordrp does "
+            f"not call it: socket {sticky}/s.sock is not trusted: directory {sticky} is group- or world-writable (mode 1777)",
+            finding.text,
+        )
+        self.assertEqual([server.name for server in registered], ["squatted.json"])
+        os.chmod(hooks, 0o777)
+        findings, registered = check.hook_findings(hooks, 3.0, 1.0)
+        self.assertEqual(
+            [(finding.ok, finding.text) for finding in findings],
+            [
+                (
+                    False,
+                    f"{hooks} is not trusted: directory {hooks} is group- or world-writable (mode 0777): others could add, "
+                    "replace or remove what is in it; koordrp reads none of its registrations",
+                )
+            ],
+        )
+        self.assertEqual(registered, [])
+
+
+class BookTrustTests(SynchronousTestCase):
+    """What the registry says of registrations it does not trust, without I/O."""
+
+    def setUp(self) -> None:
+        self.book = RegistrationBook(DIRECTORY, 3.0)
+        self.files = FakeFiles()
+        self.distrust: dict[str, str] = {}
+        self.files.put("a.json", registration("/run/a.sock"), key(1))
+        self.files.put("b.json", registration("/tmp/b.sock", failure_policy="Fail"), key(2))
+
+    def update(self, refused: str | None = None) -> list[str]:
+        _, notices = self.book.update(
+            {"a.json": key(1), "b.json": key(2)}, self.files.read, lambda server: self.distrust.get(server.endpoint), refused
+        )
+        return [f"{notice.level.name}: {notice.format.format(**notice.fields)}" for notice in notices if notice.format != registry.SERVERS]
+
+    def names(self) -> list[str]:
+        return [server.name for server in self.book.servers.servers]
+
+    def test_a_server_whose_socket_is_not_trusted_stays_registered_and_is_said_once_per_reason(self) -> None:
+        # Registered: its calls fail as a missing socket's do, so a Fail policy still fails the CRI call.
+        self.distrust["/tmp/b.sock"] = "first reason"
+        self.assertEqual(
+            self.update(),
+            [f"warn: hook server registration {DIRECTORY}/b.json is not called: first reason; its calls fail, as with a missing socket"],
+        )
+        self.assertEqual(self.names(), ["a.json", "b.json"])
+        self.assertEqual(self.update(), [])
+        self.distrust["/tmp/b.sock"] = "second reason"
+        self.assertEqual(len(self.update()), 1)
+        del self.distrust["/tmp/b.sock"]
+        self.assertEqual(self.update(), [f"info: hook server registration {DIRECTORY}/b.json: its socket is trusted now"])
+        self.assertEqual(self.update(), [])
+
+    def test_a_directory_not_trusted_registers_nobody_until_it_is_trusted_again(self) -> None:
+        self.update()
+        self.assertEqual(self.names(), ["a.json", "b.json"])
+        reason = f"directory {DIRECTORY} is group- or world-writable (mode 0777): others could add, replace or remove it"
+        self.assertEqual(
+            self.update(refused=reason),
+            [
+                f"warn: hook server directory {DIRECTORY} is not trusted: {reason}; none of its registrations is read, "
+                "and the hook servers it registered are unregistered"
+            ],
+        )
+        self.assertEqual(self.names(), [])
+        self.assertEqual(self.update(refused=reason), [])
+        self.files.reads.clear()
+        self.assertEqual(self.update(), [f"info: hook server directory {DIRECTORY} is trusted again; its registrations are read"])
+        self.assertEqual((self.names(), sorted(self.files.reads)), (["a.json", "b.json"], ["a.json", "b.json"]))
+
+
+class ClientTrustTests(TestCase):
+    """A hook server whose socket koordrp does not trust is never sent a request: each call fails at once, as with a
+    missing socket (Fail: the stage fails; Ignore: it goes on)."""
+
+    def setUp(self) -> None:
+        if os.geteuid() != 0:
+            self.skipTest("owners other than koordrp's own need root to make")
+        self.root = short_tempdir(self)
+        self.clients = HookClients(reactor)
+        self.addCleanup(self.clients.close_all)
+        self.events = logged_events(self)
+
+    def server(self, directory: str) -> FakeHookServer:
+        fake = FakeHookServer(os.path.join(directory, "hook.sock")).start()
+        self.addCleanup(fake.stop)
+        return fake
+
+    async def test_a_squatted_socket_gets_no_call_and_the_stage_follows_the_policy(self) -> None:
+        squatter = self.server(made(os.path.join(self.root, "tmp"), 0o1777))
+        dispatcher = Dispatcher(self.clients, reactor)
+        request = hook.ContainerResourceHookRequest(container_envs={"PASSWORD": "secret"})
+        for policy in FailurePolicy:
+            server = HookServerConfig("squatted.json", squatter.path, policy, frozenset(HookType), 5.0)
+            outcome = await dispatcher.run(HookType.PRE_CREATE_CONTAINER, (server,), request)
+            [made_call] = outcome.calls
+            self.assertIn(
+                f"socket {squatter.path} is not trusted: directory {self.root}/tmp is group- or world-writable (mode 1777)",
+                made_call.reason,
+            )
+            self.assertEqual(outcome.failure is not None, policy is FailurePolicy.FAIL)
+        self.assertEqual(squatter.rpcs(), [])
+
+    async def test_a_trusted_socket_is_looked_at_again_once_it_changes(self) -> None:
+        fake = self.server(made(os.path.join(self.root, "run"), 0o755))
+        client = self.clients.get(fake.path)
+        await client.call(HookType.PRE_CREATE_CONTAINER, hook.ContainerResourceHookRequest(), 5.0)
+        os.chown(fake.path, NOBODY, -1)  # the socket is not the one found trusted: as one bound anew by nobody
+        with self.assertRaises(HookCallError) as refused:
+            await client.call(HookType.PRE_CREATE_CONTAINER, hook.ContainerResourceHookRequest(), 5.0)
+        self.assertEqual(
+            str(refused.exception), f"socket {fake.path} is not trusted: socket {fake.path} is owned by uid {NOBODY}, not root"
+        )
+        os.chown(fake.path, 0, -1)
+        await client.call(HookType.PRE_CREATE_CONTAINER, hook.ContainerResourceHookRequest(), 5.0)
+        self.assertEqual(fake.rpcs(), ["PreCreateContainerHook", "PreCreateContainerHook"])
+
+
+class WatchingTrustTests(TestCase):
+    """The registry, on real files: what it does not trust is said once, naming the file, the path and why."""
+
+    def setUp(self) -> None:
+        if os.geteuid() != 0:
+            self.skipTest("owners other than koordrp's own need root to make")
+        self.root = short_tempdir(self)
+        self.dir = made(os.path.join(self.root, "hookserver.d"), 0o755)
+        self.events = logged_events(self)
+
+    def start(self) -> HookRegistry:
+        hooks = HookRegistry(self.dir, 3.0, reactor)
+        hooks.startService()
+        self.addCleanup(lambda: hooks.stopService() if hooks.running else None)
+        return hooks
+
+    def write(self, name: str, endpoint: str) -> None:
+        with open(os.path.join(self.dir, name), "wb") as file:
+            file.write(registration(endpoint))
+
+    def warnings(self) -> list[str]:
+        return [
+            formatEvent(event)
+            for event in self.events
+            if event.get("log_namespace", "").startswith("koordrp.hooks.registry") and event.get("log_level") is LogLevel.warn
+        ]
+
+    async def until(self, condition: Callable[[], bool], what: str) -> None:
+        deadline = time.monotonic() + 30  # a bound, not a measure: inotify tells within a second
+        while not condition():
+            if time.monotonic() > deadline:
+                self.fail(f"never: {what}")
+            await deferLater(reactor, 0.01, lambda: None)
+
+    async def test_a_socket_in_a_directory_anyone_may_write_is_warned_of_once_beside_a_good_one(self) -> None:
+        sticky = made(os.path.join(self.root, "tmp"), 0o1777)
+        good = made(os.path.join(self.root, "run"), 0o755)
+        hooks = self.start()
+        self.write("bad.json", os.path.join(sticky, "bad.sock"))
+        self.write("good.json", os.path.join(good, "good.sock"))
+        await self.until(lambda: len(hooks.current.servers) == 2, "both registered")
+        self.write("zz.json", os.path.join(good, "zz.sock"))  # another rescan, which says nothing more of bad.json
+        await self.until(lambda: len(hooks.current.servers) == 3, "zz.json registered")
+        self.assertEqual(
+            self.warnings(),
+            [
+                f"hook server registration {self.dir}/bad.json is not called: socket {sticky}/bad.sock is not trusted: "
+                f"directory {sticky} is group- or world-writable (mode 1777): anyone could bind its name there before "
+                "the hook server does; its calls fail, as with a missing socket"
+            ],
+        )
+
+    async def test_a_directory_others_may_write_registers_nobody_until_it_is_fixed(self) -> None:
+        hooks = self.start()
+        self.write("a.json", "/run/a.sock")
+        await self.until(lambda: len(hooks.current.servers) == 1, "a.json registered")
+        os.chmod(self.dir, 0o777)
+        self.write("b.json", "/run/b.sock")  # an event, so that the registry looks at once
+        await self.until(lambda: not hooks.current.servers, "everything unregistered")
+        self.assertEqual(len(self.warnings()), 1)
+        self.assertIn(
+            f"hook server directory {self.dir} is not trusted: directory {self.dir} is group- or world-writable (mode 0777)",
+            self.warnings()[0],
+        )
+        os.chmod(self.dir, 0o755)
+        self.write("c.json", "/run/c.sock")
+        await self.until(lambda: len(hooks.current.servers) == 3, "registered again")
+        self.assertEqual(len(self.warnings()), 1)

@@ -1178,3 +1178,124 @@ class CatchUpTests(LogCapture):
         [line] = [e for e in self.events if e.get("log_namespace") == "koordrp.calls" and e["method"] == "CreateContainer (catch-up)"]
         self.assertEqual(line["outcome"], "NOT-CONFIRMED")
         self.assertIn("left alone (late, and not applied) resources.cpu_shares 2→512", line["hooks"])
+
+
+BIG_ANNOTATION = 4_192_000
+"""The answer that made containerd 2.1 take an adjustment, then fail the container's start (message length 4195702)."""
+
+
+def bulky_container(args: int) -> nri.Container:
+    """nri_container() with ``args`` bytes of arguments: what a hook request does not show, but containerd's messages carry."""
+    container = nri_container()
+    container.args.append("a" * args)
+    return container
+
+
+class AnswerSizeTests(LogCapture):
+    """NRI mode: what koordrp answers containerd keeps every message containerd then sends about the container
+    within ttrpc's 4 MiB, and an answer koordrp refuses (koordrp.hooks.validation) never reaches containerd.
+    The real dispatcher, with a scripted server on the test's clock."""
+
+    TUNER = "/run/koordrp-test/tuner.sock"
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.clock = Clock()
+        self.store = Store()
+        self.clients = scripted_clients(self.clock)
+        self.policy = FailurePolicy.IGNORE
+        servers = lambda: HookServers((HookServerConfig("tuner.json", self.TUNER, self.policy, frozenset({PRE_CREATE}), 10.0),))
+        parts = Parts(self.store, Dispatcher(self.clients, self.clock), servers, SKIP, self.clock)
+        self.plugin = NRIPlugin(parts, PluginIdentity("koordrp", "10"))
+        self.containerd = FakeContainerd(NRIConnection(self.plugin, self.clock))
+        self.containerd.sent()  # the registration
+        self.containerd.call("StateChange", event(nri.RUN_POD_SANDBOX))
+
+    def create(self, container: nri.Container, answer: hook.ContainerResourceHookResponse) -> ttrpc_pb2.Response:
+        stream = self.containerd.call("CreateContainer", nri.CreateContainerRequest(pod=nri_pod(), container=container), timeout=2.0)
+        [pending] = calls_to(self.clients, self.TUNER)
+        pending.answer(answer)
+        return self.containerd.answers()[stream]
+
+    def line(self) -> str:
+        self.containerd.call("StateChange", event(nri.POST_CREATE_CONTAINER, nri_container(nri.CONTAINER_CREATED)))
+        [line] = [e for e in self.events if e.get("log_namespace") == "koordrp.calls" and e["method"] == "CreateContainer"]
+        return str(line["hooks"])
+
+    def test_an_annotation_just_under_ttrpcs_limit_is_refused_and_the_rest_of_the_answer_applies(self) -> None:
+        answer = hook.ContainerResourceHookResponse(
+            container_annotations={"koordrp.test/big": "x" * BIG_ANNOTATION, "koordrp.test/small": "1"},
+            container_resources=hook.LinuxContainerResources(cpu_shares=512),
+        )
+        sent = self.create(nri_container(), answer)
+        self.assertEqual(sent.status.code, 0, sent.status.message)
+        adjust = nri.CreateContainerResponse.FromString(sent.payload).adjust
+        self.assertEqual((dict(adjust.annotations), adjust.linux.resources.cpu.shares.value), ({"koordrp.test/small": "1"}, 512))
+        line = self.line()
+        self.assertIn(
+            f"refused annotations[koordrp.test/big]: {BIG_ANNOTATION + 16} bytes, beyond the 262144 one answer may change in a map", line
+        )
+        self.assertLess(len(line), 1000)
+
+    def test_with_the_fail_policy_containerds_create_fails_naming_the_server_and_the_field(self) -> None:
+        self.policy = FailurePolicy.FAIL
+        answer = hook.ContainerResourceHookResponse(container_resources=hook.LinuxContainerResources(cpuset_cpus="abc"))
+        sent = self.create(nri_container(), answer)
+        self.assertEqual(sent.status.code, UNKNOWN)
+        self.assertEqual(
+            sent.status.message,
+            f'koordrp: hook server tuner.json ({self.TUNER}) failed PreCreateContainer: refused resources.cpuset_cpus "abc": not a cpu list',
+        )
+
+    def test_an_adjustment_that_would_not_leave_the_container_within_ttrpcs_limit_is_not_sent(self) -> None:
+        """A container whose arguments (which hooks are not shown) fill most of a message: an answer within every
+        rule would still take containerd's messages about it past 4 MiB."""
+        container = bulky_container(MAX_TTRPC_MESSAGE - 300_000)
+        answer = hook.ContainerResourceHookResponse(
+            container_annotations={"koordrp.test/big": "x" * 200_000},
+            container_envs={"GROWN": "y" * 100_000},
+            container_resources=hook.LinuxContainerResources(cpu_shares=512),
+        )
+        sent = self.create(container, answer)
+        self.assertEqual(sent.status.code, 0, sent.status.message)
+        adjust = nri.CreateContainerResponse.FromString(sent.payload).adjust
+        self.assertEqual((dict(adjust.annotations), list(adjust.env), adjust.linux.resources.cpu.shares.value), ({}, [], 512))
+        line = self.line()
+        self.assertIn(f"changed resources.cpu_shares 2→512, left alone ({translate.NOT_CARRIED}) annotations +koordrp.test/big, envs +GROWN", line)
+        stored = self.store.container("c-1")
+        assert stored is not None
+        self.assertNotIn("GROWN", stored.given.container_envs)  # the store has what containerd was given
+
+    def test_the_rule_weighs_the_container_as_containerd_would_make_it(self) -> None:
+        """The adjustment containerd 2.1 took, then could not start (4195702 bytes), as the translation alone sees it:
+        a container as containerd tells of one carries some 3.7 KB besides (mounts, arguments, its own annotations)."""
+        create = translate.CreateContainer(nri_pod(), bulky_container(3700))
+        before = create.hook_request()
+        after = hook.ContainerResourceHookRequest()
+        after.CopyFrom(before)
+        after.container_annotations["koordrp.test/big"] = "x" * BIG_ANNOTATION
+        after.container_envs["SMALL"] = "1"
+        after.container_resources.cpu_shares = 512
+        written = create.rewritten(before, after)
+        assert written.request is not None
+        adjust = nri.CreateContainerResponse.FromString(written.request).adjust
+        self.assertEqual((dict(adjust.annotations), list(adjust.env), adjust.linux.resources.cpu.shares.value), ({}, [], 512))
+        self.assertEqual(
+            written.left_alone[-2:],
+            (adapters.LeftAlone("container_annotations", translate.NOT_CARRIED), adapters.LeftAlone("container_envs", translate.NOT_CARRIED)),
+        )
+        self.assertEqual(create.envs_sent(), {"A": "1"})
+        # Just within: sent, and every message about the container as made stays within ttrpc's limit.
+        create = translate.CreateContainer(nri_pod(), nri_container())
+        grown = nri_container()
+        room = MAX_TTRPC_MESSAGE - translate.told_size(nri_pod(), grown) - 64
+        after.container_annotations["koordrp.test/big"] = "x" * room
+        written = create.rewritten(before, after)
+        assert written.request is not None
+        adjust = nri.CreateContainerResponse.FromString(written.request).adjust
+        self.assertEqual((len(adjust.annotations["koordrp.test/big"]), written.left_alone), (room, ()))
+        grown.annotations.update(adjust.annotations)
+        grown.env.append("SMALL=1")
+        grown.linux.resources.cpu.shares.value = 512
+        self.assertLessEqual(translate.told_size(nri_pod(), grown), MAX_TTRPC_MESSAGE)
+        self.assertLessEqual(nri.StateChangeEvent(event=nri.POST_CREATE_CONTAINER, pod=nri_pod(), container=grown).ByteSize(), MAX_TTRPC_MESSAGE)

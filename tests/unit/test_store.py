@@ -1,6 +1,7 @@
 """The store: copies in and out, forgetting pods with their containers, reconciling with the runtime."""
 
 import os
+import socket
 from typing import Callable, cast
 
 from twisted.logger import ILogObserver, LogEvent, LogLevel, globalLogPublisher
@@ -10,6 +11,7 @@ from koordrp.checkpoint import CheckpointError, DirectoryCheckpoint, Kind, Parse
 from koordrp.hooks.messages import ContainerHookRequest, PodHookRequest, Resources
 from koordrp.store import ContainerState, OwedStops, Store, StoredContainer, StoredPod
 from tests.support.logs import logged_events
+from tests.unit.test_checkpoint import FifoWriter
 
 
 def pod(name: str) -> PodHookRequest:
@@ -243,6 +245,32 @@ class CheckpointTests(SynchronousTestCase):
         store.learn([("p1", StoredPod.read_back(pod("given"), False))], [])
         self.assertIn("Is a directory", events[0]["error"])
         self.assertTrue(store.pod("p1").asked_lost)  # type: ignore[union-attr]
+
+    def test_a_fifo_or_socket_kept_as_a_state_file_is_one_warning_naming_it_and_never_waited_for(self) -> None:
+        # A FIFO's open would wait for a writer: on the reactor, every call and /livez with it.
+        self.opened()
+        fifo = os.path.join(self.directory, "pods", "p1")
+        os.mkfifo(fifo)
+        FifoWriter(self, fifo)  # a read that waited would end, and fail this test, rather than hang it
+        listening = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.addCleanup(listening.close)
+        listening.bind(os.path.join(self.directory, "containers", "c1"))
+        store = Store(self.opened())
+        events = self.observed()
+        store.learn(
+            [("p1", StoredPod.read_back(pod("given"), False))],
+            [("c1", StoredContainer.read_back("p1", container("given"), ContainerState.RUNNING))],
+        )
+        self.assertEqual(
+            [(event["kind"], event["error"]) for event in events],
+            [
+                ("pod", f"{fifo}: is a FIFO, not a regular file"),
+                ("container", f"{os.path.join(self.directory, 'containers', 'c1')}: is a socket, not a regular file"),
+            ],
+        )
+        self.assertEqual((store.pod("p1").asked_lost, store.unreadable_state_files), (True, 2))  # type: ignore[union-attr]
+        store.learn([("p1", StoredPod.read_back(pod("given"), False))], [])
+        self.assertEqual(len(events), 2)
 
     def test_the_state_files_are_counted(self) -> None:
         store = Store(self.opened())

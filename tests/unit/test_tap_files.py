@@ -41,6 +41,13 @@ class TapFilesTests(SynchronousTestCase):
         options = self.options_of(TAP / "koordrp.service")
         self.assertEqual(options["metrics-endpoint"], "tcp:9316:interface=127.0.0.1")
 
+    def test_koordrp_has_descriptors_to_spare_and_its_metrics_stay_on_the_node(self) -> None:
+        """systemd's default soft limit, 1024, is what two slow clients exhausted before the metrics endpoint was bounded."""
+        unit = (TAP / "koordrp.service").read_text()
+        [limit] = [line.split("=", 1)[1] for line in unit.splitlines() if line.startswith("LimitNOFILE=")]
+        self.assertGreaterEqual(int(limit), 65536)
+        self.assertIn("interface=127.0.0.1", self.options_of(TAP / "koordrp.service")["metrics-endpoint"])
+
     def test_the_stops_bound_ends_well_before_systemd_kills_koordrp(self) -> None:
         """Calls in flight and post hooks are cut at --grace-period, each with a line: systemd's kill would cut
         them with none. The rest of a stop (closing sockets and channels) takes well under a second."""
