@@ -219,20 +219,21 @@ def env_error(key: str, value: str) -> str | None:
     return None if size <= MAX_ENV_ENTRY else f"{size} bytes, beyond the kernel's {MAX_ENV_ENTRY} for one variable"
 
 
-def label_error(key: str, value: str) -> str | None:
+def _entry_error(key: str, value: str, limit: int, whose: str) -> str | None:
+    """A map entry's key, and the entry within ``limit`` bytes (``whose`` limit it is, for the message)."""
     error = _key_error(key, "key")
     if error is not None:
         return error
     size = _size(key) + _size(value)
-    return None if size <= MAX_LABEL else f"{size} bytes, beyond containerd's {MAX_LABEL} for a label"
+    return None if size <= limit else f"{size} bytes, beyond {whose}"
+
+
+def label_error(key: str, value: str) -> str | None:
+    return _entry_error(key, value, MAX_LABEL, f"containerd's {MAX_LABEL} for a label")
 
 
 def annotation_error(key: str, value: str) -> str | None:
-    error = _key_error(key, "key")
-    if error is not None:
-        return error
-    size = _size(key) + _size(value)
-    return None if size <= MAX_MAP_CHANGES else f"{size} bytes, beyond the {MAX_MAP_CHANGES} one answer may change in a map"
+    return _entry_error(key, value, MAX_MAP_CHANGES, f"the {MAX_MAP_CHANGES} one answer may change in a map")
 
 
 def unified_error(key: str, value: str) -> str | None:

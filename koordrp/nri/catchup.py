@@ -124,8 +124,10 @@ class CatchUp:
             if container.id not in self._catching_up and _missed(store.container(container.id)):
                 containers.setdefault(container.pod_sandbox_id, []).append(container)
         chains = []
+        pods_missed = 0
         for pod in synchronization.pods:
             pod_missed = pod.id not in self._catching_up and _missed(store.pod(pod.id))
+            pods_missed += pod_missed
             if pod_missed or pod.id in containers:
                 ids = [pod.id] if pod_missed else []
                 ids += [container.id for container in containers.get(pod.id, [])]
@@ -138,7 +140,7 @@ class CatchUp:
             return replying
         log.info(
             "catching up on what containerd made while koordrp was away: {pods} pods, {containers} containers",
-            pods=sum(1 for pod in synchronization.pods if pod.id in self._catching_up),
+            pods=pods_missed,
             containers=sum(len(found) for found in containers.values()),
         )
         clock = self._parts.clock
