@@ -8,7 +8,7 @@ from typing import Any, Callable, Iterator
 import pytest
 
 from tests.fake.hook_server import FakeHookServer
-from tests.support.containerd import RELEASES, Containerd, ContainerdError, require_binaries
+from tests.support.containerd import NRI_RELEASES, RELEASES, Containerd, ContainerdError, require_binaries
 from tests.support.daemons import DaemonError
 from tests.support.dockerd import Dockerd, require_binaries as require_dockerd_binaries
 from tests.support.images import ImageSet, build_test_images
@@ -82,6 +82,19 @@ def runtimes(images: ImageSet) -> Iterator[Runtimes]:
 def containerd(runtimes: Runtimes) -> Containerd:
     """The machine's containerd 1.6, private, with the test images."""
     return runtimes.get("1.6")
+
+
+@pytest.fixture(params=NRI_RELEASES)
+def nri_release(request: pytest.FixtureRequest) -> str:
+    """Each containerd release with NRI: a test that takes it runs on every one."""
+    release: str = request.param
+    return release
+
+
+@pytest.fixture
+def nri_containerd(nri_release: str, runtimes: Runtimes) -> Containerd:
+    """The session's containerd of the release, NRI enabled."""
+    return runtimes.get(nri_release)
 
 
 @pytest.fixture(scope="session")

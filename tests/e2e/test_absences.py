@@ -15,9 +15,9 @@ from cri_api.v1 import api_pb2
 
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
 from koordrp.hooks.messages import CATCH_UP_ANNOTATION
-from tests.e2e.conftest import Runtimes, hook_server, wait_registered
+from tests.e2e.conftest import hook_server, wait_registered
 from tests.fake.hook_server import FakeHookServer
-from tests.support.containerd import NRI_RELEASES, Containerd
+from tests.support.containerd import Containerd
 from tests.support.daemons import cgroup_dirs, cgroup_mounts
 from tests.support.cri_objects import container_config, linux_resources, pod_sandbox_config
 from tests.support.hook_registration import register
@@ -36,11 +36,6 @@ HOOKS = [
 ]
 
 
-@pytest.fixture(params=NRI_RELEASES)
-def nri_containerd(request: pytest.FixtureRequest, runtimes: Runtimes) -> Containerd:
-    return runtimes.get(request.param)
-
-
 @pytest.fixture
 def tuner(servers: dict[str, FakeHookServer], workdir: Path, hooks_dir: Path) -> FakeHookServer:
     """A hook server that adds an environment variable and gives cpu shares 512 at PreCreateContainer."""
@@ -54,9 +49,12 @@ def tuner(servers: dict[str, FakeHookServer], workdir: Path, hooks_dir: Path) ->
 
 @contextlib.contextmanager
 def koordrp_in(containerd: Containerd, workdir: Path) -> Iterator[KoordrpProcess]:
+    """koordrp as containerd's NRI plugin (its state directory the workdir's, kept across restarts), with the
+    tuner registered."""
     koordrp = KoordrpProcess(workdir, containerd.endpoint, nri_socket=containerd.paths.nri_socket)
     koordrp.start()
     try:
+        wait_registered(koordrp, 1)
         yield koordrp
     finally:
         koordrp.stop()
@@ -126,7 +124,6 @@ def test_pods_made_while_koordrp_was_away_get_their_hooks_once_it_is_back(
     with pods(runtime, workdir, "away", 3) as made:
         assert [cpu_shares(runtime, container_id) for _, container_id in made] == [102] * 3  # no koordrp: kubelet's
         with koordrp_in(nri_containerd, workdir) as koordrp:
-            wait_registered(koordrp, 1)
             names = {f"away-{index}" for index in range(3)}
             eventually(lambda: len(creates_of(tuner, names)) == 3, "a catch-up PreCreateContainer for each container")
             eventually(
@@ -155,7 +152,7 @@ def test_a_node_that_boots_with_pods_before_koordrp_gets_their_hooks(
                 lambda: all(cpu_shares(runtime, container_id) == 512 for _, container_id in made),
                 "every container at the hook's cpu shares",
             )
-            koordrp.log_lines("catching up on 10 pods and 10 containers made while koordrp was away")
+            assert koordrp.log_lines("catching up on what containerd made while koordrp was away: 10 pods, 10 containers")
             assert sorted(call.pod_meta.name for call in creates_of(tuner, names)) == sorted(names)
 
 
@@ -164,13 +161,11 @@ def test_a_container_koordrp_saw_made_is_not_caught_up_after_a_restart(
 ) -> None:
     runtime = nri_containerd.runtime()
     with koordrp_in(nri_containerd, workdir) as koordrp:
-        wait_registered(koordrp, 1)
         with pods(runtime, workdir, "seen", 1) as made:
             assert cpu_shares(runtime, made[0][1]) == 512
             koordrp.kill()
             with koordrp_in(nri_containerd, workdir) as again:
-                wait_registered(again, 1)
-                again.log_lines("store rebuilt from containerd's NRI")
+                assert again.log_lines("store rebuilt from containerd's NRI")
                 # A container made now is hooked: the plugin is past its synchronization and any catch-up.
                 with pods(runtime, workdir, "after", 1):
                     pass
@@ -182,7 +177,6 @@ def test_pods_removed_while_koordrp_was_away_get_their_post_stops_once(
 ) -> None:
     runtime = nri_containerd.runtime()
     with koordrp_in(nri_containerd, workdir) as koordrp:
-        wait_registered(koordrp, 1)
         with pods(runtime, workdir, "gone", 3) as made:
             koordrp.kill()
             for sandbox_id, _ in made:
@@ -193,7 +187,6 @@ def test_pods_removed_while_koordrp_was_away_get_their_post_stops_once(
         return [call for call in tuner.calls(rpc) if call.pod_meta.name in names]
 
     with koordrp_in(nri_containerd, workdir) as again:
-        wait_registered(again, 1)
         eventually(
             lambda: len(told("PostStopPodSandboxHook")) == 3 and len(told("PostStopContainerHook")) == 3,
             "a PostStopContainer and a PostStopPodSandbox for each pod removed while koordrp was away",
@@ -202,7 +195,6 @@ def test_pods_removed_while_koordrp_was_away_get_their_post_stops_once(
         assert all(call.container_annotations[CATCH_UP_ANNOTATION] == "true" for call in told("PostStopContainerHook"))
         assert again.terminate() == 0  # after its stop drained every post stop it owed
     with koordrp_in(nri_containerd, workdir) as third:  # and once only, across a further restart
-        wait_registered(third, 1)
         assert third.terminate() == 0
     assert (len(told("PostStopPodSandboxHook")), len(told("PostStopContainerHook"))) == (3, 3)
 
@@ -212,7 +204,6 @@ def test_kubelets_values_survive_a_kill_right_after_the_pre_create_answer(
 ) -> None:
     runtime = nri_containerd.runtime()
     with koordrp_in(nri_containerd, workdir) as koordrp:
-        wait_registered(koordrp, 1)
         pending = workdir / "state" / "pending"
         killer: list[threading.Thread] = []
 
@@ -238,8 +229,7 @@ def test_kubelets_values_survive_a_kill_right_after_the_pre_create_answer(
             # Killed as it answered: containerd made the container with the answer, or, if it had not got it yet,
             # without it, as when koordrp is away (then it is caught up).
             answered = cpu_shares(runtime, container_id) == 512
-            with koordrp_in(nri_containerd, workdir) as again:
-                wait_registered(again, 1)
+            with koordrp_in(nri_containerd, workdir):
                 eventually(lambda: cpu_shares(runtime, container_id) == 512, "the container at the hook's cpu shares")
                 creates = creates_of(tuner, {"killed-0"})
                 caught_up = [call for call in creates if CATCH_UP_ANNOTATION in call.container_annotations]

@@ -18,10 +18,10 @@ import pytest
 from cri_api.v1 import api_pb2
 
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
-from tests.e2e.conftest import Runtimes, hook_server, wait_registered
+from tests.e2e.conftest import hook_server, wait_registered
 from tests.fake.hook_server import FakeHookServer, koordlet_cpuset_rule
 from tests.support import koordlet
-from tests.support.containerd import NRI_RELEASES, Containerd
+from tests.support.containerd import Containerd
 from tests.support.cri_objects import container_config, linux_resources, pod_sandbox_config
 from tests.support.dockerd import remove_cgroup
 from tests.support.hook_registration import register
@@ -35,18 +35,6 @@ from tests.support.stack import start_containerd
 CREATE = "PreCreateContainerHook"
 CGROUP_PARENT = "/kubepods/koordrp-nri-e2e"  # a hook may move a pod within the pods' cgroup root, not out of it
 BESTEFFORT = "/kubepods/besteffort/pod-nri-e2e"
-
-
-@pytest.fixture(params=NRI_RELEASES)
-def nri_release(request: pytest.FixtureRequest) -> str:
-    release: str = request.param
-    return release
-
-
-@pytest.fixture
-def nri_containerd(nri_release: str, runtimes: Runtimes) -> Containerd:
-    """The session's containerd of the release, NRI enabled."""
-    return runtimes.get(nri_release)
 
 
 @pytest.fixture

@@ -13,11 +13,11 @@ import pytest
 from cri_api.v1 import api_pb2
 
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
-from tests.e2e.conftest import Runtimes, hook_server, wait_registered
+from tests.e2e.conftest import hook_server, wait_registered
 from tests.e2e.test_docker import kubernetes_pod, post
 from tests.support.scrape import free_port, get, sample
 from tests.fake.hook_server import FakeHookServer
-from tests.support.containerd import NRI_RELEASES, Containerd
+from tests.support.containerd import Containerd
 from tests.support.dockerd import Dockerd
 from tests.support.hook_registration import register
 from tests.support.koordrp_process import KoordrpProcess
@@ -76,11 +76,6 @@ def cri_proxy(containerd: Containerd, workdir: Path) -> Iterator[Observed]:
     observed.start("store rebuilt from the runtime")
     yield observed
     observed.process.stop()
-
-
-@pytest.fixture(params=NRI_RELEASES)
-def nri_containerd(request: pytest.FixtureRequest, runtimes: Runtimes) -> Containerd:
-    return runtimes.get(request.param)
 
 
 @pytest.fixture

@@ -1009,6 +1009,20 @@ class CatchUpTests(LogCapture):
         request = nri.SynchronizeRequest(pods=[nri_pod()], containers=[nri_container(nri.CONTAINER_RUNNING)])
         return self.containerd.call("Synchronize", request, timeout=2.0)
 
+    def create_asked(self) -> PendingCall:
+        """The pod's PreRunPodSandbox answered: the container's PreCreateContainer, asked and not answered yet."""
+        [pod_call] = calls_to(self.clients, "/run/tuner.sock")
+        self.answer_all([pod_call])
+        [_, create] = calls_to(self.clients, "/run/tuner.sock")
+        return create
+
+    def reply_left(self, stream: int) -> nri.SynchronizeResponse:
+        """containerd's deadline (less what koordrp keeps to answer) comes: the reply leaves, a success."""
+        self.clock.advance(2.0 - ANSWER_MARGIN - CATCH_UP_REPLY_SLACK)
+        answer = self.containerd.answers()[stream]
+        self.assertEqual(answer.status.code, 0)
+        return nri.SynchronizeResponse.FromString(answer.payload)
+
     def answer_all(self, calls: list[PendingCall]) -> None:
         for pending in calls:
             if pending.hook is HookType.PRE_RUN_POD_SANDBOX:
@@ -1071,12 +1085,8 @@ class CatchUpTests(LogCapture):
 
     def test_an_answer_that_misses_the_reply_follows_it_as_an_update(self) -> None:
         stream = self.synchronize()
-        [pod_call] = calls_to(self.clients, "/run/tuner.sock")
-        self.answer_all([pod_call])
-        [_, create] = calls_to(self.clients, "/run/tuner.sock")
-        self.clock.advance(2.0 - ANSWER_MARGIN - CATCH_UP_REPLY_SLACK)
-        answer = self.containerd.answers()[stream]
-        self.assertEqual((answer.status.code, list(nri.SynchronizeResponse.FromString(answer.payload).update)), (0, []))
+        create = self.create_asked()
+        self.assertEqual(list(self.reply_left(stream).update), [])
         self.answer_all([create])
         [sent] = [sent for sent in self.containerd.sent() if sent.request is not None]
         assert sent.request is not None
@@ -1119,11 +1129,8 @@ class CatchUpTests(LogCapture):
 
     def test_a_container_stopped_and_removed_while_its_hooks_answer_stays_gone(self) -> None:
         stream = self.synchronize()
-        [pod_call] = calls_to(self.clients, "/run/tuner.sock")
-        self.answer_all([pod_call])
-        [_, create] = calls_to(self.clients, "/run/tuner.sock")
-        self.clock.advance(2.0 - ANSWER_MARGIN - CATCH_UP_REPLY_SLACK)
-        self.assertEqual(self.containerd.answers()[stream].status.code, 0)
+        create = self.create_asked()
+        self.reply_left(stream)
         self.containerd.call("StopContainer", nri.StopContainerRequest(pod=nri_pod(), container=nri_container(nri.CONTAINER_STOPPED)))
         self.containerd.call("StateChange", event(nri.REMOVE_CONTAINER, nri_container(nri.CONTAINER_STOPPED)))
         create.answer(hook.ContainerResourceHookResponse())
@@ -1135,9 +1142,7 @@ class CatchUpTests(LogCapture):
 
     def test_a_second_synchronization_while_a_container_is_caught_up_calls_its_hooks_once(self) -> None:
         self.synchronize()
-        [pod_call] = calls_to(self.clients, "/run/tuner.sock")
-        self.answer_all([pod_call])
-        [_, create] = calls_to(self.clients, "/run/tuner.sock")
+        create = self.create_asked()
         # containerd reconnects (a new connection's plugin, the same store) before the hook answers
         parts = Parts(self.store, Dispatcher(self.clients, self.clock), self.servers, SKIP, self.clock)
         plugin = NRIPlugin(parts, PluginIdentity("koordrp", "10"), catching_up=self.plugin._catching_up)
@@ -1158,19 +1163,14 @@ class CatchUpTests(LogCapture):
         self.assertEqual(os.listdir(os.path.join(self.directory, "containers")), [])
 
     def catch_up_in_time_but_reply_late(self) -> None:
-        [pod_call] = calls_to(self.clients, "/run/tuner.sock")
-        self.answer_all([pod_call])
-        [_, create] = calls_to(self.clients, "/run/tuner.sock")
+        create = self.create_asked()
         self.answer_all([create])  # the update goes in the reply, the start is still asked
         self.clock.advance(1.95)  # the reply's timer runs this late
 
     def test_an_update_containerd_refuses_after_the_reply_is_named_and_caught_up_again(self) -> None:
         stream = self.synchronize()
-        [pod_call] = calls_to(self.clients, "/run/tuner.sock")
-        self.answer_all([pod_call])
-        [_, create] = calls_to(self.clients, "/run/tuner.sock")
-        self.clock.advance(2.0 - ANSWER_MARGIN - CATCH_UP_REPLY_SLACK)
-        self.assertEqual(self.containerd.answers()[stream].status.code, 0)
+        create = self.create_asked()
+        self.reply_left(stream)
         self.answer_all([create])
         [sent] = [sent for sent in self.containerd.sent() if sent.request is not None]
         self.containerd.answer(sent.stream_id, nri.UpdateContainersResponse(failed=[nri.ContainerUpdate(container_id="c-1")]))

@@ -18,7 +18,7 @@ from cri_api.v1 import api_pb2
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
 from tests.e2e.conftest import Runtimes, hook_server, wait_registered
 from tests.fake.hook_server import FakeHookServer
-from tests.support.containerd import NRI_RELEASES, Containerd
+from tests.support.containerd import Containerd
 from tests.support.daemons import cgroup_dirs, remove_cgroup
 from tests.support.hook_registration import register
 from tests.support.koordrp_process import KoordrpProcess
@@ -111,12 +111,6 @@ def test_an_ignore_policy_servers_cgroup_parent_out_of_the_pods_root_leaves_the_
     assert line.endswith(f", changed labels +koordrp.test/seen, {refused}"), line
     [warning] = koordrp.log_lines(f"hook PreRunPodSandbox on escaper.json for pod default/{name}: ")
     assert warning.endswith(f"{refused}; policy Ignore, the rest of its answer applies"), warning
-
-
-@pytest.fixture(params=NRI_RELEASES)
-def nri_containerd(request: pytest.FixtureRequest, runtimes: Runtimes) -> Containerd:
-    """The session's containerd of the release, NRI enabled."""
-    return runtimes.get(request.param)
 
 
 @pytest.fixture

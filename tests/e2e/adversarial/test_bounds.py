@@ -164,5 +164,5 @@ def test_sigterm_with_a_wedged_post_hook_server_cuts_it_at_the_grace_period_and_
     [cut] = koordrp.log_lines("cut at the stop's bound")
     assert "post hook PostStopContainer on wedged.json for pod default/bounded container bounded cut" in cut, cut
     # How long that took is benchmarks/stop_bound.py's to measure: here, that the stop ended once the cut was made.
-    koordrp.log_lines("s after SIGTERM")
+    assert koordrp.log_lines("s after SIGTERM")
     assert koordrp.log().index("cut at the stop's bound") < koordrp.log().index("s after SIGTERM")
