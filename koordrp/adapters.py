@@ -4,7 +4,8 @@ What a front end gives a flow:
 
 - ``Backend``, the runtime behind the front end for one call: forwarding the call (rewritten or as
   received) and reading back what the store lacks. Its answers are Deferreds whose cancellation
-  reaches the runtime. ``RuntimeInventory`` reads everything, for the store to agree with.
+  reaches the runtime. ``RuntimeInventory`` reads everything, for the store to agree with;
+  ``RuntimeListing`` only lists (NRI mode: what appears, containerd's events tell of).
 - The request protocols (``RunPodSandbox``, ``CreateContainer``, ``UpdateContainerResources``,
   ``UpdatePodSandboxResources``): the call's own request, turned into a hook request and written back
   once the hooks changed it (``Written``, with what the front end could not write: ``LeftAlone``).
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum, IntEnum
-from typing import Awaitable, Callable, Mapping, Protocol, TypeVar, Union
+from typing import Awaitable, Callable, Mapping, Protocol, TypeVar, Union, runtime_checkable
 
 from koordrp.hooks.messages import ContainerHookRequest, PodHookRequest, Resources
 from koordrp.store import StoredContainer, StoredPod
@@ -135,9 +136,14 @@ class RuntimeReader(Protocol):
     ) -> Awaitable[StoredContainer | None]: ...
 
 
-class RuntimeInventory(RuntimeReader, Protocol):
+class RuntimeListing(Protocol):
     def listed(self, timeout: float | None) -> Awaitable[tuple[list[str], list[str]]]:
         """The ids of every Kubernetes pod sandbox and container the runtime has."""
+
+
+@runtime_checkable
+class RuntimeInventory(RuntimeReader, RuntimeListing, Protocol):
+    """A listing whose pods and containers can be read back: what the store lacks is learnt from it."""
 
 
 class Backend(RuntimeReader, Protocol[AnyReply_co]):

@@ -13,9 +13,12 @@ anything is ✗:
 
 With ``--backend-runtime-mode=NRI`` it checks an NRI node instead: kubelet calling containerd, not
 koordrp's socket; containerd's NRI socket accepting plugins; koordrp registered there (what it
-says in ``<state-dir>/nri-plugin.json``, from a live process); each hook server whose timeout is longer
-than what its pre hooks get of containerd's ``plugin_request_timeout``. In either mode, a koordrp of
-the other mode on the same node is a ✗: every hook would run twice.
+says in ``<state-dir>/nri-plugin.json``, from a live process); anything that koordrp is given beyond
+what NRI mode needs (an option it does not use; in a container, a mount beyond its NRI socket's
+directory, hookserver.d, its state directory and the hook servers' socket directories, or a
+capability: run it there, ``kubectl exec``); each hook server whose timeout is longer than what its
+pre hooks get of containerd's ``plugin_request_timeout``. In either mode, a koordrp of the other
+mode on the same node is a ✗: every hook would run twice.
 
 Every path it reads is an option. ``python -m koordrp.check`` runs it too.
 """
@@ -32,6 +35,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 import grpc
+from twisted.python import usage
 
 from koordrp import koordrp_version, trust
 from koordrp.api.cri.v1 import api_pb2 as cri
@@ -41,7 +45,7 @@ from koordrp.hooks.types import HookServerConfig, HookServers
 from koordrp.nri import registration
 from koordrp.hooks.limit import SHORTEN
 from koordrp.nri.plugin import ANSWER_MARGIN, pre_hook_limit
-from koordrp.tap import DEFAULT_HOOK_CONFIG_DIR, DEFAULT_NRI_SOCKET, DEFAULT_PROXY_ENDPOINT, DEFAULT_STATE_DIR, RUNTIME_MODES
+from koordrp.tap import DEFAULT_HOOK_CONFIG_DIR, DEFAULT_NRI_SOCKET, DEFAULT_PROXY_ENDPOINT, DEFAULT_STATE_DIR, RUNTIME_MODES, Options
 from koordrp.unix import EndpointError, connect_error, grpc_target, parse_unix_endpoint, socket_problem
 
 RUNTIME_FLAG = "--container-runtime-endpoint"
@@ -187,8 +191,11 @@ def kubelet_findings(proc: str, socket_path: str) -> list[Finding]:
     return _kubelet_endpoint_findings(proc, judged)
 
 
-def kubelet_nri_findings(proc: str, socket_path: str) -> list[Finding]:
-    """In NRI mode kubelet calls containerd itself: koordrp's proxy socket is no place for its calls."""
+def kubelet_nri_findings(proc: str, socket_path: str, beside_koordrp: bool = False) -> list[Finding]:
+    """In NRI mode kubelet calls containerd itself: koordrp's proxy socket is no place for its calls.
+    ``beside_koordrp``: the check runs in koordrp's container, where the node's processes are not seen."""
+    if beside_koordrp and not any(kubelet_processes(proc)):
+        return [Finding(True, "kubelet is not seen from koordrp's container; in NRI mode it calls containerd itself")]
 
     def judged(pid: int, what: str, endpoint: Endpoint) -> Finding:
         kubelet = f"kubelet (pid {pid}) sends {what} calls to {endpoint.value} ({endpoint.source})"
@@ -415,7 +422,96 @@ def live_registration(proc: str, state_dir: str) -> registration.Registration | 
     return said if b"koordrp" in command else None
 
 
-def nri_plugin_findings(proc: str, nri_socket: str, state_dir: str) -> list[Finding]:
+# What a container runtime mounts into every container, which gives nothing of the node's.
+_CONTAINER_OWN = frozenset(("/", "/etc/hosts", "/etc/hostname", "/etc/resolv.conf", "/dev/termination-log"))
+_CONTAINER_OWN_TREES = ("/proc", "/sys", "/dev")
+
+
+def koordrp_arguments(cmdline: bytes) -> list[str]:
+    """koordrp's own options on a command line (``twistd [twistd's options] koordrp [koordrp's options]``)."""
+    words = [word.decode("utf-8", "surrogateescape") for word in cmdline.split(b"\0") if word]
+    return words[words.index("koordrp") + 1 :] if "koordrp" in words else []
+
+
+def mount_points(mountinfo: str) -> list[str]:
+    """Where each mount of a /proc/<pid>/mountinfo is (the kernel writes a space, tab, newline or backslash in octal)."""
+    points = []
+    for line in mountinfo.splitlines():
+        fields = line.split(" ")
+        if len(fields) > 4:
+            points.append(re.sub(r"\\([0-7]{3})", lambda octal: chr(int(octal.group(1), 8)), fields[4]))
+    return points
+
+
+def in_container(proc: str, pid: int) -> bool:
+    """Whether process ``pid`` runs in a container: the first of its own process namespace, or in a mount
+    namespace that is not the first process's."""
+    if pid == 1:
+        return True
+    try:
+        return os.readlink(os.path.join(proc, str(pid), "ns", "mnt")) != os.readlink(os.path.join(proc, "1", "ns", "mnt"))
+    except OSError:
+        return False
+
+
+def reach_findings(proc: str, said: registration.Registration, servers: Sequence[HookServerConfig]) -> list[Finding]:
+    """In NRI mode: whether the live koordrp is given more of the node than NRI mode needs (its NRI socket's
+    directory, hookserver.d, its state directory and the hook servers' socket directories): an option it
+    does not use, a mount of its container beyond those, a capability."""
+    base = os.path.join(proc, str(said.pid))
+    options = Options()  # type: ignore[no-untyped-call]
+    try:
+        with open(os.path.join(base, "cmdline"), "rb") as cmdline:
+            options.parseOptions(koordrp_arguments(cmdline.read()))  # type: ignore[no-untyped-call]
+    except (OSError, usage.UsageError, SystemExit) as error:
+        return [Finding(False, f"cannot read koordrp's options (pid {said.pid}): {error}")]
+    findings = [
+        Finding(False, f"koordrp (pid {said.pid}) is given {flag}, which NRI mode does not use", f"drop {flag} from its arguments")
+        for flag in options.unused()
+    ]
+    if not in_container(proc, said.pid):
+        return findings
+    needed = {
+        os.path.dirname(options["nri-socket"]),
+        options["hook-config-dir"],
+        options["state-dir"],
+        *(os.path.dirname(server.endpoint) for server in servers),
+    }
+    try:
+        with open(os.path.join(base, "mountinfo"), encoding="utf-8", errors="surrogateescape") as mountinfo:
+            points = mount_points(mountinfo.read())
+        with open(os.path.join(base, "status"), encoding="utf-8") as status:
+            capabilities = next((int(line.split()[1], 16) for line in status if line.startswith("CapEff:")), 0)
+    except OSError as error:
+        return [*findings, Finding(False, f"cannot read koordrp's mounts and capabilities (pid {said.pid}): {error.strerror}")]
+    extra = sorted(
+        point
+        for point in set(points) - needed - _CONTAINER_OWN
+        if not any(point == tree or point.startswith(tree + "/") for tree in _CONTAINER_OWN_TREES)
+    )
+    if extra:
+        findings.append(
+            Finding(
+                False,
+                f"koordrp's container mounts {', '.join(extra)}: more than NRI mode needs ({', '.join(sorted(needed))})",
+                "drop those volumes and volumeMounts from its pod (deploy/daemonset.yaml mounts only what it needs)",
+            )
+        )
+    else:
+        findings.append(Finding(True, f"koordrp's container mounts only what NRI mode needs: {', '.join(sorted(needed & set(points)))}"))
+    if capabilities:
+        findings.append(
+            Finding(
+                False,
+                f"koordrp runs with capabilities (CapEff {capabilities:#x}) that NRI mode does not use",
+                "drop: [ALL] in its container's securityContext",
+            )
+        )
+    return findings
+
+
+def nri_plugin_findings(said: registration.Registration | None, nri_socket: str, state_dir: str) -> list[Finding]:
+    """``said``: what the live koordrp says of its registration."""
     findings = []
     # Not connected to: containerd logs an error for every connection that does not register.
     problem = socket_problem(nri_socket)
@@ -430,7 +526,6 @@ def nri_plugin_findings(proc: str, nri_socket: str, state_dir: str) -> list[Find
                 "config (docs/operating.md, \"NRI mode\"); restart containerd",
             )
         )
-    said = live_registration(proc, state_dir)
     if said is None:
         findings.append(
             Finding(
@@ -500,9 +595,12 @@ def check(options: argparse.Namespace) -> list[Finding]:
         raise SystemExit(f"koordrp check: --socket: {error}") from None
     hooks, registered = hook_findings(options.hook_config_dir, options.hook_timeout, options.timeout)
     if options.backend_runtime_mode == "NRI":
+        said = live_registration(options.proc, options.state_dir)
         return [
-            *kubelet_nri_findings(options.proc, socket_path),
-            *nri_plugin_findings(options.proc, options.nri_socket, options.state_dir),
+            # koordrp the first process of check's process namespace: check runs in its container (kubectl exec).
+            *kubelet_nri_findings(options.proc, socket_path, beside_koordrp=said is not None and said.pid == 1),
+            *nri_plugin_findings(said, options.nri_socket, options.state_dir),
+            *([] if said is None else reach_findings(options.proc, said, registered)),
             *proxy_too_findings(socket_path, options.timeout),
             *hooks,
             *nri_deadline_findings(options.containerd_config, registered),

@@ -1,4 +1,4 @@
-"""What an operator scrapes: CRI calls, hook calls, registrations, the store, the backend.
+"""What an operator scrapes: CRI calls, hook calls, registrations, the store, the backend, the process.
 
 Off unless ``--metrics-endpoint`` is given: then every CRI call pays for one counter and one
 histogram update (a few microseconds), which the pass-through path is otherwise spared.
@@ -10,7 +10,7 @@ from typing import Callable, Iterable, Iterator, TypeVar
 import grpc
 from cri_api.v1 import api_pb2 as cri_v1
 from cri_api.v1alpha2 import api_pb2 as cri_v1alpha2
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -99,6 +99,9 @@ class Metrics:
         self.backend_up = Gauge(
             "koordrp_backend_reachable", "1 while the backend is reachable", ["endpoint"], registry=self.registry
         )
+        # process_open_fds and process_max_fds (the soft limit) among them: what /livez's 503 is about, so that an
+        # alert can come before it (deploy/prometheus/). Three small reads of /proc/self per scrape.
+        ProcessCollector(registry=self.registry)
 
     def watch_store(self, store: Store) -> None:
         self.registry.register(_StoreCollector(store))

@@ -6,19 +6,19 @@ store makes of it. ``StoreSync`` reads it at start and then periodically, and re
 runtime cannot say, a second after the first failure and less often after each next one
 (``koordrp.trouble``: one line when that starts, one for each new reason, one when it is over); a
 periodic reading that changes nothing logs nothing. NRI mode agrees with what
-containerd tells at Synchronize too, and in between forgets by containerd's CRI listing
-(``koordrp.cri.listing``).
+containerd tells at Synchronize too, and in between forgets the pods containerd does not tell of by
+a listing of its own (``koordrp.nri.listing``).
 """
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, AbstractSet, Awaitable, TypeVar
+from typing import TYPE_CHECKING, AbstractSet, Awaitable, Callable, TypeVar
 
 from twisted.internet.defer import CancelledError, Deferred, ensureDeferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from koordrp.adapters import LookupFailed, RuntimeInventory, Unreadable
+from koordrp.adapters import LookupFailed, RuntimeInventory, RuntimeListing, Unreadable
 from koordrp.hooks.messages import PodHookRequest
 from koordrp.store import Store, StoredContainer, StoredPod
 from koordrp.text import shortened
@@ -138,22 +138,23 @@ class StoreSync:
     def __init__(
         self,
         store: Store,
-        inventory: RuntimeInventory,
+        inventory: RuntimeListing,
         clock: IReactorTime,
         runtime: str,
         interval: float = 0.0,
         timeout: float | None = None,
-        learns: bool = True,
         metrics: "Metrics | None" = None,
+        due: Callable[[], bool] = lambda: True,
     ) -> None:
-        """``runtime`` names ``inventory`` in log lines; each question to it is bounded by ``timeout``.
+        """``runtime`` names ``inventory`` in log lines; each question to it is bounded by ``timeout``;
+        ``due`` says whether a reading is wanted now (one that is not waits for the next interval).
 
-        ``learns``: what the runtime lists and the store lacks is read back and learnt. Otherwise
-        the store learns what appears from elsewhere (NRI mode: containerd's events, which tell of
-        a pod sandbox just before containerd lists it), so a reading only forgets, and only what
-        the store knew before the previous reading began: so young a pod is not taken for gone.
-        Where koordrp hears of a pod or container only once the runtime has made it (the proxies),
-        a reading forgets what the store knew before it began.
+        An inventory that reads back (``RuntimeInventory``): what the runtime lists and the store lacks
+        is read back and learnt. A listing alone: the store learns what appears from elsewhere (NRI
+        mode: containerd's events, which tell of a pod sandbox just before containerd lists it), so a
+        reading only forgets, and only what the store knew before the previous reading began: so
+        young a pod is not taken for gone. Where koordrp hears of a pod or container only once the
+        runtime has made it (the proxies), a reading forgets what the store knew before it began.
         """
         self._store = store
         self._inventory = inventory
@@ -161,7 +162,8 @@ class StoreSync:
         self._runtime = runtime
         self._interval = interval
         self._timeout = timeout
-        self._learns = learns
+        self._learns = isinstance(inventory, RuntimeInventory)
+        self._due = due
         self._next: IDelayedCall | None = None
         self._reading: Deferred[None] | None = None
         self._running = False
@@ -207,6 +209,9 @@ class StoreSync:
         known_now = self._store.ids()
         known_before = known_now if self._learns else self._known_earlier
         self._known_earlier = known_now
+        if not self._due():
+            self._read_done(None)
+            return
         reading = ensureDeferred(self._snapshot())
         # What goes wrong in agreeing with a reading is a failure too: said, and retried.
         agreed = reading.addCallback(lambda found: self._agree(found, known_before, periodic)).addErrback(self._failed)
@@ -214,7 +219,7 @@ class StoreSync:
         agreed.addBoth(self._read_done)
 
     async def _snapshot(self) -> Snapshot:
-        if self._learns:
+        if isinstance(self._inventory, RuntimeInventory):
             return await read_everything(self._inventory, self._timeout, self._store, self._unreadable)
         pod_ids, container_ids = await self._inventory.listed(self._timeout)
         return Snapshot(frozenset(pod_ids), frozenset(container_ids), [], [])

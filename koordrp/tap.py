@@ -21,7 +21,6 @@ from twisted.python import usage
 
 from koordrp import flows, koordrp_version
 from koordrp.checkpoint import CheckpointError, DirectoryCheckpoint
-from koordrp.cri.listing import CRIListing
 from koordrp.cri.server import CRIProxyService, CRIProxySettings
 from koordrp.docker.service import DockerProxyService, DockerProxySettings
 from koordrp.bounds import raise_descriptor_limit
@@ -32,6 +31,7 @@ from koordrp.hooks.config import DEFAULT_HOOK_TIMEOUT
 from koordrp.hooks.dispatcher import Dispatcher
 from koordrp.hooks.registry import HookRegistry
 from koordrp.hooks.types import HookServers
+from koordrp.nri.listing import NRIListingService
 from koordrp.nri.plugin import PluginIdentity
 from koordrp.nri.service import NRIService, NRISettings
 from koordrp.resync import DEFAULT_INTERVAL
@@ -56,6 +56,8 @@ DEFAULT_NRI_PLUGIN_NAME = "koordrp"
 DEFAULT_NRI_PLUGIN_INDEX = "10"
 RUNTIME_MODES = ("Containerd", "Docker", "NRI")
 
+log = Logger()
+
 
 class Options(usage.Options):
     synopsis = "[options]"
@@ -70,14 +72,14 @@ class Options(usage.Options):
             "remote-runtime-service-endpoint",
             None,
             None,
-            "backend runtime socket (NRI mode: containerd's, whose CRI listing the store is reconciled with) "
+            "backend runtime socket (not used in NRI mode) "
             f"[default: {DEFAULT_RUNTIME_ENDPOINT}, or {DEFAULT_DOCKER_ENDPOINT} in Docker mode]",
         ],
         [
             "remote-image-service-endpoint",
             None,
             None,
-            "backend image service socket [default: the runtime service endpoint]",
+            "backend image service socket (not used in NRI mode) [default: the runtime service endpoint]",
         ],
         [
             "backend-runtime-mode",
@@ -131,7 +133,8 @@ class Options(usage.Options):
             None,
             DEFAULT_INTERVAL,
             "seconds between readings of the runtime that make koordrp forget the pods and containers removed "
-            "behind its back (and learn those made behind it); 0: only at start (CRI mode: and when the runtime is "
+            "behind its back (and learn those made behind it); NRI mode: between synchronizations, of the pods "
+            "containerd does not tell of, while there are any; 0: only at start (CRI mode: and when the runtime is "
             "back after an outage; NRI mode: and at each synchronization)",
             float,
         ],
@@ -203,7 +206,14 @@ class Options(usage.Options):
     def opt_state_dir(self, value: str) -> None:
         self._absolute("state-dir", value)
 
+    def unused(self) -> list[str]:
+        """The options given that the mode does not use: NRI mode reaches containerd by its NRI socket alone."""
+        if self["backend-runtime-mode"] != "NRI":
+            return []
+        return [f"--{flag}" for flag in ("remote-runtime-service-endpoint", "remote-image-service-endpoint") if flag in self._given]
+
     def postOptions(self) -> None:
+        self._given = {flag for flag in ("remote-runtime-service-endpoint", "remote-image-service-endpoint") if self[flag] is not None}
         docker = self["backend-runtime-mode"] == "Docker"
         if self["remote-runtime-service-endpoint"] is None:
             self["remote-runtime-service-endpoint"] = DEFAULT_DOCKER_ENDPOINT if docker else DEFAULT_RUNTIME_ENDPOINT
@@ -325,12 +335,20 @@ def makeService(config: Options, reactor: IReactorCore | None = None) -> service
     # Started in this order, stopped in the reverse: systemd hears READY once the front end serves,
     # and STOPPING before it drains.
     children: list[service.IService] = [registry, proxy, SystemdNotifier(clock), OrderlyStopOnSIGTERM(reactor)]
-    if config["backend-runtime-mode"] == "NRI" and config["reconcile-interval"] > 0:
-        # Between containerd's synchronizations, its CRI socket says what is gone (NRI cannot list).
-        listing = CRIListing(
-            config["remote-runtime-service-endpoint"], IReactorThreads(reactor), parts.store, config["reconcile-interval"], metrics
+    if isinstance(proxy, NRIService) and config["reconcile-interval"] > 0:
+        # Between containerd's synchronizations, what NRI does not tell of (the pods of an earlier containerd).
+        settings = proxy.settings
+        listing = NRIListingService(
+            IReactorUNIX(reactor), settings.socket_path, settings.identity, parts.store, proxy.going_untold,
+            config["reconcile-interval"], metrics,
         )
         children.insert(2, listing)
+    for flag in config.unused():
+        log.warn(
+            "{flag} is not used in NRI mode: koordrp reaches containerd by its NRI socket alone; drop it, and any mount "
+            "of containerd's socket in koordrp's container (koordrp check names them)",
+            flag=flag,
+        )
     if metrics is not None:
         from koordrp.web import metrics_service
 

@@ -57,6 +57,42 @@ class MetricsResource(Resource):
         return generate_latest(self._registry)
 
 
+class Readiness:
+    """Whether koordrp serves calls, as /healthz answers and ``koordrp_ready`` reports it: the front end's probe
+    (the runtime answers; NRI mode: koordrp is containerd's plugin, synchronized), a success trusted for
+    FRESH_SECONDS."""
+
+    def __init__(self, probe: Probe, reactor: IReactorTime) -> None:
+        self._probe = probe
+        self._reactor = reactor
+        self._last_answer: float | None = None
+        self.ready: bool | None = None
+        """What the last probe that ended found; None until one has."""
+
+    def answered_ago(self) -> float | None:
+        """Seconds since the backend answered, while that is recent enough not to ask it again."""
+        if self._last_answer is None:
+            return None
+        ago = self._reactor.seconds() - self._last_answer
+        return ago if ago < FRESH_SECONDS else None
+
+    def ask(self) -> "Deferred[object]":
+        """The probe, its outcome remembered; fires or fails as it does."""
+
+        def answered(result: object) -> object:
+            self._last_answer = self._reactor.seconds()
+            self.ready = True
+            return result
+
+        def failed(failure: Failure) -> Failure:
+            # A failure ends the trust in an earlier success: /healthz and koordrp_ready say the same from now on.
+            self._last_answer = None
+            self.ready = False
+            return failure
+
+        return self._probe().addCallbacks(answered, failed)
+
+
 class HealthResource(Resource):
     """200 while the backend answers, 503 with the reason when it does not."""
 
@@ -64,18 +100,14 @@ class HealthResource(Resource):
 
     def __init__(self, probe: Probe, reactor: IReactorTime) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
-        self._probe = probe
-        self._reactor = reactor
-        self._last_answer: float | None = None
+        self.readiness = Readiness(probe, reactor)
 
     def render_GET(self, request: Request) -> bytes | int:
-        now = self._reactor.seconds()
-        if self._last_answer is not None and now - self._last_answer < FRESH_SECONDS:
-            return b"ok: the backend answered %.1fs ago\n" % (now - self._last_answer)
-        asking = self._probe()
+        ago = self.readiness.answered_ago()
+        if ago is not None:
+            return b"ok: the backend answered %.1fs ago\n" % ago
 
         def answered(_: object) -> None:
-            self._last_answer = self._reactor.seconds()
             request.write(b"ok: the backend answers\n")  # type: ignore[no-untyped-call]
             request.finish()  # type: ignore[no-untyped-call]
 
@@ -84,8 +116,36 @@ class HealthResource(Resource):
             request.write(f"unhealthy: {failure.getErrorMessage()}\n".encode())  # type: ignore[no-untyped-call]
             request.finish()  # type: ignore[no-untyped-call]
 
-        asking.addCallbacks(answered, failed)
+        self.readiness.ask().addCallbacks(answered, failed)
         return NOT_DONE_YET
+
+
+class _ReadinessCollector(Collector):
+    """``koordrp_ready``: 1 while /healthz would answer 200, 0 while it would answer 503.
+
+    Asked at each scrape, as /healthz asks, so that the gauge needs no probe to have come (a node
+    without kubelet's probes has it too). NRI mode's probe only looks at koordrp's connection to
+    containerd and has its answer at once: the gauge is what /healthz would answer at that moment. The
+    proxies' probe asks the runtime on its socket (up to 2 s), which a scrape, rendered at once on the
+    reactor, does not wait for: the gauge then says what the last probe that ended found (the previous
+    scrape's, or /healthz's), and this scrape's probe is the next one's; before any has ended there is
+    no sample.
+    """
+
+    def __init__(self, readiness: Readiness) -> None:
+        self._readiness = readiness
+
+    def collect(self) -> Iterable[Metric]:
+        if self._readiness.answered_ago() is None:
+            # The outcome is remembered by ask(); the reason is /healthz's to give.
+            self._readiness.ask().addErrback(lambda _: None)
+        if self._readiness.ready is not None:
+            yield GaugeMetricFamily(
+                "koordrp_ready",
+                "1 while /healthz answers 200 (the runtime answers; NRI mode: koordrp is containerd's plugin), 0 while it "
+                "answers 503",
+                value=int(self._readiness.ready),
+            )
 
 
 class LiveResource(Resource):
@@ -323,7 +383,8 @@ class _ConnectionsCollector(Collector):
 def metrics_service(endpoint: str, metrics: Metrics, probe: Probe, reactor: IReactorTime) -> MetricsServer:
     root = Resource()  # type: ignore[no-untyped-call]
     root.putChild(b"metrics", MetricsResource(metrics.registry))
-    root.putChild(b"healthz", HealthResource(probe, reactor))
+    health = HealthResource(probe, reactor)
+    root.putChild(b"healthz", health)
     root.putChild(b"livez", LiveResource())
     # No timeout of its own (twisted.web's restarts with each byte): the bounds close idle and slow clients.
     site = _Site(root, timeout=None, reactor=reactor)  # type: ignore[no-untyped-call]
@@ -331,4 +392,5 @@ def metrics_service(endpoint: str, metrics: Metrics, probe: Probe, reactor: IRea
     factory = BoundedFactory(site, METRICS_BOUNDS, reactor, "the metrics endpoint")
     factory.noisy = False
     metrics.registry.register(_ConnectionsCollector(factory))
+    metrics.registry.register(_ReadinessCollector(health.readiness))
     return MetricsServer(endpoint, factory, reactor)

@@ -1,6 +1,12 @@
 """An OCI image archive (an OCI image layout in one tar, as ``ctr images import`` and skopeo's
-``oci-archive:`` read it) of one layer, from a root file system in a tar: the same bytes from the
-same root and the same arguments."""
+``oci-archive:`` read it) of one image for several platforms, each of one layer made from a root file
+system in a tar: the same bytes from the same roots and the same arguments.
+
+index.json lists each platform's manifest, with its platform, then the image index of them all, named:
+containerd names an imported image after the annotation of an entry of index.json, so that the name
+given to each platform's manifest would end on one platform's alone; given to the image index, it is the
+image of every platform, each node running its own. (skopeo's ``oci-archive:FILE:TAG`` finds it by its tag.)
+"""
 
 from __future__ import annotations
 
@@ -12,6 +18,8 @@ import shutil
 import tarfile
 import tempfile
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -22,7 +30,7 @@ MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 CONFIG = "application/vnd.oci.image.config.v1+json"
 LAYER = "application/vnd.oci.image.layer.v1.tar+gzip"
 
-# containerd names an imported image by this annotation of the index; OCI's own names a tag.
+# containerd names an imported image by this annotation of an entry of index.json; OCI's own names a tag.
 CONTAINERD_NAME = "io.containerd.image.name"
 REF_NAME = "org.opencontainers.image.ref.name"
 
@@ -31,11 +39,10 @@ _CHUNK = 1 << 20
 
 @dataclass(frozen=True)
 class Image:
-    """What the image is called and how its container runs."""
+    """What the image is called and how its container runs, on every platform."""
 
     name: str  # a reference without a registry's host: "localhost/koordrp"
     tag: str
-    architecture: str  # OCI's: amd64, arm64
     entrypoint: Sequence[str]
     env: Sequence[str]
     created: int  # seconds since the epoch: SOURCE_DATE_EPOCH
@@ -69,6 +76,10 @@ def _blob(data: bytes) -> Blob:
     return Blob("sha256:" + hashlib.sha256(data).hexdigest(), len(data))
 
 
+def platform(architecture: str) -> dict[str, str]:
+    return {"architecture": architecture, "os": "linux"}
+
+
 def compress_layer(rootfs: IO[bytes], layer: IO[bytes]) -> tuple[str, Blob]:
     """Gzip the root's tar into ``layer``: its diff id (the tar's digest) and the layer's blob."""
     raw = hashlib.sha256()
@@ -84,12 +95,11 @@ def compress_layer(rootfs: IO[bytes], layer: IO[bytes]) -> tuple[str, Blob]:
     return "sha256:" + raw.hexdigest(), Blob("sha256:" + packed.hexdigest(), layer.tell())
 
 
-def image_config(image: Image, diff_id: str) -> bytes:
+def image_config(image: Image, architecture: str, diff_id: str) -> bytes:
     created = datetime.fromtimestamp(image.created, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     config = {
         "created": created,
-        "architecture": image.architecture,
-        "os": "linux",
+        **platform(architecture),
         "config": {
             "User": image.user,
             "Env": list(image.env),
@@ -115,36 +125,53 @@ def _member(name: str, size: int, created: int, directory: bool = False) -> tarf
     return info
 
 
-def write_oci_archive(rootfs: Path, image: Image, out: Path) -> Blob:
-    """Write ``out``, the image of ``rootfs`` (a tar of its root file system); returns its manifest's blob."""
-    with tempfile.TemporaryFile() as layer:
-        with rootfs.open("rb") as tar:
-            diff_id, layer_blob = compress_layer(tar, layer)
-        config = image_config(image, diff_id)
-        config_blob = _blob(config)
-        manifest = _json({
-            "schemaVersion": 2,
-            "mediaType": MANIFEST,
-            "config": config_blob.descriptor(CONFIG),
-            "layers": [layer_blob.descriptor(LAYER)],
-        })
-        manifest_blob = _blob(manifest)
+def _compress(rootfs: Path, layer: IO[bytes]) -> tuple[str, Blob]:
+    with rootfs.open("rb") as tar:
+        return compress_layer(tar, layer)
+
+
+def write_oci_archive(image: Image, roots: Mapping[str, Path], out: Path) -> Blob:
+    """Write ``out``, the image of each architecture's root in ``roots`` (OCI's names, amd64 and arm64, each
+    to a tar of its root file system); returns the blob of its image index."""
+    architectures = sorted(roots)
+    with ExitStack() as stack:
+        layers = [stack.enter_context(tempfile.TemporaryFile()) for _ in architectures]
+        # zlib lets go of the interpreter while it compresses: one root per core.
+        with ThreadPoolExecutor(len(architectures)) as compressing:
+            compressed = list(compressing.map(_compress, [roots[arch] for arch in architectures], layers))
+        small: dict[str, bytes] = {}
+        manifests = []
+        for architecture, (diff_id, layer_blob) in zip(architectures, compressed):
+            config = image_config(image, architecture, diff_id)
+            config_blob = _blob(config)
+            manifest = _json({
+                "schemaVersion": 2,
+                "mediaType": MANIFEST,
+                "config": config_blob.descriptor(CONFIG),
+                "layers": [layer_blob.descriptor(LAYER)],
+            })
+            manifest_blob = _blob(manifest)
+            small |= {config_blob.path: config, manifest_blob.path: manifest}
+            manifests.append(manifest_blob.descriptor(MANIFEST, platform=platform(architecture)))
+        image_index = _json({"schemaVersion": 2, "mediaType": INDEX, "manifests": manifests})
+        index_blob = _blob(image_index)
+        small[index_blob.path] = image_index
         annotations = {CONTAINERD_NAME: image.reference, REF_NAME: image.tag}
-        platform = {"architecture": image.architecture, "os": "linux"}
         index = _json({
             "schemaVersion": 2,
             "mediaType": INDEX,
-            "manifests": [manifest_blob.descriptor(MANIFEST, annotations=annotations, platform=platform)],
+            "manifests": [*manifests, index_blob.descriptor(INDEX, annotations=annotations)],
         })
         partial = out.with_name(out.name + ".partial")
         with tarfile.open(partial, "w", format=tarfile.USTAR_FORMAT) as archive:
             for directory in ("blobs", "blobs/sha256"):
                 archive.addfile(_member(directory, 0, image.created, directory=True))
-            small = {"oci-layout": _json({"imageLayoutVersion": "1.0.0"}), "index.json": index}
-            small |= {config_blob.path: config, manifest_blob.path: manifest}
-            for name, data in small.items():
+            for name, data in {"oci-layout": _json({"imageLayoutVersion": "1.0.0"}), "index.json": index, **small}.items():
                 archive.addfile(_member(name, len(data), image.created), io.BytesIO(data))
-            layer.seek(0)
-            archive.addfile(_member(layer_blob.path, layer_blob.size, image.created), layer)
+            # Platforms whose roots are the same bytes share their layer: one member.
+            unique = {layer_blob.path: (layer, layer_blob) for layer, (_, layer_blob) in zip(layers, compressed)}
+            for layer, layer_blob in unique.values():
+                layer.seek(0)
+                archive.addfile(_member(layer_blob.path, layer_blob.size, image.created), layer)
         shutil.move(partial, out)
-    return manifest_blob
+    return index_blob

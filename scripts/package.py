@@ -1,14 +1,19 @@
 """``scripts/package [OUTPUT_DIR]``: koordrp's packages, built from this checkout into dist/ (or OUTPUT_DIR).
 
 - ``koordrp-VERSION-py3-none-any.whl`` and ``koordrp-VERSION.tar.gz`` (``python -m build``);
-- ``koordrp_VERSION-1+deb12_ARCH.deb`` and ``koordrp_VERSION-1+deb13_ARCH.deb``: koordrp in a virtualenv
-  of its own, /opt/koordrp/venv, made in a fresh root of that Debian suite (mmdebstrap) from the wheel
-  and its dependencies' wheels at the versions packaging/constraints.txt pins (packaging/deb/build-venv);
-  with the unit, tap/'s drop-ins, /etc/runtime/hookserver.d and a conffile (scripts/debian_package.py);
-- ``koordrp_VERSION_ARCH.oci.tar``: an OCI image of the root Debian 13's .deb was built in, Debian's
-  essential packages, Python and koordrp's virtualenv, slimmed (scripts/oci_archive.py); entrypoint
-  ``twistd -n --pidfile= --logfile=- koordrp``, so that a container's arguments are koordrp's options;
+- ``koordrp_VERSION-1+deb12_ARCH.deb`` and ``koordrp_VERSION-1+deb13_ARCH.deb`` for amd64 and arm64:
+  koordrp in a virtualenv of its own, /opt/koordrp/venv, made in a fresh root of that Debian suite and
+  architecture (mmdebstrap) from the wheel and its dependencies' wheels for that machine at the versions
+  packaging/constraints.txt pins (packaging/deb/build-venv); with the unit, tap/'s drop-ins,
+  /etc/runtime/hookserver.d and a conffile (scripts/debian_package.py);
+- ``koordrp_VERSION.oci.tar``: an OCI image for linux/amd64 and linux/arm64, each the root Debian 13's
+  .deb of that architecture was built in: Debian's essential packages, Python and koordrp's virtualenv,
+  slimmed (scripts/oci_archive.py); entrypoint ``twistd -n --pidfile= --logfile=- koordrp``, so that a
+  container's arguments are koordrp's options;
 - ``SHA256SUMS`` of them.
+
+A root of an architecture other than the machine's is built under emulation, Debian's qemu-user-static
+registered with binfmt_misc for the while (scripts/emulation.py).
 
 The version is setup.cfg's, the only place that names it. Debian's packages come from the mirror the
 machine's apt sources name (scripts/debian-mirror), Python's from the index pip is set up with here.
@@ -36,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from koordrp.tap import RUNTIME_MODES
-from scripts import debian_package
+from scripts import debian_package, emulation
 from scripts.oci_archive import Image, write_oci_archive
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,6 +93,17 @@ class Suite:
 
 SUITES = (Suite("bookworm", "12", "3.11", 36), Suite("trixie", "13", "3.13", 41))
 IMAGE_SUITE = SUITES[-1]
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """A machine koordrp is packaged for."""
+
+    debian: str  # Debian's name, OCI's too: amd64
+    machine: str  # the kernel's name, qemu's and the wheels' platform tags' too: x86_64
+
+
+ARCHITECTURES = (Architecture("amd64", "x86_64"), Architecture("arm64", "aarch64"))
 
 
 STARTED = time.monotonic()
@@ -163,10 +179,10 @@ def clamp_tarball(path: Path, epoch: int) -> None:
     clamped.replace(path)
 
 
-def download_wheels(wheel: Path, suite: Suite, dest: Path) -> None:
-    """The wheels of koordrp's dependencies for the suite's Python, at the pinned versions, and pip's."""
+def download_wheels(wheel: Path, suite: Suite, machine: str, dest: Path) -> None:
+    """The wheels of koordrp's dependencies for the suite's Python on ``machine`` (aarch64), at the pinned
+    versions, and pip's."""
     tag = "cp" + suite.python.replace(".", "")
-    machine = os.uname().machine
     # Every manylinux tag the suite's glibc runs, the legacy names of 2.5, 2.12 and 2.17 too.
     legacy = ["manylinux1", "manylinux2010", "manylinux2014"]
     platforms = [f"manylinux_2_{minor}" for minor in range(5, suite.glibc_minor + 1)] + legacy
@@ -186,24 +202,30 @@ class Built:
     depends: list[str]
 
 
-def build_venv(suite: Suite, wheel: Path, work: Path, epoch: int, rootfs: Path | None = None) -> Built:
-    """koordrp's virtualenv, made in a fresh root of ``suite`` of Debian's essential packages and the
-    interpreter (packaging/deb/build-venv). ``rootfs``: that root also goes there, as a tar, for the image."""
+def build_venv(
+    suite: Suite, architecture: Architecture, wheel: Path, work: Path, epoch: int, rootfs: Path | None = None
+) -> Built:
+    """koordrp's virtualenv, made in a fresh root of ``suite`` and ``architecture`` of Debian's essential
+    packages and the interpreter (packaging/deb/build-venv). ``rootfs``: that root also goes there, as a
+    tar, for the image."""
     build = work / "koordrp-build"
     build.mkdir()
     shutil.copy(PACKAGING / "deb" / "build-venv", build)
-    download_wheels(wheel, suite, build / "wheels")
+    download_wheels(wheel, suite, architecture.machine, build / "wheels")
     staging = work / "staging"
     (staging / "opt/koordrp").mkdir(parents=True)
+    emulated = emulation.environment(architecture.machine) if architecture.debian != debian_architecture() else {}
     hooks = [
         f"copy-in {shlex.quote(str(build))} /tmp",
         # A clean environment: the host's pip settings name files the root does not have.
-        f'env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin SOURCE_DATE_EPOCH={epoch} chroot "$1"'
-        f" sh /tmp/koordrp-build/build-venv {suite.interpreter}",
+        f"env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin SOURCE_DATE_EPOCH={epoch}"
+        + "".join(f" {name}={shlex.quote(value)}" for name, value in emulated.items())
+        + f' chroot "$1" sh /tmp/koordrp-build/build-venv {suite.interpreter}',
         f"sync-out /opt/koordrp {shlex.quote(str(staging / 'opt/koordrp'))}",
         f"copy-out /tmp/koordrp-build/depends {shlex.quote(str(work))}",
     ]
-    options = [f"--include={suite.interpreter},libstdc++6"]  # grpcio's compiled module links to libstdc++
+    # grpcio's compiled module links to libstdc++.
+    options = [f"--arch={architecture.debian}", f"--include={suite.interpreter},libstdc++6"]
     if rootfs is not None:
         hooks.append(IMAGE_TIDY)
         hooks.append(f"copy-in {shlex.quote(str(PACKAGING / 'image' / 'koordrp-options'))} /usr/local/bin")
@@ -216,29 +238,32 @@ def build_venv(suite: Suite, wheel: Path, work: Path, epoch: int, rootfs: Path |
     run(
         ["mmdebstrap", "--quiet", "--variant=essential", *options, *(f"--customize-hook={hook}" for hook in hooks),
          suite.codename, rootfs or "/dev/null", *mirrors(suite)],
-        env={**os.environ, "SOURCE_DATE_EPOCH": str(epoch)},
+        env={**os.environ, "SOURCE_DATE_EPOCH": str(epoch), **emulated},
     )
     return Built(staging, (work / "depends").read_text().split())
 
 
-def build_deb(suite: Suite, built: Built, out: Path, epoch: int) -> Path:
+def build_deb(suite: Suite, architecture: Architecture, built: Built, out: Path, epoch: int) -> Path:
     debian_package.lay_out(built.staging)
     control = debian_package.Control(
         version=debian_package.debian_version(project_version(), suite.number),
-        architecture=debian_architecture(),
+        architecture=architecture.debian,
         depends=built.depends,
         installed_size=debian_package.installed_size(built.staging),
     )
     return debian_package.build(built.staging, control, out, epoch)
 
 
-def build_image(rootfs: Path, out: Path, epoch: int) -> Path:
+def image_archive_name(version: str) -> str:
+    return f"koordrp_{version}.oci.tar"
+
+
+def build_image(roots: dict[str, Path], out: Path, epoch: int) -> Path:
+    """The image's archive, of each architecture's root in ``roots`` (Debian's names)."""
     version = project_version()
-    architecture = debian_architecture()
     image = Image(
         name=IMAGE_NAME,
         tag=version,
-        architecture=architecture,
         entrypoint=ENTRYPOINT,
         env=[IMAGE_PATH],
         created=epoch,
@@ -252,21 +277,20 @@ def build_image(rootfs: Path, out: Path, epoch: int) -> Path:
         },
         history=f"scripts/package: Debian {IMAGE_SUITE.number}'s essential packages, {IMAGE_SUITE.interpreter}, koordrp's virtualenv",
     )
-    archive = out / f"koordrp_{version}_{architecture}.oci.tar"
-    write_oci_archive(rootfs, image, archive)
+    archive = out / image_archive_name(version)
+    write_oci_archive(image, roots, archive)
     return archive
 
 
-def build_suite(suite: Suite, wheel: Path, out: Path, work: Path, epoch: int) -> Path:
-    """The suite's .deb; for the image's suite, the image too."""
+def build_suite(suite: Suite, architecture: Architecture, wheel: Path, out: Path, work: Path, epoch: int) -> Path | None:
+    """The suite's .deb for ``architecture``; for the image's suite, the root for the image too (returned)."""
+    started = time.monotonic()
     work.mkdir()
     rootfs = work / "rootfs.tar" if suite == IMAGE_SUITE else None
-    built = build_venv(suite, wheel, work, epoch, rootfs)
-    deb = build_deb(suite, built, out, epoch)
-    say(deb.name)
-    if rootfs is not None:
-        say(build_image(rootfs, out, epoch).name)
-    return deb
+    built = build_venv(suite, architecture, wheel, work, epoch, rootfs)
+    deb = build_deb(suite, architecture, built, out, epoch)
+    say(f"{deb.name}, in {time.monotonic() - started:.0f} s")
+    return rootfs
 
 
 def checksums(files: Sequence[Path], out: Path) -> None:
@@ -290,11 +314,24 @@ def main(argv: Sequence[str]) -> None:
         work = Path(temporary)
         say(f"koordrp {project_version()}: the wheel and the sdist")
         wheel = build_python(out, epoch)
-        say("the .debs for Debian " + " and ".join(f"{suite.number} ({suite.interpreter})" for suite in SUITES) + ", the image")
-        # Each suite's root is mostly waiting on the mirror and on dpkg: both at once.
-        with ThreadPoolExecutor(len(SUITES)) as builders:
-            for built in [builders.submit(build_suite, suite, wheel, out, work / suite.codename, epoch) for suite in SUITES]:
-                built.result()
+        say(
+            "the .debs for Debian " + " and ".join(f"{suite.number} ({suite.interpreter})" for suite in SUITES)
+            + ", for " + " and ".join(arch.debian for arch in ARCHITECTURES) + ", and the image"
+        )
+        foreign = [arch.machine for arch in ARCHITECTURES if arch.debian != debian_architecture()]
+        # A root of the machine's architecture mostly waits on the mirror and on dpkg, an emulated one on the
+        # CPU: every build at once keeps both cores busy until the last is done.
+        with emulation.emulating(*foreign), ThreadPoolExecutor(len(SUITES) * len(ARCHITECTURES)) as builders:
+            builds = {
+                (suite, arch): builders.submit(build_suite, suite, arch, wheel, out, work / f"{suite.codename}-{arch.debian}", epoch)
+                for suite in SUITES
+                for arch in ARCHITECTURES
+            }
+            roots = {arch.debian: root for arch in ARCHITECTURES if (root := builds[IMAGE_SUITE, arch].result()) is not None}
+            started = time.monotonic()
+            say(f"{build_image(roots, out, epoch).name}, in {time.monotonic() - started:.0f} s")
+            for build in builds.values():
+                build.result()
     files = sorted(path for path in out.iterdir() if path.name.startswith("koordrp"))
     checksums(files, out)
     for path in files:

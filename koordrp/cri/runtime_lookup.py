@@ -7,7 +7,7 @@ none) and answers with it, which Python's protobuf refuses. Such a pod or contai
 and it must not hide the others, nor look like a runtime that is away.
 """
 
-from typing import Callable, ContextManager, TypeVar
+from typing import TypeVar
 
 import grpc
 from google.protobuf import empty_pb2
@@ -55,22 +55,17 @@ def listed_ids(raw: bytes) -> list[str]:
     return [identifier.decode("utf-8", "replace") for item in _fields(raw, 1) for identifier in _fields(item, 1)]
 
 
-Channels = Callable[[], ContextManager[grpc.Channel]]
-"""The channel for one question (a listing's two questions share one): the proxy's own to the runtime, kept
-open (``contextlib.nullcontext``), or a new one, closed after it (a grpc channel is its own context manager:
-then every pod read back costs a connection, so it suits listings, not the store's rebuild)."""
-
-
 class RuntimeLookup:
     """containerd's answers about pods and containers, as the store keeps them (``adapters.RuntimeInventory``)."""
 
-    def __init__(self, reactor: IReactorFromThreads, channels: Channels) -> None:
+    def __init__(self, reactor: IReactorFromThreads, channel: grpc.Channel) -> None:
+        """``channel``: the proxy's own to the runtime."""
         self._reactor = reactor
-        self._channels = channels
+        self._channel = channel
 
-    async def _ask(self, what: str, channel: grpc.Channel, method: str, request: bytes, timeout: float | None) -> bytes | None:
+    async def _ask(self, what: str, method: str, request: bytes, timeout: float | None) -> bytes | None:
         """The answer's bytes; None when the runtime says it does not know the id; LookupFailed when it cannot say."""
-        unary = channel.unary_unary(_RUNTIME_SERVICE + method, _registered_method=True)  # type: ignore[call-arg]
+        unary = self._channel.unary_unary(_RUNTIME_SERVICE + method, _registered_method=True)  # type: ignore[call-arg]
         answer = await call_unary(self._reactor, unary, request, timeout)
         if answer.ok:
             return answer.raw
@@ -81,8 +76,7 @@ class RuntimeLookup:
     async def read_pod(self, sandbox_id: str, timeout: float | None) -> StoredPod | None:
         what = f"PodSandboxStatus of {sandbox_id}"
         request = cri.PodSandboxStatusRequest(pod_sandbox_id=sandbox_id, verbose=True).SerializeToString()
-        with self._channels() as channel:
-            raw = await self._ask(what, channel, "PodSandboxStatus", request, timeout)
+        raw = await self._ask(what, "PodSandboxStatus", request, timeout)
         if raw is None:
             return None
         try:
@@ -95,8 +89,7 @@ class RuntimeLookup:
     async def read_container(self, container_id: str, pods: PodSource, timeout: float | None) -> StoredContainer | None:
         what = f"ContainerStatus of {container_id}"
         request = cri.ContainerStatusRequest(container_id=container_id, verbose=True).SerializeToString()
-        with self._channels() as channel:
-            raw = await self._ask(what, channel, "ContainerStatus", request, timeout)
+        raw = await self._ask(what, "ContainerStatus", request, timeout)
         if raw is None:
             return None
         try:
@@ -108,9 +101,8 @@ class RuntimeLookup:
             raise Unreadable(f"{what}: {error}") from None
 
     async def listed(self, timeout: float | None) -> tuple[list[str], list[str]]:
-        with self._channels() as channel:
-            sandboxes = await self._ask("ListPodSandbox", channel, "ListPodSandbox", b"", timeout)
-            containers = await self._ask("ListContainers", channel, "ListContainers", b"", timeout)
+        sandboxes = await self._ask("ListPodSandbox", "ListPodSandbox", b"", timeout)
+        containers = await self._ask("ListContainers", "ListContainers", b"", timeout)
         return listed_ids(sandboxes or b""), listed_ids(containers or b"")
 
 

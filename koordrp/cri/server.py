@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -133,7 +132,7 @@ class CRIProxyService(service.Service):
         if settings.image_path != settings.runtime_path:
             image = BackendChannel(settings.image_path, self._report_reachability)
         self._backends = list({id(b): b for b in (runtime, image)}.values())
-        lookup = RuntimeLookup(self._reactor, lambda: nullcontext(runtime.channel))
+        lookup = RuntimeLookup(self._reactor, runtime.channel)
         self._later = Later.on(self._reactor, _END_AFTER_ANSWER_SECONDS)
         interceptor = Interceptor(self._reactor, runtime, self._parts, lookup, self._later.queue)
         backends = {BackendRole.RUNTIME: runtime, BackendRole.IMAGE: image}

@@ -34,6 +34,7 @@ from koordrp.nri import translate
 from koordrp.nri.adapters import LateAnswers, NRIBackend, NRIReply, Synchronized, not_done
 from koordrp.nri.catchup import REPLY_SLACK as CATCH_UP_REPLY_SLACK, CatchUp
 from koordrp.nri.connection import UNKNOWN, UNIMPLEMENTED, NRIConnection, NRIConnectionLost, NRIError
+from koordrp.nri.told import ToldPods
 from koordrp.nri.wire import MAX_TTRPC_MESSAGE
 from koordrp.text import shortened
 
@@ -198,12 +199,15 @@ class NRIPlugin:
         on_synchronized: Callable[[str, str], None] = lambda runtime, deadline: None,
         on_configured: Callable[[PreHookLimit], None] = lambda limit: None,
         catching_up: set[str] | None = None,
+        told: ToldPods | None = None,
     ) -> None:
         """``on_synchronized`` is told containerd's name and version, and the deadline it gives each call, once it
         has synchronized the plugin;
         ``on_configured``, what pre hooks get of containerd's deadline, once it has configured it;
-        ``catching_up``, the ids of what is being caught up (``CatchUp``), shared by every connection's plugin."""
+        ``catching_up``, the ids of what is being caught up (``CatchUp``), shared by every connection's plugin;
+        ``told``, the pods containerd tells of, kept up by every connection's plugin."""
         self._parts = parts
+        self._told = ToldPods() if told is None else told
         self._identity = identity
         self._catching_up = set() if catching_up is None else catching_up
         self._on_configured = on_configured
@@ -343,6 +347,7 @@ class NRIPlugin:
             whole = translate.synchronization(synchronizing.parts)
             found = await resync.read_everything(Synchronized(whole), None)
             resync.agree(self._parts.store, found, synchronizing.known_before, "containerd's NRI")
+            self._told.synchronized(found.pod_ids)
             # What was made while koordrp was away gets the pre hooks it missed; what they change goes in the reply,
             # or follows it (the reply never waits past containerd's deadline).
             reply_by = synchronizing.reply_by(CATCH_UP_REPLY_SLACK)
@@ -413,6 +418,7 @@ class NRIPlugin:
         confirm = None
         readable: nri.PodSandbox | None = pod
         if event.event == nri.RUN_POD_SANDBOX:
+            self._told.ran(pod.id)
             method, flow = "RunPodSandbox", lambda call: flows.run_pod_sandbox(call, translate.RunPodSandbox(pod))
         elif event.event == nri.START_CONTAINER:
             method, flow = "StartContainer", lambda call: flows.start_container(call, container.id)
@@ -424,6 +430,7 @@ class NRIPlugin:
         elif event.event == nri.REMOVE_CONTAINER:
             method, flow = "RemoveContainer", lambda call: flows.remove_container(call, container.id)
         elif event.event == nri.REMOVE_POD_SANDBOX:
+            self._told.removed(pod.id)
             method, flow = "RemovePodSandbox", lambda call: flows.remove_pod_sandbox(call, pod.id)
         else:
             return succeed(_EMPTY)  # a Post event: its Confirmation is all it is for

@@ -32,6 +32,8 @@ from koordrp.hooks.limit import PreHookLimit
 from koordrp.nri import registration
 from koordrp.nri.connection import NRIConnection
 from koordrp.nri.plugin import NRIPlugin, PluginIdentity
+from koordrp.nri.told import ToldPods, socket_file
+from koordrp.store import ContainerState
 from koordrp.text import shortened
 from koordrp.trouble import RETRY_CAP_SECONDS, RETRY_SECONDS, Backoff, Retrying, Trouble
 
@@ -69,6 +71,7 @@ class _Session(NRIPlugin):
             on_synchronized=owner.synchronized,
             on_configured=owner.on_configured,
             catching_up=owner.catching_up,
+            told=owner.told,
         )
         self._owner = owner
 
@@ -105,6 +108,7 @@ class NRIService(service.Service):
         """The plugin of the connection that is up."""
         self.catching_up: set[str] = set()
         """What is being caught up, whichever connection's synchronization began it (nri.catchup.CatchUp)."""
+        self.told = ToldPods()
         self._retrying = Retrying(
             self._clock,
             self.log,
@@ -136,6 +140,23 @@ class NRIService(service.Service):
     def _connected(self, connection: NRIConnection) -> None:
         self._connecting = None
         self._connection = connection
+        # The socket connected to is the one at the path now: a containerd that restarts since drops the connection.
+        self.told.connected(socket_file(self.settings.socket_path))
+
+    def going_untold(self) -> set[str]:
+        """The store's pods that may be gone without containerd telling of it (``koordrp.nri.told``): untold ones
+        none of whose containers is created or running. A pod goes only after its containers, and containerd
+        tells of their stops. None while koordrp is not its plugin: its next Synchronize tells of every pod."""
+        if self.session is None or not self._synchronized:
+            return set()
+        store = self.parts.store
+        pods, containers = store.ids()
+        untold = self.told.untold(pods)
+        if untold:
+            for stored in map(store.container, containers):
+                if stored is not None and stored.state is not ContainerState.STOPPED:
+                    untold.discard(stored.sandbox_id)
+        return untold
 
     def _not_connected(self, failure: Failure) -> None:
         self._connecting = None

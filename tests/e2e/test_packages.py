@@ -1,8 +1,9 @@
 """koordrp's packages, installed as an operator installs them. scripts/package builds them once for the
 session (KOORDRP_DIST names a directory of them already built): the wheel goes into a fresh virtualenv;
-each .deb into a fresh root of its Debian release (apt-get install, run, purge); the image into the
+each amd64 .deb into a fresh root of its Debian release (apt-get install, run, purge), each arm64 .deb
+into a fresh arm64 root under emulation (apt-get install, run); the image, for both platforms, into the
 session's containerd 2.1, run with ctr and as deploy/'s DaemonSet runs it, as containerd's NRI plugin
-whose hooks change the containers made through CRI.
+whose hooks change the containers made through CRI, and its arm64 variant under emulation.
 """
 
 import json
@@ -25,7 +26,8 @@ import yaml
 from cri_api.v1 import api_pb2
 
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
-from scripts import debian_package, package
+from scripts import debian_package, emulation, package
+from scripts.oci_archive import CONTAINERD_NAME, INDEX, MANIFEST
 from tests.e2e.conftest import Runtimes, require, require_root
 from tests.fake.hook_server import FakeHookServer
 from tests.support.containerd import RELEASES, Containerd
@@ -39,11 +41,29 @@ VERSION = package.project_version()
 SAYS_VERSION = f"koordrp {VERSION}\n"
 RELEASE = "2.1"
 INJECTED = "KOORDRP_FROM_THE_IMAGE=1"
+HOST = package.debian_architecture()
+[ARM64] = [arch for arch in package.ARCHITECTURES if arch.debian == "arm64"]
 
 
 def require_packaging() -> None:
     check_binaries(("mmdebstrap", "dpkg-deb"), tests="package tests", packages="mmdebstrap")
     require_root()
+
+
+def require_emulation() -> None:
+    check_binaries(
+        (f"qemu-{ARM64.machine}-static", "arch-test", "mmdebstrap"), tests="arm64 package tests", packages="qemu-user-static arch-test mmdebstrap"
+    )
+    require_root()
+
+
+@pytest.fixture(scope="module")
+def emulated() -> Iterator[dict[str, str]]:
+    """arm64 programs run here, under Debian's qemu, for the module's tests (binfmt_misc left as it was found):
+    what qemu wants in their environment."""
+    require(require_emulation, "arm64 package")
+    with emulation.emulating(ARM64.machine):
+        yield emulation.environment(ARM64.machine)
 
 
 @pytest.fixture(scope="session")
@@ -91,9 +111,14 @@ esac
 """
 
 
-def chroot(root: Path, *argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    environ = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "DEBIAN_FRONTEND": "noninteractive"}
+def chroot(root: Path, *argv: str, check: bool = True, emulated: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    environ = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "DEBIAN_FRONTEND": "noninteractive", **(emulated or {})}
     return run("chroot", root, *argv, check=check, env=environ)
+
+
+def deb_of(dist: Path, suite: package.Suite, architecture: str) -> Path:
+    [deb] = dist.glob(f"koordrp_{debian_package.debian_version(VERSION, suite.number)}_{architecture}.deb")
+    return deb
 
 
 @pytest.fixture(params=package.SUITES, ids=lambda suite: f"debian{suite.number}")
@@ -124,7 +149,7 @@ def test_the_deb_installs_with_apt_runs_and_its_purge_leaves_none_of_its_files(
     dist: Path, suite: package.Suite, debian_root: Path
 ) -> None:
     root = debian_root
-    [deb] = dist.glob(f"koordrp_{debian_package.debian_version(VERSION, suite.number)}_*.deb")
+    deb = deb_of(dist, suite, HOST)
     shutil.copy(deb, root / "tmp")
     chroot(root, "apt-get", "install", "-y", "-q", "--no-install-recommends", f"/tmp/{deb.name}")
 
@@ -176,22 +201,72 @@ def test_the_deb_installs_with_apt_runs_and_its_purge_leaves_none_of_its_files(
     assert not (root / "opt/koordrp").exists() and not (root / "etc/runtime").exists()
 
 
+@pytest.fixture
+def arm64_root(suite: package.Suite, workdir: Path, emulated: dict[str, str]) -> Path:
+    """A fresh arm64 root of the release with apt, made by mmdebstrap from the machine's mirror under emulation."""
+    root = workdir / "root"
+    run(
+        "mmdebstrap", "--quiet", f"--arch={ARM64.debian}", "--variant=apt", "--skip=cleanup/apt/lists",
+        suite.codename, root, *package.mirrors(suite), env={**os.environ, **emulated},
+    )
+    return root
+
+
+def test_the_arm64_deb_installs_with_apt_into_an_arm64_root_and_runs_there_under_emulation(
+    dist: Path, suite: package.Suite, arm64_root: Path, emulated: dict[str, str]
+) -> None:
+    root = arm64_root
+    deb = deb_of(dist, suite, ARM64.debian)
+    assert run("dpkg-deb", "--field", deb, "Architecture").stdout == f"{ARM64.debian}\n"
+    shutil.copy(deb, root / "tmp")
+    chroot(root, "apt-get", "install", "-y", "-q", "--no-install-recommends", f"/tmp/{deb.name}", emulated=emulated)
+    # The root's programs are arm64's, run by qemu.
+    assert chroot(root, "dpkg", "--print-architecture", emulated=emulated).stdout == f"{ARM64.debian}\n"
+    assert chroot(root, "uname", "-m", emulated=emulated).stdout == f"{ARM64.machine}\n"
+    for argv in (("koordrp", "check", "--version"), (f"/{debian_package.VENV}/bin/twistd", "koordrp", "--version")):
+        assert chroot(root, *argv, emulated=emulated).stdout == SAYS_VERSION
+    # Nothing it shipped was changed by running it (its bytecode and Twisted's plugin cache, made under
+    # emulation, are valid here).
+    verified = chroot(root, "dpkg", "--verify", "koordrp", check=False, emulated=emulated)
+    assert (verified.returncode, verified.stdout) == (0, "")
+
+
 # -- the image -------------------------------------------------------------------------------------
 
 
-def image_config(archive: Path) -> dict[str, Any]:
-    """The config of the image in an OCI archive, found through its index and manifest."""
+def archive_json(archive: Path, name: str) -> Any:
+    """A JSON file of an OCI archive: index.json, or a blob by its digest."""
     with tarfile.open(archive) as tar:
+        member = tar.extractfile(name if name == "index.json" else "blobs/sha256/" + name.split(":")[1])
+        assert member is not None
+        return json.load(member)
 
-        def blob(name: str) -> Any:
-            member = tar.extractfile(name)
-            assert member is not None
-            return json.load(member)
 
-        [entry] = blob("index.json")["manifests"]
-        manifest = blob("blobs/sha256/" + entry["digest"].split(":")[1])
-        config: dict[str, Any] = blob("blobs/sha256/" + manifest["config"]["digest"].split(":")[1])
-        return config
+def image_config(archive: Path, architecture: str) -> dict[str, Any]:
+    """The config of the image for linux/``architecture`` in an OCI archive, found through its index and manifest."""
+    [entry] = [entry for entry in archive_json(archive, "index.json")["manifests"] if entry.get("platform", {}).get("architecture") == architecture]
+    manifest = archive_json(archive, entry["digest"])
+    config: dict[str, Any] = archive_json(archive, manifest["config"]["digest"])
+    return config
+
+
+def test_the_archive_is_one_image_for_linux_amd64_and_linux_arm64(dist: Path) -> None:
+    [archive] = dist.glob("koordrp_*.oci.tar")
+    assert archive.name == package.image_archive_name(VERSION)
+    manifests = archive_json(archive, "index.json")["manifests"]
+    platforms = [entry for entry in manifests if "platform" in entry]
+    assert sorted((entry["platform"]["os"], entry["platform"]["architecture"]) for entry in platforms) == [
+        ("linux", "amd64"), ("linux", "arm64")
+    ]
+    assert {entry["mediaType"] for entry in platforms} == {MANIFEST}
+    # The image containerd imports by its name: the index of both.
+    [named] = [entry for entry in manifests if "platform" not in entry]
+    assert (named["mediaType"], named["annotations"][CONTAINERD_NAME]) == (INDEX, f"{package.IMAGE_NAME}:{VERSION}")
+    assert archive_json(archive, named["digest"])["manifests"] == platforms
+    for entry in platforms:
+        config = image_config(archive, entry["platform"]["architecture"])
+        assert (config["os"], config["architecture"]) == ("linux", entry["platform"]["architecture"])
+        assert config["config"]["Entrypoint"] == list(package.ENTRYPOINT)
 
 
 def ctr(containerd: Containerd, *argv: str | Path) -> list[str]:
@@ -202,18 +277,33 @@ class Image:
     def __init__(self, containerd: Containerd, archive: Path) -> None:
         self.containerd = containerd
         self.reference = f"{package.IMAGE_NAME}:{VERSION}"
-        self.config = image_config(archive)
+        self.config = image_config(archive, HOST)
 
 
 @pytest.fixture(scope="module")
 def image(dist: Path, runtimes: Runtimes) -> Iterator[Image]:
-    """The image, imported into the session's containerd 2.1 (NRI enabled) as an operator imports it."""
+    """The image, imported into the session's containerd 2.1 (NRI enabled) as an operator imports it; every
+    platform's, where a node's import takes its own alone, for the arm64 variant's test."""
     containerd = runtimes.get(RELEASE)
-    [archive] = dist.glob(f"koordrp_{VERSION}_*.oci.tar")
-    imported = run(*ctr(containerd, "images", "import", archive), env=containerd.env())
+    archive = dist / package.image_archive_name(VERSION)
+    imported = run(*ctr(containerd, "images", "import", "--all-platforms", archive), env=containerd.env())
     assert f"{package.IMAGE_NAME}:{VERSION}" in imported.stdout
     yield Image(containerd, archive)
     run(*ctr(containerd, "images", "rm", f"{package.IMAGE_NAME}:{VERSION}"), env=containerd.env())
+
+
+def test_the_images_arm64_variant_starts_koordrp_under_emulation(image: Image, emulated: dict[str, str]) -> None:
+    containerd = image.containerd
+    qemu = [f"--env={name}={value}" for name, value in emulated.items()]
+
+    def in_arm64_container(*argv: str) -> str:
+        name = f"koordrp-arm64-{uuid.uuid4().hex[:8]}"
+        command = ctr(containerd, "run", "--rm", "--platform", f"linux/{ARM64.debian}", *qemu, image.reference, name, *argv)
+        return run(*command, env=containerd.env()).stdout
+
+    assert in_arm64_container("uname", "-m") == f"{ARM64.machine}\n"
+    # koordrp as the image's entrypoint starts it (ctr: through the mode flag's command, as above).
+    assert in_arm64_container("--backend-runtime-mode=NRI", "--version") == SAYS_VERSION
 
 
 def wait_for_line(log: Path, text: str, timeout: float = 60.0) -> str:
@@ -299,6 +389,10 @@ def healthz(port: int, path: str = "healthz") -> tuple[int, str]:
         return 0, str(error)
 
 
+# What CRI mounts into every container of a pod from containerd's own directories: the pod's files.
+POD_FILES = {"/etc/hosts", "/etc/hostname", "/etc/resolv.conf", "/dev/shm"}
+
+
 def test_the_image_runs_as_the_daemonset_runs_it(image: Image, injector: FakeHookServer, workdir: Path) -> None:
     """deploy/'s container: its arguments after the image's entrypoint, its mounts (each from a directory of
     the test's, the NRI socket's from containerd's), read-only and without capabilities; through CRI."""
@@ -308,12 +402,8 @@ def test_the_image_runs_as_the_daemonset_runs_it(image: Image, injector: FakeHoo
     assert spec["image"] == image.reference
     # Host networking here (the machine has no CNI): koordrp's metrics on a free port of loopback.
     port = free_port()
-    args = [arg for arg in spec["args"] if not arg.startswith(("--metrics-endpoint=", "--remote-runtime-service-endpoint="))]
+    args = [arg for arg in spec["args"] if not arg.startswith("--metrics-endpoint=")]
     args.append(f"--metrics-endpoint=tcp:{port}:interface=127.0.0.1")
-    # The test's containerd names its socket otherwise: the directory is mounted where the DaemonSet mounts it.
-    runtime_socket = next(arg for arg in spec["args"] if arg.startswith("--remote-runtime-service-endpoint="))
-    runtime_dir = str(Path(runtime_socket.partition("=")[2]).parent)
-    args.append(f"--remote-runtime-service-endpoint={runtime_dir}/{containerd.paths.socket.name}")
     koordlet_dir = next(mount["mountPath"] for mount in spec["volumeMounts"] if mount["name"] == "koordlet")
     register(workdir / "hookserver.d", "injector", f"{koordlet_dir}/injector.sock", ["PreCreateContainer"])
     host_paths = {
@@ -321,8 +411,8 @@ def test_the_image_runs_as_the_daemonset_runs_it(image: Image, injector: FakeHoo
         "hookserver-d": workdir / "hookserver.d",
         "state": workdir / "state",
         "koordlet": Path(injector.path).parent,
-        "containerd": containerd.paths.socket.parent,
     }
+    assert {mount["name"] for mount in spec["volumeMounts"]} == set(host_paths)
     (workdir / "state").mkdir()
     config = container_config("koordrp", image=image.reference, args=args, log_path="koordrp.log")
     for mount in spec["volumeMounts"]:
@@ -337,7 +427,7 @@ def test_the_image_runs_as_the_daemonset_runs_it(image: Image, injector: FakeHoo
     pod = pod_sandbox_config("koordrp", namespace="koordrp-system", log_directory=workdir / "pod")
     sandbox_id = runtime.RunPodSandbox(api_pb2.RunPodSandboxRequest(config=pod), timeout=TIMEOUT).pod_sandbox_id
     try:
-        start_container(runtime, sandbox_id, pod, config)
+        container_id = start_container(runtime, sandbox_id, pod, config)
         wait_for_line(workdir / "pod/koordrp.log", "] hook servers: injector.json")
         deadline = time.monotonic() + 60
         while (answer := healthz(port))[0] != 200 and time.monotonic() < deadline:
@@ -345,8 +435,17 @@ def test_the_image_runs_as_the_daemonset_runs_it(image: Image, injector: FakeHoo
         assert answer[0] == 200, answer
         assert healthz(port, "livez")[0] == 200
         assert_containers_get_the_hooks_env(containerd, workdir, "from-daemonset")
+        mounts = runtime_spec(runtime, container_id)["mounts"]
     finally:
         remove_pod(runtime, sandbox_id)
     said = (workdir / "pod/koordrp.log").read_text()
     assert "Traceback" not in said and "plugin cache" not in said, said
-    assert "cannot read containerd's CRI" not in said, said  # the reconcile's listing reaches containerd
+    # Of containerd's, only the NRI socket's directory is in the container (beside the pod's own files).
+    containerds = (containerd.paths.base, containerd.paths.socket_dir)
+    reached = {
+        mount["destination"]: mount["source"]
+        for mount in mounts
+        if any(Path(mount.get("source", "/")).is_relative_to(directory) for directory in containerds)
+        and mount["destination"] not in POD_FILES
+    }
+    assert reached == {"/var/run/nri": str(containerd.paths.nri_socket.parent)}, mounts

@@ -134,11 +134,26 @@ def test_cri_mode_forgets_pods_removed_on_containerd_itself(
     cri_proxy.store_becomes((known_pods, known_containers))
 
 
+def test_nri_mode_forgets_a_pod_containerd_removes_by_nri_alone(
+    nri_plugin: Observed, nri_containerd: Containerd, workdir: Path
+) -> None:
+    """koordrp is given no socket of containerd's but NRI's: containerd's events tell of the removal."""
+    assert not any(arg.startswith("--remote-runtime-service-endpoint") for arg in nri_plugin.process.argv())
+    runtime = nri_containerd.runtime()
+    known_pods, known_containers = nri_plugin.store()
+    sandbox_ids = pods(runtime, workdir, "removed", count=2)
+    nri_plugin.store_becomes((known_pods + 2, known_containers + 2))
+    for sandbox_id in sandbox_ids:
+        remove_pod(runtime, sandbox_id)
+    nri_plugin.store_becomes((known_pods, known_containers))
+    assert "is not used in NRI mode" not in nri_plugin.process.log()
+
+
 def test_nri_mode_forgets_what_containerd_removes_without_telling_its_plugins(
     nri_plugin: Observed, nri_containerd: Containerd, workdir: Path
 ) -> None:
     """containerd (1.7 and 2.1) does not tell its plugins of the removal of a pod it made before it
-    restarted: its CRI listing does."""
+    restarted: koordrp's listing by NRI does."""
     runtime = nri_containerd.runtime()
     known_pods, known_containers = nri_plugin.store()
     sandbox_ids = pods(runtime, workdir, "counted")
@@ -152,7 +167,7 @@ def test_nri_mode_forgets_what_containerd_removes_without_telling_its_plugins(
         for sandbox_id in sandbox_ids[:3]:
             remove_pod(runtime, sandbox_id)
         nri_plugin.store_becomes((known_pods + 2, known_containers + 2))
-        assert forgotten(nri_plugin, "store reconciled with containerd's CRI: ") >= 3
+        assert forgotten(nri_plugin, "store reconciled with containerd's NRI: ") == 3  # the pods; NRI told of their containers
     finally:
         for sandbox_id in sandbox_ids[3:]:
             remove_pod(runtime, sandbox_id)
@@ -207,7 +222,8 @@ def restarted_with_a_garbled_state_file(observed: Observed, container_id: str, w
 def stop_line_says_kubelets_values_were_lost(observed: Observed, server: FakeHookServer, text: str) -> None:
     [line] = observed.process.log_lines(text)
     assert "PostStopContainer@tuner.json: sent" in line
-    assert line.endswith("kubelet's values not available (its state file could not be read): hooks were shown the runtime's")
+    lost = "kubelet's values not available (its state file could not be read): hooks were shown the runtime's"
+    assert line.endswith(lost), observed.process.log()
     until(lambda: server.calls("PostStopContainerHook"), "PostStopContainer", observed.process.log)
 
 

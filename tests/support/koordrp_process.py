@@ -62,7 +62,6 @@ class KoordrpProcess:
             f"--logfile={self.logfile}",
             "koordrp",
             f"--koord-runtimeproxy-endpoint={self.endpoint}",
-            f"--remote-runtime-service-endpoint={self.runtime_endpoint}",
             f"--hook-config-dir={self.base / 'hookserver.d'}",
             f"--state-dir={self.base / 'state'}",
             *self.mode_args(),
@@ -70,7 +69,10 @@ class KoordrpProcess:
         ]
 
     def mode_args(self) -> list[str]:
-        return [] if self.nri_socket is None else ["--backend-runtime-mode=NRI", f"--nri-socket={self.nri_socket}"]
+        """The runtime's socket for a proxy; NRI mode reaches containerd by its NRI socket alone."""
+        if self.nri_socket is None:
+            return [f"--remote-runtime-service-endpoint={self.runtime_endpoint}"]
+        return ["--backend-runtime-mode=NRI", f"--nri-socket={self.nri_socket}"]
 
     @property
     def ready_line(self) -> str:

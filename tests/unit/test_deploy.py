@@ -1,7 +1,9 @@
-"""deploy/: what `kubectl apply -f deploy/` makes is valid Kubernetes for every version koordrp claims,
-and runs the image scripts/package builds as koordrp's NRI mode needs it."""
+"""deploy/: what `kubectl apply -k deploy/` makes is valid Kubernetes for every version koordrp claims,
+and runs the image scripts/package builds as koordrp's NRI mode needs it; the example overlay changes
+what it says it does, and stays as valid."""
 
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -9,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from twisted.trial.unittest import SynchronousTestCase
+from twisted.trial.unittest import FailTest, SkipTest, SynchronousTestCase
 
 from koordrp import tap
 from scripts import package
@@ -17,17 +19,70 @@ from scripts import package
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 
+EXAMPLE = DEPLOY / "overlays" / "example"
+
 KOORDLET = json.loads((ROOT / "tap" / "hookserver.d" / "koordlet.json").read_text())
 
 # The Kubernetes versions README.md claims for deploy/.
 KUBERNETES_VERSIONS = ("1.30", "1.31", "1.32", "1.33", "1.34")
 
+KUBECTL_SUITE = "trixie"
+"""Debian 13's kubectl 1.32 (package kubectl), its kustomize 5.5: scripts/bootstrap unpacks it."""
+
+
+def manifests() -> list[Path]:
+    """deploy/'s Kubernetes objects: its YAML files but kustomize's own."""
+    return sorted(path for path in DEPLOY.glob("*.yaml") if path.name != "kustomization.yaml")
+
 
 def documents() -> list[dict[str, Any]]:
     found = []
-    for path in sorted(DEPLOY.glob("*.yaml")):
+    for path in manifests():
         found += [document for document in yaml.safe_load_all(path.read_text()) if document]
     return found
+
+
+def unpacked(tool: str, suite: str) -> Path:
+    """``tool`` as scripts/bootstrap unpacks it from Debian ``suite`` (scripts/debian-unpack); a skip without it,
+    but a failure in CI, which must run every test."""
+    path = ROOT / ".deps" / suite / "root" / "usr" / "bin" / tool
+    if not os.access(path, os.X_OK):
+        missing = f"{tool} is not unpacked in .deps/{suite} (Debian {suite}'s): run scripts/bootstrap"
+        if os.environ.get("CI") == "true":
+            raise FailTest(f"CI must run every test: {missing}")
+        raise SkipTest(missing)
+    return path
+
+
+def kustomized(directory: Path, *options: str) -> str:
+    """What ``kubectl kustomize`` makes of ``directory``; FailTest with kubectl's words if it cannot."""
+    command = [str(unpacked("kubectl", KUBECTL_SUITE)), "kustomize", *options, str(directory)]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise FailTest(f"{shlex.join(command)}:\n{result.stdout}{result.stderr}")
+    return result.stdout
+
+
+def rendered(directory: Path, *options: str) -> list[dict[str, Any]]:
+    return [document for document in yaml.safe_load_all(kustomized(directory, *options)) if document]
+
+
+def by_kind(found: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each object by kind; deploy/ has one of each."""
+    kinds = {document["kind"]: document for document in found}
+    assert len(kinds) == len(found), [document["kind"] for document in found]
+    return kinds
+
+
+def validate(test: SynchronousTestCase, files: list[str], objects: int) -> None:
+    """``files``, ``objects`` Kubernetes objects in all, pass ``kubernetes-validate --strict`` for each version claimed."""
+    validate = Path(sys.executable).with_name("kubernetes-validate")
+    versions = [f"--kubernetes-version={version}.0" for version in KUBERNETES_VERSIONS]
+    command = [str(validate), "--strict", *versions, *files]
+    result = subprocess.run(command, capture_output=True, text=True)
+    said = result.stdout + result.stderr
+    test.assertEqual(result.returncode, 0, f"{shlex.join(command)}:\n{said}")
+    test.assertEqual(said.count(" passed for resource "), objects * len(KUBERNETES_VERSIONS), said)
 
 
 def daemonset() -> dict[str, Any]:
@@ -43,14 +98,7 @@ class DeployTests(SynchronousTestCase):
         self.options.parseOptions(self.container["args"])
 
     def test_every_file_passes_kubernetes_validate_strict_for_each_version_claimed(self) -> None:
-        validate = Path(sys.executable).with_name("kubernetes-validate")
-        files = sorted(str(path) for path in DEPLOY.glob("*.yaml"))
-        for version in KUBERNETES_VERSIONS:
-            command = [str(validate), "--strict", f"--kubernetes-version={version}.0", *files]
-            result = subprocess.run(command, capture_output=True, text=True)
-            said = result.stdout + result.stderr
-            self.assertEqual(result.returncode, 0, f"{shlex.join(command)}:\n{said}")
-            self.assertEqual(said.count(" passed for resource "), len(documents()), said)
+        validate(self, [str(path) for path in manifests()], len(documents()))
 
     def test_the_daemonset_runs_koordrp_in_nri_mode_as_containerds_plugin(self) -> None:
         self.assertEqual(self.options["backend-runtime-mode"], "NRI")
@@ -64,12 +112,14 @@ class DeployTests(SynchronousTestCase):
             str(Path(self.options["nri-socket"]).parent),
             self.options["hook-config-dir"],
             self.options["state-dir"],
-            str(Path(self.options["remote-runtime-service-endpoint"]).parent),  # the reconcile's listing
             str(Path(KOORDLET["remote-endpoint"]).parent),  # koordlet's socket, as its registration names it
         ):
             self.assertIn(path, mounts)
             self.assertEqual(volumes[mounts[path]["name"]], path)
         self.assertTrue(mounts[self.options["hook-config-dir"]]["readOnly"])
+        # NRI tells koordrp all it needs: nothing else of the node's, no socket of containerd's but NRI's.
+        self.assertEqual(len(mounts), 4)
+        self.assertEqual(self.options.unused(), [])
         self.assertEqual(
             (self.options["hook-config-dir"], self.options["state-dir"]), (tap.DEFAULT_HOOK_CONFIG_DIR, tap.DEFAULT_STATE_DIR)
         )
@@ -127,3 +177,47 @@ class DeployTests(SynchronousTestCase):
         self.assertEqual((security["readOnlyRootFilesystem"], security["capabilities"]), (True, {"drop": ["ALL"]}))
         [namespace] = [document for document in documents() if document["kind"] == "Namespace"]
         self.assertEqual(daemonset()["metadata"]["namespace"], namespace["metadata"]["name"])
+
+
+class KustomizeTests(SynchronousTestCase):
+    """``kubectl kustomize`` (kustomize 5.5, Debian 13's kubectl) on deploy/ and on the example overlay."""
+
+    def test_the_kustomization_is_every_manifest_of_deploy(self) -> None:
+        kustomization = yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())
+        self.assertEqual(sorted(kustomization["resources"]), [path.name for path in manifests()])
+
+    def test_deploy_renders_the_manifests_as_they_are_and_valid(self) -> None:
+        found = rendered(DEPLOY)
+        self.assertEqual(by_kind(found), by_kind(documents()))
+        output = Path(self.mktemp())
+        output.write_text(kustomized(DEPLOY))
+        validate(self, [str(output)], len(documents()))
+
+    def test_the_example_overlay_renders_valid(self) -> None:
+        output = Path(self.mktemp())
+        output.write_text(kustomized(EXAMPLE, "--load-restrictor=LoadRestrictionsNone"))
+        validate(self, [str(output)], len(documents()))
+
+    def test_the_example_overlay_changes_the_image_the_nodes_and_mounts_a_further_hook_servers_directory(self) -> None:
+        """What its comments say it changes, and nothing else."""
+        overlay = by_kind(rendered(EXAMPLE, "--load-restrictor=LoadRestrictionsNone"))
+        base = by_kind(rendered(DEPLOY))
+        [image] = yaml.safe_load((EXAMPLE / "kustomization.yaml").read_text())["images"]
+        pod = overlay["DaemonSet"]["spec"]["template"]["spec"]
+        [container] = pod["containers"]
+
+        self.assertEqual(container["image"], f"{image['newName']}:{image['newTag']}")
+        self.assertNotEqual(image["newName"], package.IMAGE_NAME)  # a registry's, not the one ctr import makes
+        self.assertEqual(image["newTag"], package.project_version())  # this release, as pushed to that registry
+        self.assertEqual(pod["nodeSelector"], {"pool": "nri"})  # replaced, not merged with koordrp/nri
+        [added] = [mount for mount in container["volumeMounts"] if mount["name"] == "example-hook"]
+        [volume] = [volume for volume in pod["volumes"] if volume["name"] == "example-hook"]
+        self.assertEqual(volume["hostPath"]["path"], added["mountPath"])  # where the hook server's registration says
+
+        # Undone, those changes leave the base's objects.
+        base_pod = base["DaemonSet"]["spec"]["template"]["spec"]
+        container["image"] = base_pod["containers"][0]["image"]
+        pod["nodeSelector"] = base_pod["nodeSelector"]
+        container["volumeMounts"].remove(added)
+        pod["volumes"].remove(volume)
+        self.assertEqual(overlay, base)

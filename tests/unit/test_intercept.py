@@ -2,7 +2,6 @@
 
 import os
 import threading
-from contextlib import nullcontext
 from concurrent import futures
 from typing import Any, Callable, cast
 
@@ -95,7 +94,7 @@ class InterceptTests(TestCase):
         threads = IReactorFromThreads(reactor)
         later = Later.on(threads, 0.001)
         self.addCleanup(later.close)
-        lookup = RuntimeLookup(threads, lambda: nullcontext(channel.channel))
+        lookup = RuntimeLookup(threads, channel.channel)
         interceptor = Interceptor(threads, channel, parts, lookup, later.queue)
         handler = PassThroughHandler({BackendRole.RUNTIME: channel, BackendRole.IMAGE: channel}, interceptor.handlers)
         # One worker: a call that held it after its caller gave up would keep every other call waiting.

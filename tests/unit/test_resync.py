@@ -1,27 +1,18 @@
 """Keeping the store in agreement with the runtime (koordrp.resync.StoreSync), on a Clock: when it reads,
 what it forgets and learns, what it asks the runtime, and what it logs."""
 
-import os
-from typing import cast
-
-from twisted.internet import reactor
-from twisted.internet.defer import Deferred, inlineCallbacks
-from twisted.internet.interfaces import IReactorFromThreads
+from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 from twisted.logger import LogEvent
-from twisted.trial.unittest import SynchronousTestCase, TestCase
+from twisted.trial.unittest import SynchronousTestCase
 
 from koordrp import adapters
-from koordrp.cri.listing import CRIListing
 from koordrp.hooks.messages import ContainerHookRequest, PodHookRequest
 from koordrp.resync import StoreSync
 from koordrp.trouble import RETRY_SECONDS
 from koordrp.store import ContainerState, Store, StoredContainer, StoredPod
-from tests.fake.cri_backend import RUNTIME, FakeCRIBackend
 from tests.fake.flows import RecordingRuntime
 from tests.support.logs import logged_events
-from tests.support.tempdirs import short_tempdir
-from tests.support.waiting import until
 
 INTERVAL = 5.0
 
@@ -63,6 +54,13 @@ class HeldRuntime(RecordingRuntime):
             del self.containers[container_id]
 
 
+class ListingOnly:
+    """The runtime's listing, and nothing that reads back (``adapters.RuntimeListing``)."""
+
+    def __init__(self, runtime: HeldRuntime) -> None:
+        self.listed = runtime.listed
+
+
 class StoreSyncTestCase(SynchronousTestCase):
     learns = True
 
@@ -70,7 +68,9 @@ class StoreSyncTestCase(SynchronousTestCase):
         self.clock = Clock()
         self.store = Store()
         self.runtime = HeldRuntime()
-        self.sync = StoreSync(self.store, self.runtime, self.clock, "the runtime", INTERVAL, learns=self.learns)
+        inventory = self.runtime if self.learns else ListingOnly(self.runtime)
+        self.due = True
+        self.sync = StoreSync(self.store, inventory, self.clock, "the runtime", INTERVAL, due=lambda: self.due)
         self.addCleanup(self.sync.stop)
         self.events = logged_events(self)
 
@@ -250,7 +250,7 @@ class FailureTests(StoreSyncTestCase):
 
 
 class ForgetOnlyTests(StoreSyncTestCase):
-    """NRI mode: containerd's CRI listing says what is gone; what appears, NRI tells of."""
+    """NRI mode: a listing says what is gone; what appears, NRI tells of."""
 
     learns = False
 
@@ -275,6 +275,18 @@ class ForgetOnlyTests(StoreSyncTestCase):
         self.clock.advance(INTERVAL)  # known before the previous reading began, and still not listed: gone
         self.assertFalse(self.store.has_pod("told-first"))
 
+    def test_while_no_reading_is_due_nothing_is_asked_and_the_pace_is_kept(self) -> None:
+        """NRI mode asks only while some pod goes untold; what was known at a skipped reading counts as known before it."""
+        self.due = False
+        self.put("gone")
+        self.sync.start()
+        self.clock.advance(INTERVAL * 3)
+        self.assertEqual((self.runtime.listed_times, len(self.clock.getDelayedCalls())), (0, 1))
+        self.runtime.remove("gone")
+        self.due = True
+        self.clock.advance(INTERVAL)
+        self.assertEqual((self.runtime.listed_times, self.store.sizes()), (1, (0, 0)))
+
     def test_its_trouble_is_told_when_it_starts_and_when_it_ends(self) -> None:
         self.runtime.broken = "UNAVAILABLE: no such socket"
         self.sync.start()
@@ -283,45 +295,3 @@ class ForgetOnlyTests(StoreSyncTestCase):
         self.assertEqual(len(self.lines("cannot read")), 1)
         self.assertEqual(len(self.lines("read {runtime}'s pods and containers again")), 1)
         self.assertEqual(self.lines("store {done}"), [])
-
-
-class CRIListingTests(TestCase):
-    """NRI mode's reconcile, against a CRI runtime on a real socket."""
-
-    @inlineCallbacks
-    def test_what_containerd_no_longer_lists_is_forgotten_and_nothing_is_read_back(self):  # type: ignore[no-untyped-def]
-        path = os.path.join(short_tempdir(self), "containerd.sock")
-        backend = FakeCRIBackend(path, sandboxes=["s-1"], containers=["c-1", "not-in-the-store"]).start()
-        self.addCleanup(backend.stop)
-        store = Store()
-        for sandbox_id in ("s-1", "s-gone"):
-            store.put_pod(sandbox_id, pod(sandbox_id), pod(sandbox_id))
-        for container_id, sandbox_id in (("c-1", "s-1"), ("c-gone", "s-gone")):
-            store.put_container(container_id, sandbox_id, ContainerHookRequest(), ContainerHookRequest())
-        listing = CRIListing(path, cast(IReactorFromThreads, reactor), store, interval=0.05)
-        listing.startService()
-        self.addCleanup(listing.stopService)
-        yield Deferred.fromCoroutine(until(lambda: store.sizes() == (1, 1), timeout=30))
-        self.assertEqual((store.has_pod("s-1"), store.has_container("c-1")), (True, True))
-        asked = {call.method.removeprefix(RUNTIME) for call in backend.calls}
-        self.assertEqual(asked, {"ListPodSandbox", "ListContainers"})
-
-    @inlineCallbacks
-    def test_no_connection_to_containerd_stays_open_between_readings(self):  # type: ignore[no-untyped-def]
-        # An open grpc channel keeps grpcio's threads waking several times a second on an idle node.
-        path = os.path.join(short_tempdir(self), "containerd.sock")
-        backend = FakeCRIBackend(path).start()
-        self.addCleanup(backend.stop)
-        listing = CRIListing(path, cast(IReactorFromThreads, reactor), Store(), interval=3600)
-        listing.startService()
-        self.addCleanup(listing.stopService)
-        yield Deferred.fromCoroutine(until(lambda: len(backend.calls) == 2))
-        yield Deferred.fromCoroutine(until(lambda: connections(path) == 0))
-        self.assertEqual(len(backend.calls), 2)
-
-
-def connections(path: str) -> int:
-    """The connections open to the unix socket at ``path`` (each accepted end is listed by its path, connected)."""
-    with open("/proc/net/unix") as table:
-        rows = [line.split() for line in table.readlines()[1:]]
-    return sum(1 for row in rows if len(row) == 8 and row[7] == path and row[5] == "03")

@@ -11,7 +11,7 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from koordrp import tap
 from koordrp.checkpoint import DirectoryCheckpoint
-from koordrp.cri.listing import CRIListing
+from koordrp.nri.listing import NRIListingService
 from koordrp.cri.server import CRIProxyService
 from koordrp.docker.service import DockerProxyService
 from koordrp.hooks.client import HookClients
@@ -22,6 +22,7 @@ from koordrp.nri.service import NRIService, NRISettings
 from koordrp.shutdown import OrderlyStopOnSIGTERM
 from koordrp.systemd import SystemdNotifier
 from tests.fake.reactor import InlineThreadsReactor
+from tests.support.logs import logged_events
 
 
 def parse(*argv: str) -> tap.Options:
@@ -132,14 +133,22 @@ class MakeServiceTests(SynchronousTestCase):
         self.successResultOf(top.stopService())
         self.assertIsNot(clients.get("/run/koordlet.sock"), client)
 
-    def test_nri_mode_reconciles_the_store_with_containerds_cri_listing_unless_told_not_to(self) -> None:
-        argv = ("--backend-runtime-mode=NRI", "--remote-runtime-service-endpoint=/run/c.sock", "--reconcile-interval=5")
-        services = list(IServiceCollection(tap.makeService(parse(*argv), reactor=InlineThreadsReactor())))
-        listing = services[2]
-        assert isinstance(listing, CRIListing)
-        self.assertEqual((listing.path, listing.running), ("/run/c.sock", False))
+    def test_nri_mode_lists_by_nri_alone_unless_told_not_to(self) -> None:
+        services = list(IServiceCollection(tap.makeService(parse("--backend-runtime-mode=NRI"), reactor=InlineThreadsReactor())))
+        self.assertIsInstance(services[2], NRIListingService)
         off = tap.makeService(parse("--backend-runtime-mode=NRI", "--reconcile-interval=0"), reactor=InlineThreadsReactor())
-        self.assertNotIn(CRIListing, [type(s) for s in IServiceCollection(off)])
+        self.assertNotIn(NRIListingService, [type(s) for s in IServiceCollection(off)])
+
+    def test_nri_mode_names_the_runtimes_sockets_given_as_unused_with_one_warning_each(self) -> None:
+        events = logged_events(self)
+        self.assertEqual(parse("--backend-runtime-mode=NRI").unused(), [])
+        argv = ("--remote-runtime-service-endpoint=/run/c.sock", "--remote-image-service-endpoint=/run/i.sock")
+        self.assertEqual(parse(*argv).unused(), [])  # what a proxy uses
+        options = parse("--backend-runtime-mode=NRI", *argv)
+        self.assertEqual(options.unused(), ["--remote-runtime-service-endpoint", "--remote-image-service-endpoint"])
+        tap.makeService(options, reactor=InlineThreadsReactor())
+        said = [event["flag"] for event in events if "is not used in NRI mode" in event.get("log_format", "")]
+        self.assertEqual(said, options.unused())
 
     def test_the_interval_reaches_the_front_end(self) -> None:
         self.assertEqual(parse()["reconcile-interval"], 60.0)

@@ -12,7 +12,7 @@ from typing import Callable
 
 from twisted.internet import reactor
 from twisted.internet.address import IPv4Address
-from twisted.internet.defer import fail, inlineCallbacks, succeed
+from twisted.internet.defer import Deferred, fail, inlineCallbacks, succeed
 from twisted.internet.error import ConnectionDone
 from twisted.internet.interfaces import IHalfCloseableProtocol
 from twisted.internet.protocol import Factory, Protocol, connectionDone
@@ -23,6 +23,7 @@ from twisted.logger import formatEvent
 from twisted.python import usage
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase, TestCase
+from twisted.web.server import Site
 from twisted.web.test.requesthelper import DummyRequest
 from zope.interface import implementer
 
@@ -32,7 +33,7 @@ from koordrp.cri.methods import KNOWN_METHODS
 from koordrp.hooks.messages import PodHookRequest
 from koordrp.metrics import CRI_METHODS, OTHER_METHOD, Metrics
 from koordrp.store import Store
-from koordrp.web import METRICS_BOUNDS, LiveResource, UnixListening, metrics_service, unix_listening
+from koordrp.web import FRESH_SECONDS, METRICS_BOUNDS, LiveResource, UnixListening, metrics_service, unix_listening
 from tests.support.logs import logged_events
 from tests.support.tempdirs import short_tempdir
 
@@ -68,8 +69,10 @@ class UnixEndpointTests(TestCase):
         for sample in (b"koordrp_store_pods 1.0", b"koordrp_store_containers 0.0", b"koordrp_state_files 0.0"):
             self.assertIn(b"\n" + sample + b"\n", scraped)
         self.assertIn(b"\nkoordrp_state_files_unreadable_total 0.0\n", scraped)
+        self.assertIn(b"\nkoordrp_ready 1.0\n", scraped)
         health = yield deferToThread(get, path, "/healthz")
-        self.assertTrue(health.startswith(b"HTTP/1.0 200 OK") and health.endswith(b"ok: the backend answers\n"), health)
+        # The scrape asked the backend already (koordrp_ready): its answer is recent.
+        self.assertTrue(health.startswith(b"HTTP/1.0 200 OK") and b"\r\n\r\nok: the backend answered " in health, health)
 
     @inlineCallbacks
     def test_alive_while_the_runtime_is_away(self):  # type: ignore[no-untyped-def]
@@ -344,6 +347,77 @@ class LiveTests(SynchronousTestCase):
         self.assertEqual(bounds.raise_descriptor_limit(), (lower, hard))
         self.assertEqual(resource.getrlimit(resource.RLIMIT_NOFILE), (hard, hard))
         self.assertEqual(bounds.raise_descriptor_limit(), (hard, hard))
+
+
+class ReadinessTests(SynchronousTestCase):
+    """koordrp_ready on /metrics says what /healthz says, asked at each scrape as /healthz asks."""
+
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.metrics = Metrics()
+        self.asked: list[Deferred[object]] = []
+        self.answer: Callable[[], Deferred[object]] = lambda: succeed(None)
+        served = metrics_service("tcp:0", self.metrics, self.probe, self.clock)
+        site = served.factory.wrappedFactory
+        assert isinstance(site, Site)
+        self.health = site.resource.getChildWithDefault(b"healthz", DummyRequest([b"healthz"]))
+
+    def probe(self) -> Deferred[object]:
+        asking = self.answer()
+        self.asked.append(asking)
+        return asking
+
+    def ready(self) -> float | None:
+        return self.metrics.registry.get_sample_value("koordrp_ready")
+
+    def healthz(self) -> DummyRequest:
+        request = DummyRequest([b"healthz"])
+        body = self.health.render(request)
+        if isinstance(body, bytes):  # answered at once: twisted.web's site writes it and finishes
+            request.write(body)
+            request.finish()
+        return request
+
+    def code(self, request: DummyRequest) -> int | None:
+        """The status /healthz answered, None while it has not."""
+        return (request.responseCode or 200) if request.finished else None
+
+    def test_nri_modes_probe_answers_at_once_and_the_gauge_is_its_answer_at_each_scrape(self) -> None:
+        self.answer = lambda: fail(RuntimeError("koordrp is not registered with containerd's NRI yet"))
+        self.assertEqual(self.ready(), 0)
+        self.answer = lambda: succeed(None)
+        self.assertEqual(self.ready(), 1)
+        self.assertEqual(self.code(self.healthz()), 200)
+
+    def test_a_recent_answer_is_not_asked_again_as_healthz_does_not(self) -> None:
+        self.assertEqual(self.ready(), 1)
+        self.clock.advance(FRESH_SECONDS - 1)
+        self.assertEqual((self.ready(), self.code(self.healthz()), len(self.asked)), (1, 200, 1))
+        self.clock.advance(1)
+        self.assertEqual((self.ready(), len(self.asked)), (1, 2))
+
+    def test_a_runtime_asked_on_its_socket_is_reported_a_scrape_later(self) -> None:
+        """The proxies' probe answers later: a scrape does not wait for it, and reports what the last one found."""
+        self.answer = Deferred
+        self.assertIsNone(self.ready())  # no probe has ended yet: no sample
+        self.asked[-1].callback(None)
+        self.assertEqual(self.ready(), 1)
+        self.clock.advance(FRESH_SECONDS)
+        self.assertEqual(self.ready(), 1)  # asked again, not answered yet
+        self.asked[-1].errback(RuntimeError("backend unix:///run/containerd/containerd.sock: UNAVAILABLE"))
+        self.assertEqual(self.ready(), 0)
+
+    def test_a_failure_ends_the_trust_in_an_earlier_answer_for_healthz_and_the_gauge_alike(self) -> None:
+        self.answer = Deferred
+        first, second = self.healthz(), self.healthz()  # two probes under way: the first answers, the second fails
+        self.asked[0].callback(None)
+        self.asked[1].errback(RuntimeError("containerd is away"))
+        self.assertEqual((self.code(first), self.code(second)), (200, 503))
+        self.assertEqual(self.ready(), 0)
+        third = self.healthz()
+        self.assertEqual((len(self.asked), self.code(third)), (4, None))  # asked again, not "answered 0.0s ago"
+        self.asked[3].errback(RuntimeError("containerd is away"))
+        self.assertEqual(self.code(third), 503)
 
 
 class MetricLabelTests(SynchronousTestCase):
