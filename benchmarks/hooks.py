@@ -16,7 +16,7 @@ then two chained, it prints:
   - koordrp's CPU per hook stage = its CPU (every thread's, /proc schedstat) during the hooked call
     minus during the skipped one, beside the CPU this process spends calling the servers alone;
   - a skipped call over a pass-through = the skipped call - the same call through the minimal
-    pass-through; and, as issue 13 first measured it, (skipped - direct) - (ContainerStatus through
+    pass-through; and, as this benchmark first measured it, (skipped - direct) - (ContainerStatus through
     koordrp - directly), which compares with a different call's pass-through;
 * **NRI mode** (``--nri-pods``): benchmarks/nri_starts.py's pod starts on containerd 2.1 with NRI, against
   containerd/nri's Go stub.
@@ -35,7 +35,7 @@ virtualenv is 0.1-0.2 ms faster per call on a small VM than the same code run fr
 virtualenv (most likely it shares the libraries' pages with the benchmark and the minimal
 pass-through). ``--other-checkout LABEL=DIR`` runs another checkout's code with this virtualenv's
 interpreter and libraries (DIR first on its ``PYTHONPATH``), so that only the code differs: the way
-to compare commits whose dependencies are the same (docs/architecture.md, "What a call costs").
+to compare commits whose dependencies are the same (benchmarks/README.md, "Comparing two commits").
 
     .venv/bin/python -m benchmarks.hooks [--pods 40] [--rounds 300] [--servers 1 2] [--pod-pause 0.5] [--nri-pods 40]
         [--other LABEL=TWISTD ...] [--other-checkout LABEL=DIR ...]
@@ -63,7 +63,7 @@ from koordrp.api.runtime.v1alpha1 import api_pb2_grpc as hook_grpc
 from koordrp.cri import translate
 from koordrp.hooks.messages import ContainerHookRequest, folded_update, placed_in_pod
 from koordrp.hooks.types import HookType
-from koordrp.tap import DEFAULT_SKIP_HOOK_KEY, DEFAULT_SKIP_HOOK_VALUE
+from koordrp.defaults import DEFAULT_SKIP_HOOK_KEY, DEFAULT_SKIP_HOOK_VALUE
 from tests.support.cri_objects import container_config, linux_resources, pod_sandbox_config
 from tests.support.hook_registration import register
 from tests.support.images import BUSYBOX_REF

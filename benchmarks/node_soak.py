@@ -26,7 +26,7 @@ runtime; then koordrp's RSS, open file descriptors, threads and CPU, its store g
 (``koordrp_store_pods``, ``koordrp_store_containers``, ``koordrp_state_files``; the state files on disk) and its hook calls
 by server and result are read. koordrp runs with ``--reconcile-interval`` (``--reconcile-interval`` here).
 
-It prints the figures as a table, with issue 24's verdict: flat when RSS is within 10 % of the start
+It prints the figures as a table, with the soak's verdict: flat when RSS is within 10 % of the start
 and the file descriptors and every store figure are back to the start; and every failed call.
 Exits 1 if a mode was not flat or a call failed.
 """

@@ -17,7 +17,7 @@ What it prints is the median CPU per pod start of each way and koordrp's over th
 the part of ``nri_starts.py``'s plugin CPU that is koordrp's own Python, measured without the noise
 of containerd and runc sharing the cores. A change to the flows, the store or the plugin shows here
 first. With no hook server, a pod start's calls are uneventful: they get no line. Under containerd
-the same work costs about twice as much again (docs/architecture.md).
+the same work costs about twice as much again (benchmarks/README.md, "nri_replay.py").
 """
 
 import argparse
@@ -46,10 +46,10 @@ from koordrp.call import Parts, SkipLabel
 from koordrp.hooks.client import HookClients
 from koordrp.hooks.dispatcher import Dispatcher
 from koordrp.hooks.types import HookServers
-from koordrp.nri.connection import IPluginCalls, NRIConnection
+from koordrp.nri.connection import PluginCalls, NRIConnection
 from koordrp.nri.plugin import NRIPlugin, PluginIdentity
 from koordrp.store import Store
-from koordrp.tap import (
+from koordrp.defaults import (
     DEFAULT_NRI_PLUGIN_INDEX,
     DEFAULT_NRI_PLUGIN_NAME,
     DEFAULT_SKIP_HOOK_KEY,
@@ -110,7 +110,7 @@ def record(scratch: Path) -> list[Request]:
 class Replay:
     """One plugin on koordrp's connection layer, fed the recorded requests."""
 
-    def __init__(self, plugin: Callable[[Clock], IPluginCalls], requests: list[Request]) -> None:
+    def __init__(self, plugin: Callable[[Clock], PluginCalls], requests: list[Request]) -> None:
         self.clock = Clock()
         self.containerd = FakeContainerd(NRIConnection(plugin(self.clock), self.clock))
         self._requests = requests

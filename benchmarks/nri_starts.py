@@ -42,7 +42,7 @@ from benchmarks.echo_hook_server import HookServerProcess
 from benchmarks.processes import running
 from benchmarks.stats import median_interval, thread_cpu_ns
 from koordrp.hooks.types import HookType
-from koordrp.tap import DEFAULT_NRI_PLUGIN_INDEX, DEFAULT_NRI_PLUGIN_NAME
+from koordrp.defaults import DEFAULT_NRI_PLUGIN_INDEX, DEFAULT_NRI_PLUGIN_NAME
 from tests.support.containerd import PROJECT_ROOT, Containerd
 from tests.support.cri_objects import container_config, pod_sandbox_config
 from tests.support.hook_registration import register

@@ -3,7 +3,7 @@
 At a checkpoint the churn is paused with the node full again, every hook server answering, and
 koordrp's store given time to agree with the runtime; then koordrp is read from /proc (RSS, open
 file descriptors, threads, CPU), from its /metrics (the store gauges, hook calls by server and
-result) and from its state directory (the files on disk). ``verdict`` applies issue 24's rule:
+result) and from its state directory (the files on disk). ``verdict`` applies the node soak's rule:
 RSS within 10 % of the start, file descriptors and every store figure back to the start.
 
 Nothing here starts anything; ``sample_process``, ``read_metrics`` and ``state_files`` read, the rest is

@@ -210,7 +210,7 @@ class UpdateContainerResources(Protocol):
     def rewritten(self, sent: ContainerHookRequest, final: ContainerHookRequest) -> Written: ...
 
 
-OK = "OK"
+OK_LABEL = "OK"
 """How a call's line and metrics name a call the runtime did, in the modes whose word is gRPC's (CRI, NRI)."""
 
 

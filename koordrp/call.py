@@ -48,8 +48,8 @@ from koordrp.hooks.messages import (
     unmarked_catch_up,
 )
 from koordrp.hooks.types import (
+    HOOK_OK,
     NOT_ANSWERING,
-    OK as HOOK_OK,
     SENT,
     SKIPPED,
     FailurePolicy,

@@ -18,7 +18,7 @@ from typing import Callable, Iterable, Iterator
 
 from twisted.logger import Logger
 
-from koordrp.adapters import OK
+from koordrp.adapters import OK_LABEL
 from koordrp.hooks.messages import Change, ContainerHookRequest, HookRequest, left_alone
 from koordrp.hooks.types import ERROR, LATE, NOT_ANSWERING, TIMEOUT, HookCall, HookType
 from koordrp.hooks.validation import refused_text, value_text
@@ -148,7 +148,7 @@ class CallRecord:
     def uneventful(self, outcome: str) -> bool:
         """No hook server was called or spared, and the call ended OK with nothing to say: a line would only
         repeat the runtime's own log (NRI mode writes none for it)."""
-        return not self.calls and outcome == OK and not self.why and not self.asked_lost
+        return not self.calls and outcome == OK_LABEL and not self.why and not self.asked_lost
 
     def left_alone(self) -> Iterator[tuple[HookCall, Change]]:
         return ((call, change) for call in self.calls for change in call.changes if not change.applied)

@@ -39,13 +39,19 @@ from twisted.python import usage
 
 from koordrp import koordrp_version, trust
 from koordrp.api.cri.v1 import api_pb2 as cri
-from koordrp.hooks.config import DEFAULT_HOOK_TIMEOUT
+from koordrp.defaults import (
+    DEFAULT_HOOK_CONFIG_DIR,
+    DEFAULT_HOOK_TIMEOUT,
+    DEFAULT_NRI_SOCKET,
+    DEFAULT_PROXY_ENDPOINT,
+    DEFAULT_STATE_DIR,
+    RUNTIME_MODES,
+    Options,
+)
+from koordrp.hooks.limit import ANSWER_MARGIN, SHORTEN, pre_hook_limit
 from koordrp.hooks.registry import Rejection, describe, list_registrations, read_registration, understand
 from koordrp.hooks.types import HookServerConfig, HookServers
 from koordrp.nri import registration
-from koordrp.hooks.limit import SHORTEN
-from koordrp.nri.plugin import ANSWER_MARGIN, pre_hook_limit
-from koordrp.tap import DEFAULT_HOOK_CONFIG_DIR, DEFAULT_NRI_SOCKET, DEFAULT_PROXY_ENDPOINT, DEFAULT_STATE_DIR, RUNTIME_MODES, Options
 from koordrp.unix import EndpointError, connect_error, grpc_target, parse_unix_endpoint, socket_problem
 
 RUNTIME_FLAG = "--container-runtime-endpoint"
@@ -56,8 +62,8 @@ IMAGE_KEY = "imageServiceEndpoint"
 KUBELET_DEFAULT_RUNTIME = "unix:///run/containerd/containerd.sock"
 NRI_PLUGIN = "io.containerd.nri.v1.nri"
 
-OK = "✓"
-NOT_OK = "✗"
+OK_MARK = "✓"
+NOT_OK_MARK = "✗"
 
 
 @dataclass(frozen=True)
@@ -67,7 +73,7 @@ class Finding:
     fix: str = ""
 
     def line(self) -> str:
-        mark = OK if self.ok else NOT_OK
+        mark = OK_MARK if self.ok else NOT_OK_MARK
         return f"{mark} {self.text}" + (f"\n    → {self.fix}" if self.fix else "")
 
 
@@ -229,7 +235,7 @@ def _endpoint_fix(endpoint: Endpoint) -> str:
         )
     if "its config file" in endpoint.source:
         return "set containerRuntimeEndpoint and imageServiceEndpoint to koordrp's socket there, then restart kubelet"
-    return "set kubelet's endpoints to koordrp's socket (see docs/operating.md, \"Point kubelet at koordrp\"), then restart kubelet"
+    return "set kubelet's endpoints to koordrp's socket (see docs/operating/kubelet.md, \"Point kubelet at koordrp\"), then restart kubelet"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -523,7 +529,7 @@ def nri_plugin_findings(said: registration.Registration | None, nri_socket: str,
                 False,
                 f"containerd's NRI: {problem}",
                 'NRI needs containerd 1.7 or later with [plugins."io.containerd.nri.v1.nri"] disable = false in its '
-                "config (docs/operating.md, \"NRI mode\"); restart containerd",
+                "config (docs/operating/nri-mode.md, \"Install\"); restart containerd",
             )
         )
     if said is None:

@@ -102,18 +102,26 @@ def goes_ahead(parts: Parts, servers: HookServers, method: str, subject_id: str)
     ones the call's flow will use): no server subscribed, or the pod is skipped. A front end that has
     the call on a thread of its own (CRI) spares it the wait for the reactor; the flow runs as ever,
     its forward answered by what was sent ahead.
+
+    It runs on the front end's thread, while the reactor changes the store: it reads the store under its lock
+    (``Store.changing``). What it reads besides is not changed once made: the entries, ``servers`` (the
+    call's own) and ``parts.skip``. The reactor may not have stored the previous call's outcome yet:
+    an entry not there yet only makes the call take the slower way.
     """
     about_container = _SENT_AS_IT_CAME.get(method)
     if about_container is None:
         return False
+    store = parts.store
     if not about_container:
-        return parts.store.has_pod(subject_id)  # no call about a pod has a pre hook
-    container = parts.store.container(subject_id)
-    if container is None:
-        return False
-    if not any(servers.subscribed(hook) for hook in METHOD_HOOKS[method] if hook.is_pre):
-        return True
-    return parts.skip.skips(pod_labels(parts.store, container.asked, container.sandbox_id))
+        with store.changing:
+            return store.has_pod(subject_id)  # no call about a pod has a pre hook
+    subscribed = any(servers.subscribed(hook) for hook in METHOD_HOOKS[method] if hook.is_pre)
+    with store.changing:
+        container = store.container(subject_id)
+        if container is None or not subscribed:
+            return container is not None
+        labels = pod_labels(store, container.asked, container.sandbox_id)
+    return parts.skip.skips(labels)
 
 
 async def _forward_changing(

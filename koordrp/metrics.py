@@ -5,7 +5,7 @@ histogram update (a few microseconds), which the pass-through path is otherwise 
 """
 
 import time
-from typing import Callable, Iterable, Iterator, TypeVar
+from typing import Callable, Iterable, Iterator, Protocol, TypeVar
 
 import grpc
 from cri_api.v1 import api_pb2 as cri_v1
@@ -14,11 +14,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from koordrp.checkpoint import Checkpoint
-from koordrp.store import Store
-
 Request = TypeVar("Request")
-Answer = TypeVar("Answer")
+"""A streaming call's request: bytes, or an iterator of them."""
 
 OTHER_METHOD = "other"
 """The method label of a call to a method koordrp's CRI schemas do not name: the label set is closed, whatever
@@ -50,6 +47,25 @@ def method_label(method: str) -> str:
 # CRI calls range from ~0.5 ms (queries) to minutes (image pulls).
 _CRI_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _HOOK_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10)
+
+
+class StoreSizes(Protocol):
+    """What ``koordrp.store.Store`` tells of its size, as the metrics read it (the store is not imported here:
+    every module that counts imports this one)."""
+
+    @property
+    def unreadable_state_files(self) -> int: ...
+
+    def sizes(self) -> tuple[int, int]: ...
+
+    def state_files(self) -> int: ...
+
+
+class WriteFailures(Protocol):
+    """What ``koordrp.checkpoint.Checkpoint`` counts of the writes it could not make."""
+
+    @property
+    def write_failures(self) -> int: ...
 
 
 class Metrics:
@@ -103,10 +119,10 @@ class Metrics:
         # alert can come before it (deploy/prometheus/). Three small reads of /proc/self per scrape.
         ProcessCollector(registry=self.registry)
 
-    def watch_store(self, store: Store) -> None:
+    def watch_store(self, store: StoreSizes) -> None:
         self.registry.register(_StoreCollector(store))
 
-    def watch_checkpoint(self, checkpoint: Checkpoint) -> None:
+    def watch_checkpoint(self, checkpoint: WriteFailures) -> None:
         self.registry.register(_CheckpointCollector(checkpoint))
 
     def hook_call(self, server: str, hook: str, result: str, seconds: float | None) -> None:
@@ -122,12 +138,12 @@ class Metrics:
         self.cri_seconds.labels(label).observe(seconds)
 
     def unary(
-        self, method: str, behaviour: Callable[[Request, grpc.ServicerContext], Answer]
-    ) -> Callable[[Request, grpc.ServicerContext], Answer]:
+        self, method: str, behaviour: Callable[[bytes, grpc.ServicerContext], bytes]
+    ) -> Callable[[bytes, grpc.ServicerContext], bytes]:
         """``behaviour`` counted and timed; the code is the one the caller gets."""
         short = method_label(method)
 
-        def counted(request: Request, context: grpc.ServicerContext) -> Answer:
+        def counted(request: bytes, context: grpc.ServicerContext) -> bytes:
             started = time.perf_counter()
             code = "OK"
             try:
@@ -141,11 +157,12 @@ class Metrics:
         return counted
 
     def streaming(
-        self, method: str, behaviour: Callable[[Request, grpc.ServicerContext], Iterator[Answer]]
-    ) -> Callable[[Request, grpc.ServicerContext], Iterator[Answer]]:
+        self, method: str, behaviour: Callable[[Request, grpc.ServicerContext], Iterator[bytes]]
+    ) -> Callable[[Request, grpc.ServicerContext], Iterator[bytes]]:
+        """``behaviour`` counted (not timed: a stream lasts as long as its caller wants)."""
         short = method_label(method)
 
-        def counted(request: Request, context: grpc.ServicerContext) -> Iterator[Answer]:
+        def counted(request: Request, context: grpc.ServicerContext) -> Iterator[bytes]:
             code = "OK"
             try:
                 yield from behaviour(request, context)
@@ -161,7 +178,7 @@ class Metrics:
 class _StoreCollector(Collector):
     """What the store holds, read when /metrics is scraped."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: StoreSizes) -> None:
         self._store = store
 
     def collect(self) -> Iterable[Metric]:
@@ -183,7 +200,7 @@ class _StoreCollector(Collector):
 class _CheckpointCollector(Collector):
     """What could not be written in --state-dir, read when /metrics is scraped."""
 
-    def __init__(self, checkpoint: Checkpoint) -> None:
+    def __init__(self, checkpoint: WriteFailures) -> None:
         self._checkpoint = checkpoint
 
     def collect(self) -> Iterable[Metric]:

@@ -28,9 +28,6 @@ if TYPE_CHECKING:
     # Only --metrics-endpoint loads prometheus_client: it costs a node daemon ~6 MB of RSS.
     from koordrp.metrics import Metrics
 
-DEFAULT_INTERVAL = 60.0
-"""How often the store is reconciled with the runtime by default: two listings (or one) a minute."""
-
 Result = TypeVar("Result")
 
 log = Logger()

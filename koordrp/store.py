@@ -7,9 +7,13 @@ hooks' changes included: a container's pod, where the container lives, is the po
 each entry, the state its pod or container is in as far as koordrp knows (it decides which post
 hooks are owed). What goes in is copied; what is read is the entry itself, to read and never to
 change: the store replaces an entry, it never changes one, so a caller that changes what it read
-would change what every other caller sees (tests/unit/test_flows.py checks that no flow does). That
-is also why a CRI worker may read an entry without the reactor (``koordrp.flows.goes_ahead``): a
-dict's read is whole under the GIL, and an entry read is one the store had.
+would change what every other caller sees (tests/unit/test_flows.py checks that no flow does).
+
+One other thread reads the store: a CRI worker deciding whether a call goes ahead
+(``koordrp.flows.goes_ahead``). What they share is which entry each id has, and it is guarded by one
+lock, ``Store.changing``: the reactor holds it while it puts, replaces or drops an entry, the worker while
+it reads; the reactor reads without it, since nothing else changes the store. An entry, once in, is never
+changed, so what the worker read stays whole after it lets go.
 
 After a restart the store is rebuilt from the runtime, which knows only ``given``; ``asked`` comes
 back from the checkpoint (``koordrp.checkpoint``), where a file is kept for every pod and container koordrp
@@ -20,6 +24,7 @@ it say their hooks were not shown kubelet's values.
 """
 
 import hashlib
+import threading
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import AbstractSet, Callable, Iterable, TypeVar
@@ -213,6 +218,9 @@ class Store:
         """``owed`` is told of what stopped, or went, while koordrp was away (its post stops are owed)."""
         self._pods: dict[str, StoredPod] = {}
         self._containers: dict[str, StoredContainer] = {}
+        self.changing = threading.Lock()
+        """Held while an entry is put, replaced or dropped (on the reactor), and by another thread while it reads
+        entries; the reactor reads without it."""
         self._checkpoint: Checkpoint = checkpoint if checkpoint is not None else NoCheckpoint()
         self._owed = owed
         self.unreadable_state_files = 0
@@ -235,6 +243,22 @@ class Store:
 
     def has_container(self, container_id: str) -> bool:
         return container_id in self._containers
+
+    def _set_pod(self, sandbox_id: str, stored: StoredPod) -> None:
+        with self.changing:
+            self._pods[sandbox_id] = stored
+
+    def _set_container(self, container_id: str, stored: StoredContainer) -> None:
+        with self.changing:
+            self._containers[container_id] = stored
+
+    def _drop_pod(self, sandbox_id: str) -> StoredPod | None:
+        with self.changing:
+            return self._pods.pop(sandbox_id, None)
+
+    def _drop_containers(self, container_ids: Iterable[str]) -> list[StoredContainer]:
+        with self.changing:
+            return [dropped for dropped in (self._containers.pop(i, None) for i in container_ids) if dropped is not None]
 
     def _keep_pod(self, sandbox_id: str, stored: StoredPod) -> None:
         if stored.hooked:
@@ -263,7 +287,7 @@ class Store:
     def put_pod(self, sandbox_id: str, asked: PodHookRequest, given: PodHookRequest) -> None:
         """A pod the runtime has just run."""
         stored = StoredPod(copied(asked), copied(given))
-        self._pods[sandbox_id] = stored
+        self._set_pod(sandbox_id, stored)
         self._keep_pod(sandbox_id, stored)
         self._checkpoint.write("pending", pending_pod_name(asked), None)
 
@@ -278,7 +302,7 @@ class Store:
                 pod.resources.CopyFrom(resources)
             if overhead is not None:
                 pod.overhead.CopyFrom(overhead)
-        self._pods[sandbox_id] = resized
+        self._set_pod(sandbox_id, resized)
         self._keep_pod(sandbox_id, resized)
 
     def put_container(
@@ -286,7 +310,7 @@ class Store:
     ) -> None:
         """A container the runtime has just created."""
         stored = StoredContainer(sandbox_id, copied(asked), copied(given))
-        self._containers[container_id] = stored
+        self._set_container(container_id, stored)
         self._keep_container(container_id, stored)
         self._checkpoint.write("pending", pending_container_name(sandbox_id, asked), None)
 
@@ -297,7 +321,7 @@ class Store:
         if stored is None:
             return
         revised = replace(stored, asked=asked, given=given)
-        self._containers[container_id] = revised
+        self._set_container(container_id, revised)
         self._keep_container(container_id, revised)
 
     def started(self, container_id: str) -> bool:
@@ -315,7 +339,7 @@ class Store:
         if stored is None or stored.state is state:
             return False
         entered = replace(stored, state=state)
-        self._containers[container_id] = entered
+        self._set_container(container_id, entered)
         if state is ContainerState.STOPPED:
             self._keep_container(container_id, entered)
         return stored.hooked
@@ -330,12 +354,14 @@ class Store:
         stored = self._pods.get(sandbox_id)
         newly = stored is not None and not stored.stopped
         if stored is not None and newly:
-            self._pods[sandbox_id] = stopped_pod = replace(stored, stopped=True)
+            stopped_pod = replace(stored, stopped=True)
+            self._set_pod(sandbox_id, stopped_pod)
             self._keep_pod(sandbox_id, stopped_pod)
         containers = []
         for container_id, container in self._containers.items():
             if container.sandbox_id == sandbox_id and container.state is not ContainerState.STOPPED:
-                self._containers[container_id] = stopped = replace(container, state=ContainerState.STOPPED)
+                stopped = replace(container, state=ContainerState.STOPPED)
+                self._set_container(container_id, stopped)  # a value replaced, the size kept: the iteration goes on
                 self._keep_container(container_id, stopped)
                 if container.hooked:
                     containers.append(container)
@@ -346,19 +372,18 @@ class Store:
         koordrp was away (its state file goes)."""
         stored = self._containers.get(container_id)
         if stored is not None:
-            self._containers[container_id] = replace(stored, hooked=False)
+            self._set_container(container_id, replace(stored, hooked=False))
             self._checkpoint.write("containers", container_id, None)
 
     def forget_container(self, container_id: str) -> None:
-        self._containers.pop(container_id, None)
+        self._drop_containers((container_id,))
         self._checkpoint.write("containers", container_id, None)
 
     def forget_pod(self, sandbox_id: str) -> None:
         """Forget a pod and every container in it: the runtime removes them with the sandbox."""
-        self._pods.pop(sandbox_id, None)
+        self._drop_pod(sandbox_id)
         gone = [cid for cid, c in self._containers.items() if c.sandbox_id == sandbox_id]
-        for container_id in gone:
-            del self._containers[container_id]
+        self._drop_containers(gone)
         self._checkpoint.write("pods", sandbox_id, None)
         for container_id in gone:
             self._checkpoint.write("containers", container_id, None)
@@ -380,7 +405,7 @@ class Store:
                 kept = self._kept("pods", sandbox_id, pod.given, pending_pod_name(pod.given))
                 assert isinstance(kept.asked, PodHookRequest)
                 learnt = replace(pod, asked=kept.asked, given=copied(pod.given), asked_lost=kept.lost, hooked=kept.hooked)
-                self._pods[sandbox_id] = learnt
+                self._set_pod(sandbox_id, learnt)
                 owes = learnt.hooked and learnt.stopped and not kept.stopped and not kept.rewrite
                 if owes:
                     owed.pods.append(learnt.asked)
@@ -394,7 +419,7 @@ class Store:
                 learnt_container = replace(
                     stored, asked=kept.asked, given=copied(stored.given), asked_lost=kept.lost, hooked=kept.hooked
                 )
-                self._containers[container_id] = learnt_container
+                self._set_container(container_id, learnt_container)
                 stopped = learnt_container.state is ContainerState.STOPPED
                 owes = learnt_container.hooked and stopped and not kept.stopped and not kept.rewrite
                 if owes:
@@ -482,13 +507,12 @@ class Store:
         gone_pods = [i for i in pods_before - listed_pods if i in self._pods]
         gone_containers = [i for i in containers_before - listed_containers if i in self._containers]
         owed = OwedStops()
-        for container_id in gone_containers:
-            container = self._containers.pop(container_id)
+        for container in self._drop_containers(gone_containers):
             if container.hooked and container.state is not ContainerState.STOPPED:
                 owed.containers.append(container.asked)
         for sandbox_id in gone_pods:
-            pod = self._pods.pop(sandbox_id)
-            if pod.hooked and not pod.stopped:
+            pod = self._drop_pod(sandbox_id)
+            if pod is not None and pod.hooked and not pod.stopped:
                 owed.pods.append(pod.asked)
         new = len({i for i, _ in pods} - self._pods.keys()) + len({i for i, _ in containers} - self._containers.keys())
         self.learn(pods, containers)

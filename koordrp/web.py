@@ -19,7 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from twisted.application import service
 from twisted.internet import endpoints
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import CancelledError, Deferred, maybeDeferred
 from twisted.internet.interfaces import IListeningPort, IReactorTime, IReactorUNIX
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -60,12 +60,18 @@ class MetricsResource(Resource):
 class Readiness:
     """Whether koordrp serves calls, as /healthz answers and ``koordrp_ready`` reports it: the front end's probe
     (the runtime answers; NRI mode: koordrp is containerd's plugin, synchronized), a success trusted for
-    FRESH_SECONDS."""
+    FRESH_SECONDS.
+
+    At most one probe is in flight: the /healthz requests and the scrapes that come meanwhile share it, so
+    that probes and scrapes, however many, ask the runtime once at a time.
+    """
 
     def __init__(self, probe: Probe, reactor: IReactorTime) -> None:
         self._probe = probe
         self._reactor = reactor
         self._last_answer: float | None = None
+        self._probing = False
+        self._waiting: list[Deferred[str | None]] = []
         self.ready: bool | None = None
         """What the last probe that ended found; None until one has."""
 
@@ -76,21 +82,37 @@ class Readiness:
         ago = self._reactor.seconds() - self._last_answer
         return ago if ago < FRESH_SECONDS else None
 
-    def ask(self) -> "Deferred[object]":
-        """The probe, its outcome remembered; fires or fails as it does."""
+    def ask(self) -> Deferred[str | None]:
+        """Fires once the probe in flight, or one begun now, ends: None if the backend answered, else why not.
 
-        def answered(result: object) -> object:
-            self._last_answer = self._reactor.seconds()
-            self.ready = True
-            return result
+        Cancelling it ends this wait alone: the probe goes on for whoever else waits, and is remembered.
+        """
+        waiting: Deferred[str | None] = Deferred(self._waiting.remove)
+        self._waiting.append(waiting)
+        self._begin()
+        return waiting
 
-        def failed(failure: Failure) -> Failure:
+    def refresh(self) -> None:
+        """Probe, unless the last answer is recent enough or a probe is in flight; nobody waits for it."""
+        if self.answered_ago() is None:
+            self._begin()
+
+    def _begin(self) -> None:
+        if not self._probing:
+            self._probing = True
+            maybeDeferred(self._probe).addBoth(self._ended)
+
+    def _ended(self, result: object) -> None:
+        self._probing = False
+        why_not = None
+        if isinstance(result, Failure):
             # A failure ends the trust in an earlier success: /healthz and koordrp_ready say the same from now on.
-            self._last_answer = None
-            self.ready = False
-            return failure
-
-        return self._probe().addCallbacks(answered, failed)
+            self._last_answer, self.ready, why_not = None, False, result.getErrorMessage()
+        else:
+            self._last_answer, self.ready = self._reactor.seconds(), True
+        waiting, self._waiting = self._waiting, []
+        for each in waiting:
+            each.callback(why_not)
 
 
 class HealthResource(Resource):
@@ -106,18 +128,25 @@ class HealthResource(Resource):
         ago = self.readiness.answered_ago()
         if ago is not None:
             return b"ok: the backend answered %.1fs ago\n" % ago
-
-        def answered(_: object) -> None:
-            request.write(b"ok: the backend answers\n")  # type: ignore[no-untyped-call]
-            request.finish()  # type: ignore[no-untyped-call]
-
-        def failed(failure: Failure) -> None:
-            request.setResponseCode(503)
-            request.write(f"unhealthy: {failure.getErrorMessage()}\n".encode())  # type: ignore[no-untyped-call]
-            request.finish()  # type: ignore[no-untyped-call]
-
-        self.readiness.ask().addCallbacks(answered, failed)
+        waiting = self.readiness.ask()
+        # Asked before the answer may finish the request: a client that went away is not answered (twisted.web
+        # refuses to finish a request whose connection is lost), and its wait ends.
+        request.notifyFinish().addErrback(lambda _: waiting.cancel())
+        waiting.addCallbacks(_answer_health, _wait_cancelled, callbackArgs=(request,))
         return NOT_DONE_YET
+
+
+def _answer_health(why_not: str | None, request: Request) -> None:
+    if why_not is None:
+        request.write(b"ok: the backend answers\n")  # type: ignore[no-untyped-call]
+    else:
+        request.setResponseCode(503)
+        request.write(f"unhealthy: {why_not}\n".encode())  # type: ignore[no-untyped-call]
+    request.finish()  # type: ignore[no-untyped-call]
+
+
+def _wait_cancelled(failure: Failure) -> None:
+    failure.trap(CancelledError)  # type: ignore[no-untyped-call]
 
 
 class _ReadinessCollector(Collector):
@@ -128,17 +157,15 @@ class _ReadinessCollector(Collector):
     containerd and has its answer at once: the gauge is what /healthz would answer at that moment. The
     proxies' probe asks the runtime on its socket (up to 2 s), which a scrape, rendered at once on the
     reactor, does not wait for: the gauge then says what the last probe that ended found (the previous
-    scrape's, or /healthz's), and this scrape's probe is the next one's; before any has ended there is
-    no sample.
+    scrape's, or /healthz's), and this scrape's probe, or the one in flight it leaves alone, is the next
+    one's; before any has ended there is no sample.
     """
 
     def __init__(self, readiness: Readiness) -> None:
         self._readiness = readiness
 
     def collect(self) -> Iterable[Metric]:
-        if self._readiness.answered_ago() is None:
-            # The outcome is remembered by ask(); the reason is /healthz's to give.
-            self._readiness.ask().addErrback(lambda _: None)
+        self._readiness.refresh()
         if self._readiness.ready is not None:
             yield GaugeMetricFamily(
                 "koordrp_ready",

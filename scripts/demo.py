@@ -16,6 +16,10 @@ with its answer, a refused or failed one as ``FAILED`` with its status and messa
 demo goes on with what can still be done; then what containerd received (the pod's labels,
 annotations and cgroup parent; the container's environment, resources and annotations), what the
 container itself sees, a summary, koordrp's log lines and metrics, and the hook server's own output.
+The summary names, besides the calls that failed and what the SDK warned of, each of the container's
+resources the hooks changed at CreateContainer that the runtime no longer has once kubelet's update
+went through (the update sends kubelet's values again), and every warn and error line of koordrp's log
+(a hook that failed under Ignore, a server whose timeout is longer than NRI gives it).
 The pod's cgroup parent is the one kubelet gives a pod of its QoS class
 (``/kubepods/burstable/pod<uid>`` unless ``--qos`` says otherwise). The container's image is
 busybox, named as ``--image`` says (built here under that name): the demo names it as kubelet
@@ -53,7 +57,7 @@ from tests.support.containerd import Containerd, ContainerdError
 from tests.support.cri_objects import container_config, linux_resources, pod_sandbox_config
 from tests.support.daemons import cgroup_dirs, remove_cgroup
 from tests.support.images import BUSYBOX_REF, SLEEP_FOREVER_CMD, BuiltImage, build_image_archive
-from tests.support.koordrp_process import KoordrpProcess
+from tests.support.koordrp_process import KoordrpProcess, log_files
 from tests.support.scrape import get
 from tests.support.stack import containerd_and_koordrp
 
@@ -64,6 +68,20 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "koordrp" / "examples" / "cpuset
 
 # Where kubelet (cgroupfs driver) puts a pod of each QoS class.
 QOS_PARENTS = {"guaranteed": "/kubepods/pod{uid}", "burstable": "/kubepods/burstable/pod{uid}", "besteffort": "/kubepods/besteffort/pod{uid}"}
+
+# The container's resources as kubelet and hooks name them, and where the runtime's OCI spec keeps each: what
+# the runtime holds is what the container gets, in either mode (NRI's changes are only there).
+SPEC_FIELDS = {
+    "cpuset_cpus": ("cpu", "cpus"),
+    "cpuset_mems": ("cpu", "mems"),
+    "cpu_shares": ("cpu", "shares"),
+    "cpu_quota": ("cpu", "quota"),
+    "cpu_period": ("cpu", "period"),
+    "memory_limit_in_bytes": ("memory", "limit"),
+}
+
+Resources = dict[str, str | int | None]
+"""A container's resources by SPEC_FIELDS' names; None: not set."""
 
 # An image reference as a pod spec writes it: [registry[:port]/]path[:tag], in lower case (no digest: the
 # demo builds the image, so it has no digest to name).
@@ -183,6 +201,10 @@ class Calls:
     def __init__(self) -> None:
         self.made = 0
         self.failed: list[str] = []
+        self.undone: list[str] = []
+        """Each of the hooks' changes to the container's resources that the runtime no longer has at the end."""
+        self.kept: list[str] = []
+        """Each of the hooks' changes to the container's resources that the runtime still has at the end."""
 
     def step(
         self, method: str, call: Callable[[], Answer], show: Callable[[Answer], Any] = lambda answer: "ok"
@@ -250,7 +272,7 @@ def run(parsed: argparse.Namespace, pod: Pod, base: Path) -> None:
                     runtime, images = api_pb2_grpc.RuntimeServiceStub(channel), api_pb2_grpc.ImageServiceStub(channel)
                     last = walk_a_pod(runtime, images, base, pod, parsed.repeat_stops, calls, nri)
             counted(metrics, last)  # its line, if it has one, is written just before
-            show_summary(calls, log)
+            show_summary(calls, log, koordrp_warnings(proxy))
             show_calls(proxy, nri)
             show_metrics(metrics)
         finally:
@@ -294,7 +316,23 @@ def warnings(log: Path) -> list[str]:
     return [line for line in log.read_text(errors="replace").splitlines() if " koordrp.sdk WARNING " in line]
 
 
-def show_summary(calls: Calls, log: Path) -> None:
+def koordrp_warnings(proxy: KoordrpProcess) -> list[str]:
+    """Every warn, error and critical line of koordrp's log, without its time, each with the lines it goes on on
+    (a traceback's)."""
+    found: list[str] = []
+    within = False
+    for line in "".join(path.read_text(errors="replace") for path in log_files(proxy.logfile)).splitlines():
+        if line.startswith("\t"):
+            if within:
+                found.append("  " + line.strip())
+            continue
+        within = re.search(r" \[[^\]]*#(warn|error|critical)\] ", line) is not None
+        if within:
+            found.append(line.split(" ", 1)[1])
+    return found
+
+
+def show_summary(calls: Calls, log: Path, koordrp_warned: list[str]) -> None:
     print("\nsummary:")
     if calls.failed:
         print(f"  {len(calls.failed)} of the {calls.made} CRI calls failed:")
@@ -306,6 +344,18 @@ def show_summary(calls: Calls, log: Path) -> None:
     if warned:
         print("  the hook server warned (koordrp.sdk):")
         for line in warned:
+            print("    " + line)
+    if calls.undone:
+        # An author whose hook did its work at create must not read "all answered" as "all applied".
+        print("  UpdateContainerResources undid what the hooks changed at CreateContainer (kubelet sends its values again):")
+        for line in calls.undone:
+            print("    " + line)
+        print("    (answer PreUpdateContainerResources too, with the same change: docs/hook-server/messages.md)")
+    if calls.kept:
+        print("  what the hooks changed at CreateContainer, the runtime still has at the end: " + ", ".join(calls.kept))
+    if koordrp_warned:
+        print("  koordrp warned (the warn and error lines of its log):")
+        for line in koordrp_warned:
             print("    " + line)
 
 
@@ -433,7 +483,10 @@ def walk_a_pod(
         show_received(runtime, sid, None, nri)
         print()
     else:
-        use_the_container(runtime, calls, pod, sid, created.container_id, resources, image_id, repeat_stops, nri)
+        # Before any later call can change them: what the hooks made of kubelet's resources.
+        as_created = spec_resources(runtime, created.container_id)
+        at_end = use_the_container(runtime, calls, pod, sid, created.container_id, resources, image_id, repeat_stops, nri)
+        calls.undone, calls.kept = hooks_changes(asked_resources(resources), as_created, at_end)
     calls.step(
         "StopPodSandbox",
         lambda: runtime.StopPodSandbox(api_pb2.StopPodSandboxRequest(pod_sandbox_id=sid)),
@@ -453,13 +506,15 @@ def use_the_container(
     image_id: str,
     repeat_stops: bool,
     nri: bool,
-) -> None:
+) -> Resources | None:
+    """The container's life from its start; its resources in the runtime once the update went through (None:
+    containerd could not say)."""
     started = calls.step("StartContainer", lambda: runtime.StartContainer(api_pb2.StartContainerRequest(container_id=cid)))
     # kubelet sends the container's resources again on a resize or a CPU manager update: a server that
     # changes them at create should answer PreUpdateContainerResources too, or the update undoes it.
     update = api_pb2.UpdateContainerResourcesRequest(container_id=cid, linux=resources)
     calls.step("UpdateResources", lambda: runtime.UpdateContainerResources(update, timeout=60))
-    show_received(runtime, sid, cid, nri)
+    at_end = show_received(runtime, sid, cid, nri)
     print("\nwhat the container sees:")
     if started is None:
         print("  nothing: it did not start")
@@ -494,11 +549,64 @@ def use_the_container(
             start = api_pb2.StartContainerRequest(container_id=sidecar.container_id)
             calls.step("StartContainer", lambda: runtime.StartContainer(start))
     calls.step("RemoveContainer", lambda: runtime.RemoveContainer(api_pb2.RemoveContainerRequest(container_id=cid)))
+    return at_end
 
 
-def show_received(runtime: api_pb2_grpc.RuntimeServiceStub, sandbox_id: str, container_id: str | None, nri: bool) -> None:
+def asked_resources(resources: Any) -> Resources:
+    """What kubelet asked, as ``spec_resources`` names it: its 0 and empty string are "not set"."""
+    return {name: getattr(resources, name) or None for name in SPEC_FIELDS}
+
+
+def resources_in(spec: dict[str, Any]) -> Resources:
+    held = spec.get("linux", {}).get("resources", {})
+    return {name: held.get(part, {}).get(key) for name, (part, key) in SPEC_FIELDS.items()}
+
+
+def spec_resources(runtime: api_pb2_grpc.RuntimeServiceStub, container_id: str) -> Resources | None:
+    """The container's resources as the runtime holds them now (None: containerd could not say)."""
+    try:
+        status = runtime.ContainerStatus(api_pb2.ContainerStatusRequest(container_id=container_id, verbose=True))
+    except grpc.RpcError:
+        return None
+    return resources_in(json.loads(status.info["info"])["runtimeSpec"])
+
+
+def hooks_changes(asked: Resources, as_created: Resources | None, at_end: Resources | None) -> tuple[list[str], list[str]]:
+    """The resources the hooks set at create (the runtime had other than kubelet asked): those the runtime has
+    no more at the end, kubelet's value having come back, and those it still has."""
+    undone: list[str] = []
+    kept: list[str] = []
+    if as_created is None or at_end is None:
+        return undone, kept
+    for name in SPEC_FIELDS:
+        hooks, now = as_created[name], at_end[name]
+        if hooks == asked[name]:
+            continue
+        if now == hooks:
+            kept.append(f"resources.{name} {shown(hooks)} ({kubelets(asked[name])})")
+        # Another value than kubelet's is a later hook's answer, the server's own doing: no undoing.
+        elif now == asked[name]:
+            undone.append(
+                f"resources.{name}: the hooks made it {shown(hooks)} ({kubelets(asked[name])}); "
+                f"the runtime has {shown(now)} at the end"
+            )
+    return undone, kept
+
+
+def shown(value: str | int | None) -> str:
+    return "none" if value is None else json.dumps(value)
+
+
+def kubelets(value: str | int | None) -> str:
+    return "kubelet asked for none" if value is None else f"kubelet asked {json.dumps(value)}"
+
+
+def show_received(
+    runtime: api_pb2_grpc.RuntimeServiceStub, sandbox_id: str, container_id: str | None, nri: bool
+) -> Resources | None:
     """What containerd was given, from its verbose statuses: the requests koordrp sent it (in NRI mode kubelet's:
-    koordrp's changes reach the container through NRI, into its runtime spec)."""
+    koordrp's changes reach the container through NRI, into its runtime spec); the container's resources as
+    the runtime holds them (None: no container, or containerd could not say)."""
     print("\nwhat containerd received:" + (" (NRI mode: kubelet's requests; koordrp's changes are in the runtime spec)" if nri else ""))
     try:
         pod_info = json.loads(
@@ -509,11 +617,11 @@ def show_received(runtime: api_pb2_grpc.RuntimeServiceStub, sandbox_id: str, con
         print(f"  pod cgroup parent   {pod_info['config'].get('linux', {}).get('cgroup_parent', '') or '(none)'}")
         if container_id is None:
             print("  container           none: CreateContainer failed")
-            return
+            return None
         status = runtime.ContainerStatus(api_pb2.ContainerStatusRequest(container_id=container_id, verbose=True))
     except grpc.RpcError as error:
         print(f"  containerd could not say: {cast(grpc.Call, error).code().name}: {cast(grpc.Call, error).details()}")
-        return
+        return None
     info = json.loads(status.info["info"])
     config, spec = info["config"], info["runtimeSpec"]
     print(f"  container image     {json.dumps(config.get('image', {}), sort_keys=True)}")
@@ -523,6 +631,7 @@ def show_received(runtime: api_pb2_grpc.RuntimeServiceStub, sandbox_id: str, con
     print(f"  now, after updates  {json.dumps(MessageToDict(status.status.resources.linux), sort_keys=True)}")
     print(f"  runtime spec cpu    {json.dumps(spec['linux']['resources'].get('cpu', {}), sort_keys=True)}")
     print(f"  cgroups path        {spec['linux'].get('cgroupsPath', '')}")
+    return resources_in(spec)
 
 
 if __name__ == "__main__":

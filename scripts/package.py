@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from koordrp.tap import RUNTIME_MODES
+from koordrp.defaults import RUNTIME_MODES
 from scripts import debian_package, emulation
 from scripts.oci_archive import Image, write_oci_archive
 

@@ -16,7 +16,7 @@ from koordrp.cri.backend import BackendChannel
 from koordrp.cri.methods import BackendRole, Cardinality, route
 
 Request = TypeVar("Request")
-Answer = TypeVar("Answer")
+"""A streaming call's request: bytes, or an iterator of them."""
 
 if TYPE_CHECKING:
     # Only --metrics-endpoint loads prometheus_client: it costs a node daemon ~6 MB of RSS.
@@ -206,7 +206,9 @@ class PassThroughHandler(_BytesHandler):
                 self._handlers[method] = handler
         return handler
 
-    def _counted(self, method: str, behaviour: Callable[[Request, grpc.ServicerContext], Answer]) -> Callable[[Request, grpc.ServicerContext], Answer]:
+    def _counted(
+        self, method: str, behaviour: Callable[[bytes, grpc.ServicerContext], bytes]
+    ) -> Callable[[bytes, grpc.ServicerContext], bytes]:
         return behaviour if self._metrics is None else self._metrics.unary(method, behaviour)
 
     def _counted_stream(

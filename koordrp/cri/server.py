@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import grpc
 from twisted.application import service
@@ -26,10 +25,6 @@ from koordrp.cri.runtime_lookup import RuntimeLookup
 from koordrp.frontend import IFrontEnd
 from koordrp.resync import StoreSync
 from koordrp.unix import SOCKET_MODE, grpc_target, prepare_listening_path, remove_socket, restrict_socket, umask
-
-if TYPE_CHECKING:
-    # Only --metrics-endpoint loads prometheus_client: it costs a node daemon ~6 MB of RSS.
-    from koordrp.metrics import Metrics
 
 _REBUILD_TIMEOUT = 30.0
 _PROBE_TIMEOUT = 2.0
@@ -108,11 +103,8 @@ class CRIProxyService(service.Service):
 
     log = Logger()
 
-    def __init__(
-        self, settings: CRIProxySettings, reactor: IReactorThreads, parts: Parts, metrics: Metrics | None = None
-    ) -> None:
+    def __init__(self, settings: CRIProxySettings, reactor: IReactorThreads, parts: Parts) -> None:
         """``reactor`` also provides IReactorTime."""
-        self._metrics = metrics
         self.settings = settings
         self._parts = parts
         self._reactor = reactor
@@ -136,7 +128,7 @@ class CRIProxyService(service.Service):
         self._later = Later.on(self._reactor, _END_AFTER_ANSWER_SECONDS)
         interceptor = Interceptor(self._reactor, runtime, self._parts, lookup, self._later.queue)
         backends = {BackendRole.RUNTIME: runtime, BackendRole.IMAGE: image}
-        self._handler = PassThroughHandler(backends, interceptor.handlers, self._metrics)
+        self._handler = PassThroughHandler(backends, interceptor.handlers, self._parts.metrics)
         limit = descriptor_limit()
         self.connections = connection_cap(settings.bounds.connections, 1, limit)
         server = grpc.server(
@@ -226,8 +218,9 @@ class CRIProxyService(service.Service):
         return asked.addCallback(answered)
 
     def _report_reachability(self, change: Reachability, endpoint: str) -> None:
-        if self._metrics is not None:
-            self._metrics.backend_up.labels(endpoint).set(0 if change is Reachability.UNREACHABLE else 1)
+        metrics = self._parts.metrics
+        if metrics is not None:
+            metrics.backend_up.labels(endpoint).set(0 if change is Reachability.UNREACHABLE else 1)
         # Connectivity callbacks arrive on a grpc thread; logs are written from the reactor.
         level = self.log.warn if change is Reachability.UNREACHABLE else self.log.info
         self._reactor.callFromThread(level, _REACHABILITY_MESSAGES[change], endpoint=endpoint)

@@ -21,9 +21,16 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from koordrp.docker import translate
+from koordrp.docker.inspect import (
+    kind_of_inspect,
+    sandbox_id_of_inspect,
+    state_of_inspect,
+    stored_container_from_inspect,
+    stored_sandbox_from_inspect,
+)
 from koordrp.docker.http import HTTPError, Response, in_units, json_response, parse_response
 from koordrp.adapters import LookupFailed, PodSource, Unreadable
-from koordrp.store import ContainerState, StoredContainer, StoredPod, runtime_state
+from koordrp.store import ContainerState, StoredContainer, StoredPod
 from koordrp.text import shortened
 from koordrp.trouble import RETRY_CAP_SECONDS, RETRY_SECONDS, Backoff, Retrying, Trouble
 
@@ -231,30 +238,24 @@ class Dockerd:
         )
 
     async def pod_from(self, inspect: dict[str, Any] | None) -> StoredPod | None:
-        if inspect is None or translate.kind_of_inspect(inspect) != "sandbox":
+        if inspect is None or kind_of_inspect(inspect) != "sandbox":
             return None
         try:
-            info = translate.stored_sandbox_from_inspect(inspect, await self.cgroup_driver.current())
+            info = stored_sandbox_from_inspect(inspect, await self.cgroup_driver.current())
         except translate.DockerShapeError as error:
             raise Unreadable(str(error)) from None
-        return StoredPod.read_back(info, _state(inspect) is ContainerState.STOPPED)
+        return StoredPod.read_back(info, state_of_inspect(inspect) is ContainerState.STOPPED)
 
     async def container_from(self, inspect: dict[str, Any] | None, pods: PodSource) -> StoredContainer | None:
-        if inspect is None or translate.kind_of_inspect(inspect) != "container":
+        if inspect is None or kind_of_inspect(inspect) != "container":
             return None
         try:
-            sandbox_id = translate.sandbox_id_of_inspect(inspect)
+            sandbox_id = sandbox_id_of_inspect(inspect)
             pod = await pods(sandbox_id)
-            info = translate.stored_container_from_inspect(inspect, pod, await self.cgroup_driver.current())
-            return StoredContainer.read_back(sandbox_id, info, _state(inspect))
+            info = stored_container_from_inspect(inspect, pod, await self.cgroup_driver.current())
+            return StoredContainer.read_back(sandbox_id, info, state_of_inspect(inspect))
         except translate.DockerShapeError as error:
             raise Unreadable(str(error)) from None
-
-
-def _state(inspect: dict[str, Any]) -> ContainerState:
-    state = inspect.get("State")
-    status = state.get("Status") if isinstance(state, dict) else None
-    return runtime_state(status if isinstance(status, str) else "")
 
 
 def _reason(error: BaseException) -> str:

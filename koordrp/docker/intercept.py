@@ -21,6 +21,7 @@ from koordrp.call import Call, Parts
 from koordrp import flows
 from koordrp.docker import translate
 from koordrp.docker.dockerd import AnswerTooLarge, Dockerd
+from koordrp.docker.inspect import kind_of_inspect
 from koordrp.docker.http import HTTPError, RequestHead, Response, json_response, parse_response
 from koordrp.docker.proxy import IDockerInterceptor, Intercepted
 from koordrp.store import StoredContainer, StoredPod
@@ -190,7 +191,7 @@ class DockerInterceptor:
             inspect = await backend.inspect(identifier)
         except adapters.LookupFailed:
             return None  # dockerd gives its own answer to the call itself
-        kind = translate.kind_of_inspect(inspect)
+        kind = kind_of_inspect(inspect)
         if inspect is None or kind is None:
             return None
         return kind, str(inspect.get("Id", identifier))

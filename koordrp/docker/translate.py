@@ -18,6 +18,7 @@ need survives only in conventions:
 Hooks are given what they would get through CRI for the same pod; what they change is written back
 into the JSON body, and only that: every other field (unknown ones included) goes to dockerd as the
 client sent it. The merging itself is ``koordrp.hooks.messages``'; this module only translates.
+Reading what dockerd has back into the store is ``koordrp.docker.inspect``, with the readers here.
 
 Nothing here does I/O. Bad shapes raise ``DockerShapeError`` with a one-line reason.
 """
@@ -34,7 +35,6 @@ from koordrp.hooks.messages import (
     merged_envs,
     oci_env_map,
     oci_env_variable,
-    placed_in_pod,
     with_image_name,
 )
 from koordrp.text import json_type
@@ -91,34 +91,34 @@ def _show(value: str, limit: int = 80) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Reading JSON
+# Reading JSON, create bodies and inspect output alike: ``what`` says where a value is, as a DockerShapeError names it
 
 
-def _require_object(value: object, what: str) -> Mapping[str, Any]:
+def require_object(value: object, what: str) -> Mapping[str, Any]:
     if not isinstance(value, dict):
         raise DockerShapeError(f"{what} is {json_type(value)}, not an object")
     return value
 
 
-def _optional_object(holder: Mapping[str, Any], key: str, what: str) -> Mapping[str, Any] | None:
+def optional_object(holder: Mapping[str, Any], key: str, what: str) -> Mapping[str, Any] | None:
     value = holder.get(key)
     if value is None:
         return None
-    return _require_object(value, f"{what}.{key}")
+    return require_object(value, f"{what}.{key}")
 
 
-def _labels(holder: Mapping[str, Any], what: str) -> dict[str, str]:
+def labels_in(holder: Mapping[str, Any], what: str) -> dict[str, str]:
     value = holder.get("Labels")
     if value is None:
         return {}
-    labels = _require_object(value, f"{what}.Labels")
+    labels = require_object(value, f"{what}.Labels")
     for key, label in labels.items():
         if not isinstance(label, str):
             raise DockerShapeError(f"{what}.Labels[{_show(key)}] is {json_type(label)}, not a string")
     return dict(labels)
 
 
-def _env(holder: Mapping[str, Any], what: str) -> list[str]:
+def env_in(holder: Mapping[str, Any], what: str) -> list[str]:
     value = holder.get("Env")
     if value is None:
         return []
@@ -130,7 +130,7 @@ def _env(holder: Mapping[str, Any], what: str) -> list[str]:
     return list(value)
 
 
-def _image(holder: Mapping[str, Any], what: str) -> str:
+def image_in(holder: Mapping[str, Any], what: str) -> str:
     """The image a create body (or inspect's Config, which keeps it as created) names: cri-dockerd's copy of
     kubelet's ``image`` (cri-dockerd passes on no ``user_specified_image``)."""
     value = holder.get("Image")
@@ -158,7 +158,7 @@ def _resources(holder: Mapping[str, Any], what: str, keys: tuple[tuple[str, str]
     return resources
 
 
-class _Name:
+class ContainerName:
     """The parts of a ``k8s_<container>_<pod>_<namespace>_<uid>_<attempt>`` container name."""
 
     def __init__(self, name: object, what: str) -> None:
@@ -176,7 +176,8 @@ class _Name:
         self.attempt = int(parts[5])
 
 
-def _kind(labels: object) -> Kind | None:
+def kind_of_labels(labels: object) -> Kind | None:
+    """What cri-dockerd's labels say it made: ``sandbox``, ``container``, or None (not a Kubernetes one)."""
     if not isinstance(labels, dict):
         return None
     value = labels.get(TYPE_LABEL)
@@ -187,8 +188,8 @@ def _kind(labels: object) -> Kind | None:
     return None
 
 
-def _require_kind(labels: Mapping[str, str], kind: Kind, what: str) -> None:
-    if _kind(labels) != kind:
+def require_kind(labels: Mapping[str, str], kind: Kind, what: str) -> None:
+    if kind_of_labels(labels) != kind:
         found = labels.get(TYPE_LABEL)
         shown = "absent" if found is None else _show(found)
         expected = SANDBOX_TYPE if kind == "sandbox" else CONTAINER_TYPE
@@ -216,17 +217,11 @@ def kind_of(create_body: object) -> Kind | None:
     """``sandbox`` or ``container`` for cri-dockerd's creates; None for anything else (pass it through)."""
     if not isinstance(create_body, dict):
         return None
-    return _kind(create_body.get("Labels"))
+    return kind_of_labels(create_body.get("Labels"))
 
 
-def kind_of_inspect(inspect: object) -> Kind | None:
-    """The same question about ``GET /containers/{id}/json`` output (labels under ``Config``)."""
-    if not isinstance(inspect, dict) or not isinstance(inspect.get("Config"), dict):
-        return None
-    return _kind(inspect["Config"].get("Labels"))
-
-
-def _sandbox_id(labels: Mapping[str, str], what: str) -> str:
+def sandbox_id_in(labels: Mapping[str, str], what: str) -> str:
+    """The docker id of the sandbox a container's labels name."""
     value = labels.get(SANDBOX_ID_LABEL)
     if not value:
         raise DockerShapeError(f"{what}: label {SANDBOX_ID_LABEL} is missing")
@@ -235,13 +230,8 @@ def _sandbox_id(labels: Mapping[str, str], what: str) -> str:
 
 def sandbox_id_of(create_body: object) -> str:
     """The docker id of a container's sandbox (where the store keeps its pod)."""
-    body = _require_object(create_body, "create body")
-    return _sandbox_id(_labels(body, "create body"), "create body")
-
-
-def sandbox_id_of_inspect(inspect: object) -> str:
-    config = _inspect_config(_require_object(inspect, "inspect"))
-    return _sandbox_id(_labels(config, "inspect.Config"), "inspect")
+    body = require_object(create_body, "create body")
+    return sandbox_id_in(labels_in(body, "create body"), "create body")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -293,8 +283,8 @@ def to_docker_cgroup_parent(path: str, cgroup_driver: str) -> str:
 # Building hook requests
 
 
-def _pod_request(
-    name: _Name, labels: Mapping[str, str], host: Mapping[str, Any] | None, what: str, cgroup_driver: str | None
+def pod_request(
+    name: ContainerName, labels: Mapping[str, str], host: Mapping[str, Any] | None, what: str, cgroup_driver: str | None
 ) -> PodHookRequest:
     pod_labels, annotations = _split_labels(labels, "sandbox")
     pod = PodHookRequest(
@@ -312,8 +302,8 @@ def _pod_request(
     return pod
 
 
-def _container_request(
-    name: _Name,
+def container_request(
+    name: ContainerName,
     labels: Mapping[str, str],
     env: list[str],
     image: str,
@@ -342,71 +332,26 @@ def _container_request(
 
 def sandbox_hook_request(name: str, body: object, cgroup_driver: str | None) -> PodHookRequest:
     """The PreRunPodSandbox request for ``POST /containers/create?name=<name>`` of a sandbox."""
-    create = _require_object(body, "create body")
-    labels = _labels(create, "create body")
-    _require_kind(labels, "sandbox", "create body")
-    host = _optional_object(create, "HostConfig", "create body")
-    return _pod_request(_Name(name, "sandbox"), labels, host, "create body", cgroup_driver)
+    create = require_object(body, "create body")
+    labels = labels_in(create, "create body")
+    require_kind(labels, "sandbox", "create body")
+    host = optional_object(create, "HostConfig", "create body")
+    return pod_request(ContainerName(name, "sandbox"), labels, host, "create body", cgroup_driver)
 
 
 def _container_create(name: str, body: object, cgroup_driver: str | None) -> ContainerHookRequest:
-    create = _require_object(body, "create body")
-    labels = _labels(create, "create body")
-    _require_kind(labels, "container", "create body")
-    host = _optional_object(create, "HostConfig", "create body")
-    env = _env(create, "create body")
-    image = _image(create, "create body")
-    return _container_request(_Name(name, "container"), labels, env, image, host, "create body", cgroup_driver)
+    create = require_object(body, "create body")
+    labels = labels_in(create, "create body")
+    require_kind(labels, "container", "create body")
+    host = optional_object(create, "HostConfig", "create body")
+    env = env_in(create, "create body")
+    image = image_in(create, "create body")
+    return container_request(ContainerName(name, "container"), labels, env, image, host, "create body", cgroup_driver)
 
 
 def update_resources(body: object) -> hook.LinuxContainerResources:
     """The resources ``POST /containers/{id}/update`` names; it names only what it changes (zero or empty: keep)."""
-    return _resources(_require_object(body, "update body"), "update body", _UPDATE_KEYS)
-
-
-# ---------------------------------------------------------------------------------------------
-# Rebuilding the store from GET /containers/{id}/json
-
-
-def _inspect_config(inspect: Mapping[str, Any]) -> Mapping[str, Any]:
-    config = _optional_object(inspect, "Config", "inspect")
-    if config is None:
-        raise DockerShapeError("inspect.Config is missing")
-    return config
-
-
-def stored_sandbox_from_inspect(inspect: object, cgroup_driver: str | None) -> PodHookRequest:
-    """The pod as koordrp stored it at create, read back from dockerd (hooks' changes included)."""
-    found = _require_object(inspect, "inspect")
-    labels = _labels(_inspect_config(found), "inspect.Config")
-    _require_kind(labels, "sandbox", "inspect")
-    host = _optional_object(found, "HostConfig", "inspect")
-    return _pod_request(_Name(found.get("Name"), "sandbox"), labels, host, "inspect", cgroup_driver)
-
-
-def stored_container_from_inspect(
-    inspect: object, pod: PodHookRequest | None, cgroup_driver: str | None
-) -> ContainerHookRequest:
-    """The container as koordrp stored it at create, read back from dockerd, with its id.
-
-    ``pod`` is its sandbox from the store; without it the pod's name, namespace and uid come from
-    the container's name and its cgroup parent from its HostConfig. Config.Env is the environment
-    dockerd runs, so it includes the image's ENV besides what kubelet and hooks set.
-    """
-    found = _require_object(inspect, "inspect")
-    config = _inspect_config(found)
-    labels = _labels(config, "inspect.Config")
-    _require_kind(labels, "container", "inspect")
-    container_id = found.get("Id")
-    if not isinstance(container_id, str) or not container_id:
-        raise DockerShapeError(f"inspect.Id is {json_type(container_id)}, not a container id")
-    host = _optional_object(found, "HostConfig", "inspect")
-    env = _env(config, "inspect.Config")
-    image = _image(config, "inspect.Config")
-    name = _Name(found.get("Name"), "container")
-    container = _container_request(name, labels, env, image, host, "inspect", cgroup_driver)
-    container.container_meta.id = container_id
-    return container if pod is None else placed_in_pod(container, pod)
+    return _resources(require_object(body, "update body"), "update body", _UPDATE_KEYS)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -464,7 +409,7 @@ def _write_resources(
 def _write_env(body: MutableMapping[str, Any], before: Mapping[str, str], after: Mapping[str, str]) -> bool:
     if dict(before) == dict(after):
         return False
-    env = _env(body, "body")
+    env = env_in(body, "body")
     # Entries without "=" name no value: hooks never saw them, and they keep their place.
     result = merged_envs(env, oci_env_variable, lambda key, value: f"{key}={value}", before, after)
     if result == env:
@@ -524,7 +469,7 @@ def apply_to_update(
     Its resource fields are at the top level; it has no OomScoreAdj, labels or cgroup parent, so
     hook changes to those cannot be applied by an update.
     """
-    _require_object(body, "update body")
+    require_object(body, "update body")
     return _write_resources(body, None, before.container_resources, after.container_resources, _UPDATE_KEYS)
 
 
@@ -599,7 +544,7 @@ class ContainerCreate:
         return _written(self._body, changed, self._left_alone)
 
     def envs_sent(self) -> dict[str, str]:
-        return oci_env_map(_env(self._body, "create body"))
+        return oci_env_map(env_in(self._body, "create body"))
 
 
 class ContainerUpdate:

@@ -8,12 +8,6 @@ from koordrp.unix import EndpointError, parse_unix_endpoint
 from koordrp.hooks.types import HOOKS_BY_NAME, FailurePolicy, HookServerConfig, HookType
 from koordrp.text import json_type
 
-DEFAULT_HOOK_TIMEOUT = 60.0
-"""koordrp's --hook-timeout: the hard cap on one hook call. Within it, a call's hooks get half of what is
-left of the CRI call's deadline (kubelet gives 2 minutes): Koordinator's proxy has no cap of its own,
-and koordlet's answers (which it computes writing cgroups) take seconds on a loaded node. The cap
-bounds calls that come with no deadline (Docker mode)."""
-
 MAX_CONFIG_BYTES = 1 << 20
 """A registration is a few hundred bytes; anything past this is a mistake and is not read whole."""
 

@@ -17,10 +17,10 @@ from koordrp.hooks.messages import HookRequest, HookResponse, copied, merge_resp
 from koordrp.hooks.validation import Checked, check
 from koordrp.hooks.types import (
     ERROR,
+    HOOK_OK,
     LATE,
     NOT_ANSWERING,
     NOT_MADE,
-    OK,
     TIMEOUT,
     HookCall,
     HookFailure,
@@ -241,9 +241,9 @@ class Dispatcher:
                     outcome.calls.append(HookCall(server, hook, ERROR, seconds, refused, reason=checked.reason, trial=admitted.trial))
                     outcome.failure = HookFailure(server, hook, checked.reason)
                     return outcome
-            seconds = self._count(server, hook, OK, started)
+            seconds = self._count(server, hook, HOOK_OK, started)
             changes = merge_response(request, checked.response, server.apply_pod_resources) + checked.changes() if hook.is_pre else []
-            outcome.calls.append(HookCall(server, hook, OK, seconds, tuple(changes), trial=admitted.trial))
+            outcome.calls.append(HookCall(server, hook, HOOK_OK, seconds, tuple(changes), trial=admitted.trial))
             for change in changes:
                 if not change.applied:
                     continue

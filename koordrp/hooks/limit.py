@@ -11,6 +11,10 @@ from dataclasses import dataclass
 
 from koordrp.hooks.types import HookServerConfig
 
+ANSWER_MARGIN = 0.1
+"""Seconds of containerd's deadline kept for koordrp's answer to reach it: containerd drops a plugin
+that answers late (it takes a missed deadline as the plugin's death) and goes on without it."""
+
 SHORTEN = "its timeout-seconds (in a file without one, as koordlet writes it: koordrp's --hook-timeout)"
 """What an operator shortens so that a server's pre hook calls fit the limit."""
 
@@ -41,3 +45,14 @@ class PreHookLimit:
             f"get {server.timeout:g}s); set "
             f"{SHORTEN} to {self.seconds:g} or less, or {self.remedy}"
         )
+
+
+def pre_hook_limit(request_timeout: float) -> PreHookLimit:
+    """What pre hooks get when containerd's NRI gives each call ``request_timeout`` seconds."""
+    return PreHookLimit(
+        max(request_timeout - ANSWER_MARGIN, 0.0),
+        f"containerd's NRI gives each call {request_timeout:g}s (plugin_request_timeout) and koordrp keeps "
+        f"{ANSWER_MARGIN:g}s of it to answer",
+        "raise plugin_request_timeout in containerd's config (then every NRI event on the node may wait that long "
+        'for a server that does not answer: docs/operating/nri-mode.md, "Time")',
+    )

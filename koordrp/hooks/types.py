@@ -120,7 +120,7 @@ class HookCall:
     server: HookServerConfig
     hook: HookType
     result: str
-    """OK, ERROR, TIMEOUT; LATE (answered after its call went on without it, and applied where the front
+    """HOOK_OK, ERROR, TIMEOUT; LATE (answered after its call went on without it, and applied where the front
     end still could); NOT_ANSWERING (skipped: the server let an earlier call that could wait no longer pass
     its budget and has not answered one in time since; for a post hook, one its stage would skip as the
     call's line is written); or, for calls not made: SENT (a post hook, not waited for), SKIPPED (by the
@@ -132,7 +132,7 @@ class HookCall:
     """The call was the trial of a server that had not answered in time (``koordrp.hooks.answering``)."""
 
 
-OK, ERROR, TIMEOUT, LATE, SENT, SKIPPED, UNREADABLE = "ok", "error", "timeout", "late", "sent", "skipped", "unreadable"
+HOOK_OK, ERROR, TIMEOUT, LATE, SENT, SKIPPED, UNREADABLE = "ok", "error", "timeout", "late", "sent", "skipped", "unreadable"
 NOT_ANSWERING = "not-answering"
 NOT_MADE = (SKIPPED, UNREADABLE)
 """The results of hook calls a CRI call spared (a post hook SENT is still made, later)."""

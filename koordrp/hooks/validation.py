@@ -1,5 +1,5 @@
 """What koordrp takes of a hook server's answer: the rules an answer's fields must keep before they are merged
-(``koordrp.hooks.messages``), in every mode (docs/hook-server.md, "How answers are merged").
+(``koordrp.hooks.messages``), in every mode (docs/hook-server/merging.md).
 
 A value the kernel, the runtime or the runtime's transport would refuse, or a cgroup parent outside the pod's
 cgroup root, must never reach the runtime: there it fails the pod long after the answer, with nobody named.

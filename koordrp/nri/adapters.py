@@ -38,7 +38,7 @@ class NRIReply:
 
     @property
     def label(self) -> str:
-        return adapters.OK if self.ok else "NOT-CONFIRMED"
+        return adapters.OK_LABEL if self.ok else "NOT-CONFIRMED"
 
 
 class NRIBackend:

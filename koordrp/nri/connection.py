@@ -1,6 +1,6 @@
 """One connection to containerd's NRI socket, on the reactor: ttrpc both ways over NRI's multiplexer.
 
-containerd calls the plugin (``IPluginCalls``) on one multiplexed connection; the plugin calls
+containerd calls the plugin (``PluginCalls``) on one multiplexed connection; the plugin calls
 containerd (``NRIConnection.call``, to register) on the other. Bytes that break the framing end the
 connection (the reason it is lost with): containerd does the same, and the plugin connects again. A
 message larger than ttrpc's limit is read and dropped, never held, and its stream answered
@@ -9,6 +9,7 @@ RESOURCE_EXHAUSTED, as ttrpc's own server and client do.
 
 from __future__ import annotations
 
+import os
 from typing import Protocol
 
 from twisted.internet.defer import CancelledError, Deferred, TimeoutError as DeferredTimeout, fail
@@ -56,7 +57,7 @@ class NRIConnectionLost(NRIError):
     """The connection went while a call waited for its answer: the reason is the connection's."""
 
 
-class IPluginCalls(Protocol):
+class PluginCalls(Protocol):
     """What containerd calls on the plugin: ``method`` of the Plugin service, its request's bytes, and what
     is left of containerd's deadline for it (None: it set none). The Deferred fires with the response's
     bytes, or fails (NRIError: with its code) for containerd to hear of the failure."""
@@ -77,7 +78,7 @@ class IPluginCalls(Protocol):
 class NRIConnection(TwistedProtocol):
     log = Logger()
 
-    def __init__(self, plugin: IPluginCalls, clock: IReactorTime) -> None:
+    def __init__(self, plugin: PluginCalls, clock: IReactorTime) -> None:
         self._plugin = plugin
         self._clock = clock
         self._trunk = MuxReader()
@@ -130,8 +131,10 @@ class NRIConnection(TwistedProtocol):
     def _serve(self, stream_id: int, payload: bytes) -> None:
         try:
             request = ttrpc_pb2.Request.FromString(payload)
-        except Exception as error:  # protobuf's DecodeError, or worse: never the reactor's problem
-            self._respond(stream_id, _status(UNKNOWN, f"koordrp cannot read the ttrpc request: {error}"))
+        except Exception:  # protobuf's DecodeError, or worse: never the reactor's problem
+            failure = Failure()  # type: ignore[no-untyped-call]
+            unread = f"koordrp cannot read the ttrpc request: {failure.getErrorMessage()}"
+            self._respond(stream_id, self._unknown(failure, "request", unread))
             return
         if request.service != PLUGIN_SERVICE:
             self._respond(stream_id, _status(UNIMPLEMENTED, f"koordrp serves no {request.service}"))
@@ -144,9 +147,11 @@ class NRIConnection(TwistedProtocol):
         # One callback, not a chain of them: every lifecycle event pays for each.
         def respond(result: bytes | Failure) -> None:
             self._serving.discard(answer)
+            if self._lost:
+                return  # cut by the connection's loss, which is said: there is nobody to answer
             try:
                 if isinstance(result, Failure):
-                    self._respond(stream_id, _status_of(result, method))
+                    self._respond(stream_id, self._failed(result, method))
                 else:
                     self._respond(stream_id, ttrpc_pb2.Response(payload=result))
             except Exception:
@@ -158,6 +163,21 @@ class NRIConnection(TwistedProtocol):
         if not self._lost:
             message = ttrpc_message(stream_id, RESPONSE, response.SerializeToString())
             self._send(mux_frames(PLUGIN_SERVICE_CONNECTION, message))
+
+    def _failed(self, failure: Failure, method: str) -> ttrpc_pb2.Response:
+        """containerd's answer to ``method``, which failed: an NRIError's status, said where it was decided; any other
+        failure is UNKNOWN."""
+        if isinstance(failure.value, NRIError):
+            return _status(failure.value.code, str(failure.value))
+        if isinstance(failure.value, (CancelledError, DeferredTimeout)):
+            return self._unknown(failure, method, f"koordrp gave up on {method}")
+        return self._unknown(failure, method, f"koordrp: {method} failed: {shortened(failure.getErrorMessage())}")
+
+    def _unknown(self, failure: Failure, method: str, message: str) -> ttrpc_pb2.Response:
+        """UNKNOWN with ``message`` for containerd, and one line for the operator: which of containerd's calls it
+        answers, and the error (a traceback would be a line per frame, for every call that fails so)."""
+        self.log.error("answered containerd's NRI {method} with UNKNOWN: {error}", method=method, error=_error_line(failure))
+        return _status(UNKNOWN, message)
 
     def _send(self, frames: bytes) -> None:
         assert self._sending is not None, "connectionMade comes first"
@@ -230,10 +250,10 @@ def _status(code: int, message: str) -> ttrpc_pb2.Response:
     return ttrpc_pb2.Response(status=ttrpc_pb2.Status(code=code, message=message))
 
 
-def _status_of(failure: Failure, method: str) -> ttrpc_pb2.Response:
-    if isinstance(failure.value, NRIError):
-        return _status(failure.value.code, str(failure.value))
-    if isinstance(failure.value, (CancelledError, DeferredTimeout)):
-        return _status(UNKNOWN, f"koordrp gave up on {method}")
-    NRIConnection.log.failure("{method} failed inside koordrp", failure, method=method)
-    return _status(UNKNOWN, f"koordrp: {method} failed: {shortened(failure.getErrorMessage())}")
+def _error_line(failure: Failure) -> str:
+    """The error on one line: its type, its message and where it was raised."""
+    where = ""
+    if failure.frames:
+        function, path, line = failure.frames[-1][:3]
+        where = f" (in {function}, {os.path.basename(path)}:{line})"
+    return f"{type(failure.value).__name__}: {shortened(failure.getErrorMessage())}{where}"

@@ -56,7 +56,7 @@ _EVENTS = 1 << (nri.REMOVE_POD_SANDBOX - 1)
 
 
 class _Lister:
-    """One listing connection's side (``IPluginCalls``): the pods of containerd's synchronization, then gone."""
+    """One listing connection's side (``PluginCalls``): the pods of containerd's synchronization, then gone."""
 
     def __init__(self, identity: PluginIdentity, clock: IReactorTime) -> None:
         self._identity = identity

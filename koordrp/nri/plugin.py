@@ -5,20 +5,23 @@ NRI tells a plugin of a lifecycle call at the point where containerd is about to
 start, update: the answer may change it) or has done it (run a sandbox, stop, remove). The flows
 are written for a front end that forwards the call and hears how it went; here "forwarding" is
 answering containerd, and how it went is containerd's next event about the same container: its
-PostCreateContainer, PostStartContainer or PostUpdateContainer (``Confirmations``). So a
+PostCreateContainer, PostStartContainer or PostUpdateContainer (``koordrp.nri.confirmations``). So a
 PostStartContainer hook runs once the container has started, as in the proxy, and a create that
 containerd then failed is not stored.
+
+What the plugin handles is one table, ``HANDLERS``: each of containerd's calls and events with its
+handler. The events containerd is asked to send are those the table handles (``subscription``), as
+containerd/nri's Go stub subscribes a plugin to the events whose handlers it implements.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Coroutine
+from typing import Any, Callable, Coroutine, Iterable
 
 from google.protobuf.message import DecodeError
 from twisted.internet.defer import Deferred, TimeoutError as DeferredTimeout, ensureDeferred, fail, maybeDeferred, succeed
-from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger, LogLevel
 from twisted.python.failure import Failure
 
@@ -28,124 +31,26 @@ from koordrp.drain import Drain
 from koordrp import resync
 from koordrp import flows
 from koordrp.api.nri.v1alpha1 import api_pb2 as nri
-from koordrp.hooks.limit import PreHookLimit
+from koordrp.hooks.limit import ANSWER_MARGIN, PreHookLimit, pre_hook_limit
 from koordrp.hooks.messages import subject_text
 from koordrp.nri import translate
 from koordrp.nri.adapters import LateAnswers, NRIBackend, NRIReply, Synchronized, not_done
 from koordrp.nri.catchup import REPLY_SLACK as CATCH_UP_REPLY_SLACK, CatchUp
+from koordrp.nri.confirmations import UNDONE_CREATE, Confirmations
 from koordrp.nri.connection import UNKNOWN, UNIMPLEMENTED, NRIConnection, NRIConnectionLost, NRIError
 from koordrp.nri.told import ToldPods
 from koordrp.nri.wire import MAX_TTRPC_MESSAGE
 from koordrp.text import shortened
 
-# Every event the store needs to follow pods and containers, and their Post variants for Confirmations.
-SUBSCRIBED = (
-    nri.RUN_POD_SANDBOX,
-    nri.STOP_POD_SANDBOX,
-    nri.REMOVE_POD_SANDBOX,
-    nri.CREATE_CONTAINER,
-    nri.POST_CREATE_CONTAINER,
-    nri.START_CONTAINER,
-    nri.POST_START_CONTAINER,
-    nri.UPDATE_CONTAINER,
-    nri.POST_UPDATE_CONTAINER,
-    nri.STOP_CONTAINER,
-    nri.REMOVE_CONTAINER,
-)
-EVENT_MASK = sum(1 << (event - 1) for event in SUBSCRIBED)
-
-ANSWER_MARGIN = 0.1
-"""Seconds of containerd's deadline kept for koordrp's answer to reach it: containerd drops a plugin
-that answers late (it takes a missed deadline as the plugin's death) and goes on without it."""
-
-CONFIRM_SECONDS = 120.0
-"""How long a create, start or update waits for containerd to say it happened (kubelet's own bound)."""
-
 REGISTER_SECONDS = 5.0
 
+STATE_CHANGE = "StateChange"
+"""The Plugin method by which containerd tells of an event that needs no answer but its receipt."""
 
-def pre_hook_limit(request_timeout: float) -> PreHookLimit:
-    """What pre hooks get when containerd gives each call ``request_timeout`` seconds."""
-    return PreHookLimit(
-        max(request_timeout - ANSWER_MARGIN, 0.0),
-        f"containerd's NRI gives each call {request_timeout:g}s (plugin_request_timeout) and koordrp keeps "
-        f"{ANSWER_MARGIN:g}s of it to answer",
-        "raise plugin_request_timeout in containerd's config (then every NRI event on the node may wait that long "
-        'for a server that does not answer: docs/operating.md, "NRI mode")',
-    )
-
-# What each Post event confirms, and the events after which it will not come.
-_CONFIRMED_BY: dict[int, str] = {
-    nri.POST_CREATE_CONTAINER: "create",
-    nri.POST_START_CONTAINER: "start",
-    nri.POST_UPDATE_CONTAINER: "update",
-}
-# The lifecycle call (as flows and hooks name it) of each NRI request that tells of one.
-_LIFECYCLE = {
-    "CreateContainer": "CreateContainer",
-    "UpdateContainer": "UpdateContainerResources",
-    "StopContainer": "StopContainer",
-}
-_HAS_RUN = (nri.CONTAINER_RUNNING, nri.CONTAINER_PAUSED, nri.CONTAINER_STOPPED)
 _EMPTY = nri.Empty().SerializeToString()
 
 NOT_DONE = "containerd did not do the call"
 """Why the changes of a call containerd did not do are not applied (the call's line names them)."""
-UNDONE_CREATE = "containerd undid the create after koordrp answered: it told of the container's stop before it was made"
-
-
-class Confirmations:
-    """containerd's word, by its next event about a container, that it did what the plugin was told of."""
-
-    def __init__(self, clock: IReactorTime) -> None:
-        self._clock = clock
-        self._waiting: dict[tuple[str, str], tuple[Deferred[str | None], IDelayedCall]] = {}
-
-    def expect(self, kind: str, container_id: str) -> Deferred[str | None]:
-        """Fires None once ``kind`` (create, start, update) of the container is confirmed; else with what containerd
-        told instead (a stop or removal of the container first, a newer one of the same kind) or that it said
-        nothing in CONFIRM_SECONDS."""
-        key = (kind, container_id)
-        self._settle(key, f"a newer {kind} of the container came first")
-        waiting: Deferred[str | None] = Deferred(lambda _: self._forget(key))
-        timer = self._clock.callLater(CONFIRM_SECONDS, self._settle, key, f"containerd did not say it did it within {CONFIRM_SECONDS:g}s")
-        self._waiting[key] = (waiting, timer)
-        return waiting
-
-    def happened(self, event: int, container: nri.Container) -> None:
-        """containerd told of ``event`` about ``container`` (as it is now)."""
-        kind = _CONFIRMED_BY.get(event)
-        if kind is not None:
-            self._settle((kind, container.id), None)
-        elif event == nri.STOP_CONTAINER:
-            # containerd undoes a create that failed after the plugins answered (another plugin's
-            # conflicting answer, the runtime's error) with a stop and a removal.
-            self._settle(("create", container.id), UNDONE_CREATE)
-            self._settle(("update", container.id), "containerd stopped the container before updating it")
-            # containerd tells of a failed start as a stop of the container still created; one that has
-            # run (even if it exited at once) did start.
-            started = container.state in _HAS_RUN
-            self._settle(("start", container.id), None if started else "containerd failed the start: it told of the container's stop while still created")
-        elif event == nri.REMOVE_CONTAINER:
-            for kind in ("create", "start", "update"):
-                self._settle((kind, container.id), f"containerd removed the container before the {kind}")
-
-    def _forget(self, key: tuple[str, str]) -> None:
-        found = self._waiting.pop(key, None)
-        if found is not None and found[1].active():
-            found[1].cancel()
-
-    def _settle(self, key: tuple[str, str], why_not: str | None) -> None:
-        found = self._waiting.pop(key, None)
-        if found is not None:
-            waiting, timer = found
-            if timer.active():
-                timer.cancel()
-            waiting.callback(why_not)
-
-    def cancel_all(self) -> None:
-        for waiting, _ in list(self._waiting.values()):
-            waiting.cancel()
 
 
 @dataclass
@@ -290,24 +195,22 @@ class NRIPlugin:
     # containerd's calls
 
     def called(self, method: str, payload: bytes, timeout: float | None) -> Deferred[bytes]:
-        handler = self._HANDLERS.get(method)
+        handler = _REQUESTS.get(method)
         if handler is None:
             return fail(NRIError(UNIMPLEMENTED, f"koordrp does not handle {method}"))
         try:
-            return handler(self, payload, timeout)
+            return handler.answer(self, payload, timeout)
         except DecodeError as error:
-            return self._unreadable(method, timeout, str(error))
-        except Exception as error:
-            self.log.failure("containerd's NRI {method} failed inside koordrp", method=method)
-            return fail(NRIError(UNKNOWN, f"koordrp: {method} failed: {shortened(str(error))}"))
+            return self._unreadable(method, handler.lifecycle, timeout, str(error))
+        except Exception:
+            return fail()  # the connection answers it, and says it (``koordrp.nri.connection``)
 
-    def _unreadable(self, method: str, timeout: float | None, reason: str) -> Deferred[bytes]:
+    def _unreadable(self, method: str, lifecycle: str | None, timeout: float | None, reason: str) -> Deferred[bytes]:
         """A request koordrp cannot read: a lifecycle call goes on as containerd has it (``flows.unreadable``)."""
-        lifecycle = _LIFECYCLE.get(method)
         if lifecycle is None:
             # Which event a StateChange is cannot be known; the plugin's own calls are not for hooks.
             self.log.warn("cannot read containerd's NRI {method} request: {reason}", method=method, reason=shortened(reason))
-            if method == "StateChange":
+            if method == STATE_CHANGE:
                 return succeed(_EMPTY)
             return fail(NRIError(UNKNOWN, f"koordrp cannot read the {method} request: {shortened(reason)}"))
         return self._run(
@@ -412,40 +315,56 @@ class NRIPlugin:
 
     def _state_change(self, payload: bytes, timeout: float | None) -> Deferred[bytes]:
         event = nri.StateChangeEvent.FromString(payload)
-        pod, container = event.pod, event.container
-        self._confirmations.happened(event.event, container)
-        flow: Callable[[Call[NRIReply]], Coroutine[Any, Any, NRIReply]]
-        confirm = None
-        readable: nri.PodSandbox | None = pod
-        if event.event == nri.RUN_POD_SANDBOX:
-            self._told.ran(pod.id)
-            method, flow = "RunPodSandbox", lambda call: flows.run_pod_sandbox(call, translate.RunPodSandbox(pod))
-        elif event.event == nri.START_CONTAINER:
-            method, flow = "StartContainer", lambda call: flows.start_container(call, container.id)
-            confirm = self._expect("start", container.id)
-        elif event.event == nri.STOP_POD_SANDBOX:
-            # Not read back, like StopContainer: after Synchronize, a pod the store lacks is one whose run failed.
-            method, flow = "StopPodSandbox", lambda call: flows.stop_pod_sandbox(call, pod.id)
-            readable = None
-        elif event.event == nri.REMOVE_CONTAINER:
-            method, flow = "RemoveContainer", lambda call: flows.remove_container(call, container.id)
-        elif event.event == nri.REMOVE_POD_SANDBOX:
-            self._told.removed(pod.id)
-            method, flow = "RemovePodSandbox", lambda call: flows.remove_pod_sandbox(call, pod.id)
-        else:
-            return succeed(_EMPTY)  # a Post event: its Confirmation is all it is for
-        own_container = container if event.HasField("container") else None
-        return self._run(method, timeout, lambda answer: NRIBackend(answer, _EMPTY, readable, own_container, confirm), flow)
+        self._confirmations.happened(event.event, event.container)
+        handler = _EVENTS.get(event.event)
+        if handler is None:
+            return succeed(_EMPTY)  # an event no handler takes: containerd sends none it was not asked for
+        return handler.take(self, event, timeout)
 
-    _HANDLERS: dict[str, Callable[[NRIPlugin, bytes, float | None], Deferred[bytes]]] = {
-        "Configure": _configure,
-        "Synchronize": _synchronize,
-        "Shutdown": _shutdown,
-        "CreateContainer": _create_container,
-        "UpdateContainer": _update_container,
-        "StopContainer": _stop_container,
-        "StateChange": _state_change,
-    }
+    # the events containerd tells of once done
+
+    def _run_pod_sandbox(self, event: nri.StateChangeEvent, timeout: float | None) -> Deferred[bytes]:
+        pod = event.pod
+        self._told.ran(pod.id)
+        return self._done(event, timeout, "RunPodSandbox", lambda call: flows.run_pod_sandbox(call, translate.RunPodSandbox(pod)))
+
+    def _start_container(self, event: nri.StateChangeEvent, timeout: float | None) -> Deferred[bytes]:
+        container_id = event.container.id
+        return self._done(
+            event, timeout, "StartContainer", lambda call: flows.start_container(call, container_id), self._expect("start", container_id)
+        )
+
+    def _stop_pod_sandbox(self, event: nri.StateChangeEvent, timeout: float | None) -> Deferred[bytes]:
+        sandbox_id = event.pod.id
+        # Not read back, like StopContainer: after Synchronize, a pod the store lacks is one whose run failed.
+        return self._done(event, timeout, "StopPodSandbox", lambda call: flows.stop_pod_sandbox(call, sandbox_id), readable=False)
+
+    def _remove_container(self, event: nri.StateChangeEvent, timeout: float | None) -> Deferred[bytes]:
+        container_id = event.container.id
+        return self._done(event, timeout, "RemoveContainer", lambda call: flows.remove_container(call, container_id))
+
+    def _remove_pod_sandbox(self, event: nri.StateChangeEvent, timeout: float | None) -> Deferred[bytes]:
+        sandbox_id = event.pod.id
+        self._told.removed(sandbox_id)
+        return self._done(event, timeout, "RemovePodSandbox", lambda call: flows.remove_pod_sandbox(call, sandbox_id))
+
+    def _confirmed(self, event: nri.StateChangeEvent, timeout: float | None) -> Deferred[bytes]:
+        """A Post event: the confirmation ``_state_change`` gave it is all it is for."""
+        return succeed(_EMPTY)
+
+    def _done(
+        self,
+        event: nri.StateChangeEvent,
+        timeout: float | None,
+        method: str,
+        flow: Callable[[Call[NRIReply]], Coroutine[Any, Any, NRIReply]],
+        confirm: Callable[[], Deferred[str | None]] | None = None,
+        readable: bool = True,
+    ) -> Deferred[bytes]:
+        """Run ``method``'s flow for an event containerd has done; ``readable``: the flow may read the pod from it."""
+        pod = event.pod if readable else None
+        container = event.container if event.HasField("container") else None
+        return self._run(method, timeout, lambda answer: NRIBackend(answer, _EMPTY, pod, container, confirm), flow)
 
     # running a flow
 
@@ -509,3 +428,58 @@ class NRIPlugin:
 
         call.run(flow(call)).addCallback(over)
         return answer
+
+
+@dataclass(frozen=True)
+class RequestHandler:
+    """How the plugin answers one of containerd's requests: ``answer`` gets its payload, unread, and what is left
+    of containerd's deadline."""
+
+    answer: Callable[[NRIPlugin, bytes, float | None], Deferred[bytes]]
+    event: int | None = None
+    """The event that subscribes the plugin to the request; None: containerd makes it of every plugin."""
+    lifecycle: str | None = None
+    """The lifecycle call it tells of (as flows and hooks name it): an unreadable request goes on as that call."""
+
+
+@dataclass(frozen=True)
+class EventHandler:
+    """How the plugin takes an event containerd tells of once done (a StateChange), ``event`` being subscribed to."""
+
+    event: int
+    take: Callable[[NRIPlugin, nri.StateChangeEvent, float | None], Deferred[bytes]]
+
+
+HANDLERS: dict[str, RequestHandler | EventHandler] = {
+    # containerd's calls of every plugin
+    "Configure": RequestHandler(NRIPlugin._configure),
+    "Synchronize": RequestHandler(NRIPlugin._synchronize),
+    "Shutdown": RequestHandler(NRIPlugin._shutdown),
+    STATE_CHANGE: RequestHandler(NRIPlugin._state_change),
+    # what containerd is about to do: the answer may change it
+    "CreateContainer": RequestHandler(NRIPlugin._create_container, nri.CREATE_CONTAINER, "CreateContainer"),
+    "UpdateContainer": RequestHandler(NRIPlugin._update_container, nri.UPDATE_CONTAINER, "UpdateContainerResources"),
+    "StopContainer": RequestHandler(NRIPlugin._stop_container, nri.STOP_CONTAINER, "StopContainer"),
+    # what containerd has done: every event the store needs to follow pods and containers, and the Post events
+    # that confirm what the plugin was told of
+    "RunPodSandbox": EventHandler(nri.RUN_POD_SANDBOX, NRIPlugin._run_pod_sandbox),
+    "StartContainer": EventHandler(nri.START_CONTAINER, NRIPlugin._start_container),
+    "StopPodSandbox": EventHandler(nri.STOP_POD_SANDBOX, NRIPlugin._stop_pod_sandbox),
+    "RemoveContainer": EventHandler(nri.REMOVE_CONTAINER, NRIPlugin._remove_container),
+    "RemovePodSandbox": EventHandler(nri.REMOVE_POD_SANDBOX, NRIPlugin._remove_pod_sandbox),
+    "PostCreateContainer": EventHandler(nri.POST_CREATE_CONTAINER, NRIPlugin._confirmed),
+    "PostStartContainer": EventHandler(nri.POST_START_CONTAINER, NRIPlugin._confirmed),
+    "PostUpdateContainer": EventHandler(nri.POST_UPDATE_CONTAINER, NRIPlugin._confirmed),
+}
+"""What the plugin handles, by the name containerd/nri's Go stub gives each handler: a request's is its method;
+the events come by StateChange."""
+
+
+def subscription(handlers: Iterable[RequestHandler | EventHandler]) -> int:
+    """The events to ask containerd for (Configure's mask): those ``handlers`` handle."""
+    return sum(1 << (handler.event - 1) for handler in handlers if handler.event is not None)
+
+
+EVENT_MASK = subscription(HANDLERS.values())
+_REQUESTS = {method: handler for method, handler in HANDLERS.items() if isinstance(handler, RequestHandler)}
+_EVENTS = {handler.event: handler for handler in HANDLERS.values() if isinstance(handler, EventHandler)}

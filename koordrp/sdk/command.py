@@ -10,7 +10,9 @@ started from a shell takes the same flags::
 import argparse
 import logging
 
-from koordrp.sdk import HookServer
+# The SDK's own logger, not the root one: the server's output names who wrote each line, and the author's
+# own lines are named after the author's module (``python -m koordrp.sdk`` loads the file under its name).
+from koordrp.sdk import HookServer, log
 
 
 def parser(prog: str, description: str, *, socket: str | None = None, name: str | None = None) -> argparse.ArgumentParser:
@@ -48,7 +50,7 @@ def serve_until_stopped(server: HookServer, options: argparse.Namespace, source:
         timeout_seconds=options.timeout_seconds,
     ) as running:
         hooks = ", ".join(sorted(hook.value for hook in running.hooks))
-        logging.info("serving %s%s on %s", hooks, f" from {source}" if source else "", running.socket_path)
+        log.info("serving %s%s on %s", hooks, f" from {source}" if source else "", running.socket_path)
         print("ready", flush=True)
         running.wait()
-        logging.info("stopping")
+        log.info("stopping")

@@ -7,6 +7,7 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
+from tests.e2e.progress import ModuleProgress
 from tests.fake.hook_server import FakeHookServer
 from tests.support.containerd import NRI_RELEASES, RELEASES, Containerd, ContainerdError, require_binaries
 from tests.support.daemons import DaemonError
@@ -156,3 +157,7 @@ def wait_registered(koordrp: KoordrpProcess, servers: int) -> None:
     figure for a quiet node, not a bound a test machine at load 12 can be held to, so the wait is long and
     only a koordrp that never notices fails it."""
     koordrp.wait_for_servers(servers, timeout=30.0)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(ModuleProgress(config), "koordrp-module-progress")

@@ -9,9 +9,10 @@ starting first.
 import contextlib
 import json
 import signal
+import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import grpc
 import pytest
@@ -166,47 +167,98 @@ def test_a_server_slower_than_containerds_deadline_is_warned_of_before_any_call(
         koordrp.stop()
 
 
-def test_eight_creates_two_seconds_apart_with_a_server_answering_in_2_5s_wait_twice_and_the_first_gets_its_answer(
+class AfterContainerdWentOn:
+    """A PreCreateContainer behaviour that answers a create only once the test has seen containerd go on without
+    it (its CreateContainer answered): every answer is late, however fast or slow the machine."""
+
+    def __init__(self, answer: Callable[[Any], Any]) -> None:
+        self._answer = answer
+        self._went_on: set[str] = set()
+        self._all = False
+        self._changed = threading.Condition()
+
+    def __call__(self, request: Any) -> Any:
+        with self._changed:
+            # Bounded only so that a test that failed before releasing it does not hold grpc's thread for good.
+            self._changed.wait_for(lambda: self._all or request.container_meta.name in self._went_on, timeout=TIMEOUT)
+        return self._answer(request)
+
+    def went_on(self, container: str) -> None:
+        with self._changed:
+            self._went_on.add(container)
+            self._changed.notify_all()
+
+    def release_all(self) -> None:
+        with self._changed:
+            self._all = True
+            self._changed.notify_all()
+
+
+def test_creates_a_server_answers_only_after_containerds_deadline_wait_for_the_first_and_its_trial_and_skip_it_otherwise(
     plugin: KoordrpProcess, runtime: Any, servers: dict[str, FakeHookServer], workdir: Path, hooks_dir: Path
 ) -> None:
     """The issue's node: the first create waits for containerd's deadline and silences the server; the first
     create after the pause is its trial and waits too; every other create skips it at once. Each late answer's
-    cpu shares reach its container; its environment cannot, and says so. Counted by koordrp's call lines."""
+    cpu shares reach its container; its environment cannot, and says so. Counted by koordrp's call lines.
+
+    Creates follow one another as each answers, until the one after the pause (koordrp's 5 s) is the trial, then
+    two more (the pause has doubled): how many came before the trial is the machine's pace, and not counted."""
     slow = hook_server(servers, workdir, "slow")
-    slow.delays[CREATE] = 2.5
-    slow.behaviours[CREATE] = lambda request: hook.ContainerResourceHookResponse(
-        container_resources=hook.LinuxContainerResources(cpu_shares=512), container_envs={"SLOW": "1"}
+    late = AfterContainerdWentOn(
+        lambda request: hook.ContainerResourceHookResponse(
+            container_resources=hook.LinuxContainerResources(cpu_shares=512), container_envs={"SLOW": "1"}
+        )
     )
-    # Subscribed to a post hook too, as koordlet is: its post hooks still reach it, and do not bring it back.
-    register(hooks_dir, "slow", slow.path, ["PreCreateContainer", "PostStartContainer"], "Ignore", **{"timeout-seconds": 10})
+    slow.behaviours[CREATE] = late
+    # Subscribed to a post hook too, as koordlet is: its post hooks still reach it, and do not bring it back. Its
+    # timeout is long enough that koordrp still waits for an answer the test releases, however slow the machine.
+    register(hooks_dir, "slow", slow.path, ["PreCreateContainer", "PostStartContainer"], "Ignore", **{"timeout-seconds": 30})
     wait_registered(plugin, 1)
-    pod = pod_sandbox_config("eight", log_directory=workdir / "eight")
+    pod = pod_sandbox_config("late", log_directory=workdir / "late")
     sandbox_id = runtime.RunPodSandbox(api_pb2.RunPodSandboxRequest(config=pod), timeout=TIMEOUT).pod_sandbox_id
+    ids: list[str] = []
+    lines: list[str] = []
+
+    def create() -> str:
+        """The next container's create line, written once its hooks are done with it; the container started."""
+        name = f"c{len(ids)}"
+        config = container_config(name, image=BUSYBOX_REF, command=["sleep", "3600"])
+        request = api_pb2.CreateContainerRequest(pod_sandbox_id=sandbox_id, config=config, sandbox_config=pod)
+        ids.append(runtime.CreateContainer(request, timeout=TIMEOUT).container_id)
+        late.went_on(name)
+        lines.append(call_line(plugin, f"CreateContainer pod default/late ({pod.metadata.uid}) container {name}:"))
+        runtime.StartContainer(api_pb2.StartContainerRequest(container_id=ids[-1]), timeout=TIMEOUT)
+        return lines[-1]
+
     try:
-        ids = []
-        first = time.monotonic()
-        for index in range(8):
-            # The scenario's pace (a create every 2 s), not a wait for something to happen.
-            time.sleep(max(0.0, first + 2 * index - time.monotonic()))
-            config = container_config(f"c{index}", image=BUSYBOX_REF, command=["sleep", "3600"])
-            request = api_pb2.CreateContainerRequest(pod_sandbox_id=sandbox_id, config=config, sandbox_config=pod)
-            ids.append(runtime.CreateContainer(request, timeout=TIMEOUT).container_id)
-            runtime.StartContainer(api_pb2.StartContainerRequest(container_id=ids[-1]), timeout=TIMEOUT)
-        lines = {index: call_line(plugin, f"CreateContainer pod default/eight ({pod.metadata.uid}) container c{index}:") for index in range(8)}
-        waited = [index for index, line in lines.items() if "PreCreateContainer@slow.json: late" in line]
-        assert len(waited) == 2 and waited[0] == 0 and "(trial; " in lines[waited[1]], lines
-        assert all("PreCreateContainer@slow.json: not-answering" in lines[index] for index in lines if index not in waited), lines
+        create()
+        while "(trial; " not in create():
+            assert len(ids) < 100, lines  # a bound on the loop: the pause is over long before
+        trial = len(ids) - 1
+        create()
+        create()
+        assert "PreCreateContainer@slow.json: late" in lines[0] and "trial" not in lines[0], lines[0]
+        assert "PreCreateContainer@slow.json: late" in lines[trial], lines[trial]  # the trial waited too
+        assert all("PreCreateContainer@slow.json: not-answering" in line for line in lines[1:trial]), lines
+        # After the trial the pause doubled: another trial only once it is over (a machine stalled for 10 s), never
+        # a call that waits as usual.
+        for line in lines[trial + 1 :]:
+            assert "PreCreateContainer@slow.json: not-answering" in line or (
+                "PreCreateContainer@slow.json: late" in line and "(trial; " in line
+            ), line
+        waited = [index for index, line in enumerate(lines) if "PreCreateContainer@slow.json: late" in line]
         assert [request.container_meta.name for request in slow.calls(CREATE)] == [f"c{index}" for index in waited]
-        starts = [call_line(plugin, f"StartContainer pod default/eight ({pod.metadata.uid}) container c{index}:") for index in range(8)]
+        starts = [call_line(plugin, f"StartContainer pod default/late ({pod.metadata.uid}) container c{index}:") for index in range(len(ids))]
         assert all("PostStartContainer@slow.json: sent" in line for line in starts), starts
-        slow.rpcs_once(len(waited) + 8, timeout=30)  # post hooks arrive after containerd's answer
-        assert sorted(request.container_meta.name for request in slow.calls("PostStartContainerHook")) == [f"c{index}" for index in range(8)]
+        slow.rpcs_once(len(waited) + len(ids), timeout=30)  # post hooks arrive after containerd's answer
+        assert sorted(request.container_meta.name for request in slow.calls("PostStartContainerHook")) == sorted(f"c{index}" for index in range(len(ids)))
         assert not plugin.log_lines("calls reach it again", timeout=0)
         for index in waited:
             assert "→512, left alone (late) envs +SLOW" in lines[index] and "changed resources.cpu_shares " in lines[index], lines[index]
             spec = runtime_spec(runtime, ids[index])
             assert spec["linux"]["resources"]["cpu"]["shares"] == 512 and "SLOW=1" not in spec["process"]["env"]
     finally:
+        late.release_all()
         remove_pod(runtime, sandbox_id)
 
 

@@ -123,10 +123,10 @@ def test_demo_runs_an_authors_own_server_the_one_in_the_docs(tmp_path: Path) -> 
     assert "pod annotations     {}" in output  # the example's pod is not the author's
     assert "container env       A=1 PINNED_TO=0" in output
     assert 'container resources {"cpuset_cpus": "0"}' in output  # pinned at create, kubelet asked "1"
-    # The example has no PreUpdateContainerResources handler: kubelet's update puts its cpuset back.
-    assert 'runtime spec cpu    {"cpus": "1"}' in output and "cpuset.cpus = 1" in output
+    # Its PreUpdateContainerResources pins again: kubelet's update does not put its cpuset back.
+    assert 'runtime spec cpu    {"cpus": "0"}' in output and "cpuset.cpus = 0" in output, output
     assert "PreCreateContainer@pin-me.json: ok" in output and 'resources.cpuset_cpus "1"→"0"' in output
-    assert "serving PreCreateContainer from" in output
+    assert "serving PreCreateContainer, PreUpdateContainerResources from" in output
 
 
 def test_passthrough_benchmark_prints_its_table() -> None:

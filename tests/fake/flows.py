@@ -8,7 +8,7 @@ from twisted.internet.defer import Deferred, succeed
 
 from koordrp.adapters import LookupFailed, PodSource
 from koordrp.hooks.messages import HookRequest, HookResponse, PodHookRequest, merge_response
-from koordrp.hooks.types import OK, HookCall, HookFailure, HookServerConfig, HookType, PostStage, StageOutcome, Subscribers
+from koordrp.hooks.types import HOOK_OK, HookCall, HookFailure, HookServerConfig, HookType, PostStage, StageOutcome, Subscribers
 from koordrp.store import StoredContainer, StoredPod
 
 
@@ -68,7 +68,7 @@ class ScriptedStages:
             behaviour = self.behaviours.get(hook)
             answer = behaviour(request) if behaviour is not None else self.answers.get(hook)
             changes = merge_response(request, answer, server.apply_pod_resources) if answer is not None else []
-            calls.append(HookCall(server, hook, OK, 0.001, tuple(changes)))
+            calls.append(HookCall(server, hook, HOOK_OK, 0.001, tuple(changes)))
         return StageOutcome(request, calls=calls)
 
     def hooks_run(self) -> list[HookType]:

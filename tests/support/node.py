@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from koordrp.tap import DEFAULT_PROXY_ENDPOINT
+from koordrp.defaults import DEFAULT_PROXY_ENDPOINT
 
 ROOT = Path(__file__).resolve().parents[2]
 KUBEADM = ROOT / "tests" / "fixtures" / "kubeadm"

@@ -12,7 +12,7 @@ from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
 from koordrp.hooks.answering import FIRST_PAUSE_SECONDS, LONGEST_PAUSE_SECONDS, Admitted, Answering, Silence
 from koordrp.hooks.client import HookCallError, HookTimedOut
 from koordrp.hooks.dispatcher import Dispatcher
-from koordrp.hooks.types import ERROR, LATE, NOT_ANSWERING, OK, TIMEOUT, FailurePolicy, HookServerConfig, HookType, PostStage, StageOutcome
+from koordrp.hooks.types import ERROR, HOOK_OK, LATE, NOT_ANSWERING, TIMEOUT, FailurePolicy, HookServerConfig, HookType, PostStage, StageOutcome
 from koordrp.metrics import Metrics
 from tests.fake.hook_clients import calls_to, scripted_clients
 from tests.support.logs import logged_events
@@ -212,7 +212,7 @@ class StageTests(Logged):
         outcome = self.successResultOf(trial)
         [call] = outcome.calls
         assert isinstance(outcome.request, hook.ContainerResourceHookRequest)
-        self.assertEqual((call.result, call.trial, dict(outcome.request.container_envs)), (OK, True, {"A": "1", "B": "2"}))
+        self.assertEqual((call.result, call.trial, dict(outcome.request.container_envs)), (HOOK_OK, True, {"A": "1", "B": "2"}))
         self.assertEqual(len(self.lines(LogLevel.info, "calls reach it again")), 1)
         self.stage()  # and the next call reaches it as any call would
         self.assertEqual(len(calls_to(self.clients, SLOW.endpoint)), 3)
@@ -336,7 +336,7 @@ class StageTests(Logged):
             [CREATE, HookType.POST_STOP_CONTAINER, HookType.POST_START_CONTAINER, CREATE],
         )
         self.assertEqual(self.lines(LogLevel.info, "calls reach it again"), [])
-        posts = {"server": SLOW.name, "hook": HookType.POST_START_CONTAINER.value, "result": OK}
+        posts = {"server": SLOW.name, "hook": HookType.POST_START_CONTAINER.value, "result": HOOK_OK}
         self.assertEqual(self.metrics.registry.get_sample_value("koordrp_hook_calls_total", posts), 1)
         self.clock.advance(SLOW.timeout)
         self.assertTrue(self.dispatcher.drain(0).called)

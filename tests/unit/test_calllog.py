@@ -7,7 +7,7 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from koordrp.calllog import MAX_LISTED, CallRecord, call_text, field_name
 from koordrp.hooks.messages import Change, ContainerHookRequest
-from koordrp.hooks.types import ERROR, LATE, OK, SENT, SKIPPED, TIMEOUT, FailurePolicy, HookCall, HookServerConfig, HookType
+from koordrp.hooks.types import ERROR, HOOK_OK, LATE, SENT, SKIPPED, TIMEOUT, FailurePolicy, HookCall, HookServerConfig, HookType
 
 KOORDLET = HookServerConfig("koordlet.json", "/run/k.sock", FailurePolicy.IGNORE, frozenset(HookType), 2.0)
 STRICT = HookServerConfig("strict.json", "/run/s.sock", FailurePolicy.FAIL, frozenset(HookType), 2.0)
@@ -25,7 +25,7 @@ class CallTextTests(SynchronousTestCase):
             Change("container_annotations[note]", added=True),
         )
         self.assertEqual(
-            call_text(HookCall(KOORDLET, CREATE, OK, 0.00061, changes)),
+            call_text(HookCall(KOORDLET, CREATE, HOOK_OK, 0.00061, changes)),
             'PreCreateContainer@koordlet.json: ok 0.6 ms, changed cgroup_parent "/kubepods/burstable/pod1"→'
             '"/kubepods/besteffort/pod1", resources.cpuset_cpus "0-3"→"2-3", resources.cpu_shares 2→512, '
             "envs +KOORDLET_SEEN, envs ~PATH, annotations +note",
@@ -48,7 +48,7 @@ class CallTextTests(SynchronousTestCase):
             Change("container_resources.oom_score_adj", 0, 5),
             Change("container_envs[SEEN]", added=True),
         )
-        record.add([HookCall(KOORDLET, CREATE, OK, 0.001, changes), HookCall(KOORDLET, HookType.POST_STOP_CONTAINER, SENT)])
+        record.add([HookCall(KOORDLET, CREATE, HOOK_OK, 0.001, changes), HookCall(KOORDLET, HookType.POST_STOP_CONTAINER, SENT)])
         record.leave_alone(CREATE, "container_resources.cpuset", "NRI can set a cpuset but not clear it")
         record.leave_alone(CREATE, "container_resources.oom", "NRI cannot set a container's OOM score")
         self.assertEqual(
@@ -70,7 +70,7 @@ class CallTextTests(SynchronousTestCase):
             "PreCreateContainer@koordlet.json: timeout 1900.0 ms (trial; no answer within 1.9s; went on without it)",
         )
         self.assertEqual(
-            call_text(HookCall(KOORDLET, CREATE, OK, 0.5, trial=True)),
+            call_text(HookCall(KOORDLET, CREATE, HOOK_OK, 0.5, trial=True)),
             "PreCreateContainer@koordlet.json: ok 500.0 ms (trial: it answers in time again)",
         )
         changes = (
@@ -91,7 +91,7 @@ class CallTextTests(SynchronousTestCase):
 class RecordTests(SynchronousTestCase):
     def test_the_same_facts_as_fields_for_json_logs_and_no_env_value_anywhere(self) -> None:
         record = CallRecord("CreateContainer", ContainerHookRequest(container_envs={"TOKEN": "s3cr3t"}))
-        record.add([HookCall(KOORDLET, CREATE, OK, 0.0005, (Change("container_envs[TOKEN]"),))])
+        record.add([HookCall(KOORDLET, CREATE, HOOK_OK, 0.0005, (Change("container_envs[TOKEN]"),))])
         fields = record.fields("OK", 0.0142)
         self.assertEqual(fields["hooks"], "PreCreateContainer@koordlet.json: ok 0.5 ms, changed envs ~TOKEN")
         self.assertEqual(
@@ -121,7 +121,7 @@ class BoundedLineTests(SynchronousTestCase):
             Change("container_resources.unified[cpu.max]", None, "max\x00\x1b[31m", added=True),
             Change("pod_cgroup_parent", "/kubepods/p", '/kubepods/"q"\u2028'),
         )
-        text = call_text(HookCall(KOORDLET, CREATE, OK, 0.001, changes))
+        text = call_text(HookCall(KOORDLET, CREATE, HOOK_OK, 0.001, changes))
         self.assertEqual(
             text,
             "PreCreateContainer@koordlet.json: ok 1.0 ms, changed envs +A\\x00B, annotations +line\\nbreak, "
@@ -137,7 +137,7 @@ class BoundedLineTests(SynchronousTestCase):
         refused = tuple(
             Change(f"container_envs[BAD{index}=]", applied=False, why="a name with =", refused=True) for index in range(50)
         )
-        call = HookCall(KOORDLET, CREATE, OK, 0.001, changes + refused)
+        call = HookCall(KOORDLET, CREATE, HOOK_OK, 0.001, changes + refused)
         text = call_text(call)
         self.assertLess(len(text), 1000)
         self.assertIn(", envs +VAR_00009, … and 9990 more, refused envs[BAD0=]: a name with =", text)
@@ -156,7 +156,7 @@ class BoundedLineTests(SynchronousTestCase):
             Change("container_resources.cpuset_cpus", None, "abc", applied=False, why="not a cpu list", refused=True),
             Change("container_annotations[big]", applied=False, why="4192003 bytes, beyond the 262144 one answer may change in a map", refused=True),
         )
-        record = CallRecord("CreateContainer", calls=[HookCall(KOORDLET, CREATE, OK, 0.001, changes)])
+        record = CallRecord("CreateContainer", calls=[HookCall(KOORDLET, CREATE, HOOK_OK, 0.001, changes)])
         record.leave_alone(CREATE, "container_resources.cpu", "NRI cannot")  # what is refused keeps its reason
         self.assertEqual(
             call_text(record.calls[0]),

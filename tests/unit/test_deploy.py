@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 from twisted.trial.unittest import FailTest, SkipTest, SynchronousTestCase
 
-from koordrp import tap
+from koordrp import defaults
 from scripts import package
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -94,7 +94,7 @@ class DeployTests(SynchronousTestCase):
     def setUp(self) -> None:
         self.pod = daemonset()["spec"]["template"]["spec"]
         [self.container] = self.pod["containers"]
-        self.options = tap.Options()
+        self.options = defaults.Options()
         self.options.parseOptions(self.container["args"])
 
     def test_every_file_passes_kubernetes_validate_strict_for_each_version_claimed(self) -> None:
@@ -102,7 +102,7 @@ class DeployTests(SynchronousTestCase):
 
     def test_the_daemonset_runs_koordrp_in_nri_mode_as_containerds_plugin(self) -> None:
         self.assertEqual(self.options["backend-runtime-mode"], "NRI")
-        self.assertEqual(self.options["nri-socket"], tap.DEFAULT_NRI_SOCKET)
+        self.assertEqual(self.options["nri-socket"], defaults.DEFAULT_NRI_SOCKET)
         self.assertNotIn("command", self.container)  # the image's entrypoint runs koordrp: args are its options
 
     def test_what_koordrp_reads_and_writes_is_the_nodes_own(self) -> None:
@@ -121,7 +121,7 @@ class DeployTests(SynchronousTestCase):
         self.assertEqual(len(mounts), 4)
         self.assertEqual(self.options.unused(), [])
         self.assertEqual(
-            (self.options["hook-config-dir"], self.options["state-dir"]), (tap.DEFAULT_HOOK_CONFIG_DIR, tap.DEFAULT_STATE_DIR)
+            (self.options["hook-config-dir"], self.options["state-dir"]), (defaults.DEFAULT_HOOK_CONFIG_DIR, defaults.DEFAULT_STATE_DIR)
         )
 
     def test_ready_when_registered_alive_while_the_reactor_answers(self) -> None:

@@ -9,7 +9,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from koordrp.hooks import messages
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
 from koordrp.adapters import LeftAlone
-from koordrp.docker import translate
+from koordrp.docker import inspect, translate
 from koordrp.docker.translate import DockerShapeError
 from koordrp.docker.translate import to_docker_cgroup_parent as to_docker
 from koordrp.docker.translate import to_hook_cgroup_parent as to_hook
@@ -368,12 +368,12 @@ class KindTests(SynchronousTestCase):
             self.assertIsNone(translate.kind_of(body), body)
 
     def test_inspect_kind_and_sandbox_id(self) -> None:
-        self.assertEqual(translate.kind_of_inspect(json.loads(SANDBOX_INSPECT)), "sandbox")
-        self.assertEqual(translate.kind_of_inspect(json.loads(CONTAINER_INSPECT)), "container")
-        self.assertIsNone(translate.kind_of_inspect({"Config": None}))
-        self.assertIsNone(translate.kind_of_inspect({"Id": "x"}))
+        self.assertEqual(inspect.kind_of_inspect(json.loads(SANDBOX_INSPECT)), "sandbox")
+        self.assertEqual(inspect.kind_of_inspect(json.loads(CONTAINER_INSPECT)), "container")
+        self.assertIsNone(inspect.kind_of_inspect({"Config": None}))
+        self.assertIsNone(inspect.kind_of_inspect({"Id": "x"}))
         self.assertEqual(translate.sandbox_id_of(container_body()), SANDBOX_ID)
-        self.assertEqual(translate.sandbox_id_of_inspect(json.loads(CONTAINER_INSPECT)), SANDBOX_ID)
+        self.assertEqual(inspect.sandbox_id_of_inspect(json.loads(CONTAINER_INSPECT)), SANDBOX_ID)
         self.assertRaises(DockerShapeError, translate.sandbox_id_of, sandbox_body())
 
 
@@ -802,12 +802,12 @@ class CgroupParentTests(SynchronousTestCase):
 
 class InspectTests(SynchronousTestCase):
     def test_sandbox_from_inspect_matches_the_create(self) -> None:
-        pod = translate.stored_sandbox_from_inspect(json.loads(SANDBOX_INSPECT), "systemd")
+        pod = inspect.stored_sandbox_from_inspect(json.loads(SANDBOX_INSPECT), "systemd")
         self.assertEqual(pod, stored_pod())
 
     def test_container_from_inspect(self) -> None:
-        pod = translate.stored_sandbox_from_inspect(json.loads(SANDBOX_INSPECT), "systemd")
-        container = translate.stored_container_from_inspect(json.loads(CONTAINER_INSPECT), pod, "systemd")
+        pod = inspect.stored_sandbox_from_inspect(json.loads(SANDBOX_INSPECT), "systemd")
+        container = inspect.stored_container_from_inspect(json.loads(CONTAINER_INSPECT), pod, "systemd")
         self.assertEqual(
             (container.container_meta.name, container.container_meta.attempt, container.container_meta.id),
             ("app", 1, CONTAINER_ID),
@@ -821,7 +821,7 @@ class InspectTests(SynchronousTestCase):
         self.assertEqual(container.container_annotations[messages.IMAGE_NAME_ANNOTATION], json.loads(CONTAINER_INSPECT)["Config"]["Image"])
 
     def test_container_without_its_pod(self) -> None:
-        container = translate.stored_container_from_inspect(json.loads(CONTAINER_INSPECT), None, "systemd")
+        container = inspect.stored_container_from_inspect(json.loads(CONTAINER_INSPECT), None, "systemd")
         self.assertEqual(container.pod_meta, hook.PodSandboxMetadata(name="web-5d9c7b", namespace="prod", uid=UID))
         self.assertEqual(container.pod_cgroup_parent, POD_PATH)
         self.assertEqual(dict(container.pod_labels), {})
@@ -905,11 +905,11 @@ class MalformedTests(SynchronousTestCase):
         ):
             found = copy.deepcopy(good)
             change(found)
-            self.assertShapeError(translate.stored_container_from_inspect, found, None, "systemd")
-        self.assertShapeError(translate.stored_container_from_inspect, None, None, "systemd")
-        self.assertShapeError(translate.stored_sandbox_from_inspect, good, "systemd")
+            self.assertShapeError(inspect.stored_container_from_inspect, found, None, "systemd")
+        self.assertShapeError(inspect.stored_container_from_inspect, None, None, "systemd")
+        self.assertShapeError(inspect.stored_sandbox_from_inspect, good, "systemd")
         nameless = {"Config": {"Labels": {"io.kubernetes.docker.type": "podsandbox"}}}
-        self.assertShapeError(translate.stored_sandbox_from_inspect, nameless, "systemd")
+        self.assertShapeError(inspect.stored_sandbox_from_inspect, nameless, "systemd")
 
     def test_applying_into_a_malformed_body(self) -> None:
         before = container_request()

@@ -1,8 +1,8 @@
-"""Handing work to the reactor from other threads (koordrp.cri.handoff), on the real reactor."""
+"""Handing work to the reactor from other threads (koordrp.cri.handoff), on the real reactor, with the fast paths
+on and off."""
 
 import errno
 import os
-import select
 import threading
 from typing import Callable, cast
 
@@ -14,10 +14,13 @@ from twisted.logger import ILogObserver, LogEvent, LogLevel, formatEvent, global
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
-from koordrp.cri.handoff import Later, TimerFD
+from koordrp.cri.handoff import Later
+from koordrp.fastpaths import ENVIRONMENT, FastPaths, TimerFD
 from tests.support.waiting import until
 
 THREADS = IReactorFromThreads(reactor)
+ON = FastPaths({})
+OFF = FastPaths({ENVIRONMENT: "0"})
 
 
 class PipeTimer:
@@ -58,10 +61,26 @@ def from_another_thread(work: Callable[[], object]) -> None:
     thread.join()
 
 
+def wakes_from_a_thread(case: SynchronousTestCase, work: Callable[[], None]) -> int:
+    """How many times ``work``, run on a thread of its own, woke the reactor."""
+    wakes: list[threading.Thread] = []
+    thread = threading.Thread(target=work)
+    wake_up = reactor.wakeUp  # type: ignore[attr-defined]
+
+    def counted() -> None:
+        wakes.append(threading.current_thread())
+        wake_up()
+
+    case.patch(reactor, "wakeUp", counted)
+    thread.start()
+    thread.join()
+    return sum(1 for woke in wakes if woke is thread)
+
+
 class LaterTests(TestCase):
     def later(self) -> tuple[Later, PipeTimer]:
         timer = PipeTimer()
-        later = Later(THREADS, timer)
+        later = Later(THREADS, timer, ON)
         self.addCleanup(later.close)
         return later, timer
 
@@ -77,7 +96,7 @@ class LaterTests(TestCase):
             later.queue(work, "first")
             later.queue(work, "second")
 
-        wakes = self.wakes_from_this_thread(queue_both)
+        wakes = wakes_from_a_thread(self, queue_both)
         self.assertEqual((timer.arms, wakes, ran), (1, 0, []))  # one wake coming, for both, and none now
         timer.expire()
         yield Deferred.fromCoroutine(until(lambda: timer.clears == 1))
@@ -86,21 +105,6 @@ class LaterTests(TestCase):
         self.assertEqual(timer.arms, 2)  # the first wake has come: the next work arms the timer again
         timer.expire()
         yield Deferred.fromCoroutine(until(lambda: len(ran) == 3))
-
-    def wakes_from_this_thread(self, work: Callable[[], None]) -> int:
-        """How many times ``work``, run on a thread of its own, woke the reactor."""
-        wakes: list[threading.Thread] = []
-        thread = threading.Thread(target=work)
-        wake_up = reactor.wakeUp  # type: ignore[attr-defined]
-
-        def counted() -> None:
-            wakes.append(threading.current_thread())
-            wake_up()
-
-        self.patch(reactor, "wakeUp", counted)
-        thread.start()
-        thread.join()
-        return sum(1 for woke in wakes if woke is thread)
 
     @inlineCallbacks
     def test_work_queued_before_something_else_wakes_the_reactor_runs_before_it(self):  # type: ignore[no-untyped-def]
@@ -129,17 +133,17 @@ class LaterTests(TestCase):
 
     @inlineCallbacks
     def test_with_a_real_timerfd_work_from_a_thread_runs_on_the_reactor(self):  # type: ignore[no-untyped-def]
-        later = Later(THREADS, TimerFD(0.001))
+        later = Later.on(THREADS, 0.001, ON)
         self.addCleanup(later.close)
+        self.assertIsInstance(later._timer, TimerFD)
         ran: Deferred[bool] = Deferred()
         from_another_thread(lambda: later.queue(lambda: ran.callback(threading.current_thread() is threading.main_thread())))
         self.assertTrue((yield ran))
 
-
     @inlineCallbacks
     def test_a_timer_that_cannot_be_armed_is_said_once_and_work_then_wakes_the_reactor_at_once(self):  # type: ignore[no-untyped-def]
         timer = BrokenTimer()
-        later = Later(THREADS, timer)
+        later = Later(THREADS, timer, ON)
         self.addCleanup(later.close)
         warnings = observed_warnings(self)
         ran: Deferred[str] = Deferred()
@@ -190,22 +194,38 @@ class NotTwistedsReactor:
 class LaterWithoutATimerTests(SynchronousTestCase):
     def test_a_reactor_that_is_not_twisteds_own_is_woken_at_once_and_the_timer_given_back(self) -> None:
         timer, other = PipeTimer(), NotTwistedsReactor()
-        later = Later(other, timer)  # type: ignore[arg-type]
+        later = Later(other, timer, ON)  # type: ignore[arg-type]
         later.queue(lambda: "ran")
         self.assertEqual((other.called, timer.arms, timer.closed), (["ran"], 0, True))
 
 
-class TimerFDTests(SynchronousTestCase):
-    def test_it_must_expire_after_some_time(self) -> None:
-        for seconds in (0, 1e-10, -1):
-            self.assertRaises(ValueError, TimerFD, seconds)
+class FastPathsOffTests(TestCase):
+    """With the fast paths off, Later is callFromThread: the same work runs, in the same order, each woken at once."""
 
-    def test_it_is_readable_once_it_expires_and_not_once_cleared(self) -> None:
-        timer = TimerFD(0.001)
-        self.addCleanup(timer.close)
-        self.assertEqual(select.select([timer], [], [], 0)[0], [])
-        timer.arm()
-        # Waits for it to expire (the bound is for a machine so loaded that it never does, not a measure of speed).
-        self.assertEqual(select.select([timer], [], [], 30)[0], [timer])
-        timer.clear()
-        self.assertEqual(select.select([timer], [], [], 0)[0], [])
+    @inlineCallbacks
+    def test_work_from_threads_wakes_the_reactor_at_once_and_runs_in_order_on_it(self):  # type: ignore[no-untyped-def]
+        timer = PipeTimer()
+        later = Later(THREADS, timer, OFF)
+        self.addCleanup(later.close)
+        self.assertTrue(timer.closed)  # given back: nothing would wait for it
+        self.assertNotIn(later, IReactorFDSet(reactor).getReaders())
+        ran: list[tuple[str, bool]] = []
+        done: Deferred[None] = Deferred()
+
+        def work(name: str) -> None:
+            ran.append((name, threading.current_thread() is threading.main_thread()))
+            if len(ran) == 2:
+                done.callback(None)
+
+        def queue_both() -> None:
+            later.queue(work, "first")
+            later.queue(work, "second")
+
+        self.assertEqual(wakes_from_a_thread(self, queue_both), 2)
+        yield done
+        self.assertEqual(ran, [("first", True), ("second", True)])
+
+    def test_made_on_a_reactor_it_has_no_timer(self) -> None:
+        later = Later.on(THREADS, 0.001, OFF)
+        self.addCleanup(later.close)
+        self.assertIsNone(later._timer)

@@ -20,6 +20,7 @@ from koordrp.hooks import registry
 from koordrp.hooks.client import HookCallError, HookClients
 from koordrp.hooks.config import MAX_CONFIG_BYTES, TOO_LARGE, parse_hook_server_config
 from koordrp.hooks.dispatcher import Dispatcher
+from koordrp.hooks.limit import pre_hook_limit
 from koordrp.hooks.registry import (
     Content,
     HookRegistry,
@@ -32,7 +33,6 @@ from koordrp.hooks.registry import (
     read_registration,
 )
 from koordrp.hooks.types import FailurePolicy, HookServerConfig, HookServers, HookType
-from koordrp.nri.plugin import pre_hook_limit
 from koordrp.trouble import Notice
 from tests.fake.hook_server import FakeHookServer
 from tests.support import koordlet

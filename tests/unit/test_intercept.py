@@ -1,9 +1,11 @@
-"""Intercepted lifecycle calls on real grpc servers: a stand-in CRI backend and a real hook server."""
+"""Intercepted lifecycle calls on real grpc servers (a stand-in CRI backend and a real hook server), with the fast
+paths on and off; the exchange between a call's threads, in every order; the store the workers read."""
 
 import os
 import threading
 from concurrent import futures
-from typing import Any, Callable, cast
+from itertools import permutations
+from typing import Any, Callable, Sequence, TypeVar, cast
 
 import grpc
 from cri_api.v1 import api_pb2 as kubelets
@@ -11,7 +13,7 @@ from twisted.internet import reactor
 from twisted.internet.defer import Deferred, inlineCallbacks
 from twisted.internet.interfaces import IReactorFromThreads
 from twisted.internet.threads import deferToThread
-from twisted.logger import ILogObserver, LogEvent, globalLogPublisher
+from twisted.logger import LogEvent
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
@@ -21,20 +23,22 @@ from koordrp.cri import translate
 from koordrp.cri.backend import Answer, BackendChannel
 from koordrp import adapters, flows
 from koordrp.cri.handoff import Later
-from koordrp.cri.intercept import _METHODS, CRIReply, Interceptor, _Exchange
+from koordrp.cri.intercept import _METHODS, CRIReply, Flow, Interceptor, _Exchange
 from koordrp.cri.methods import BackendRole
 from koordrp.cri.passthrough import PassThroughHandler
 from koordrp.cri.runtime_lookup import RuntimeLookup
 from koordrp.call import Call, Parts, SkipLabel
+from koordrp.fastpaths import ENVIRONMENT, FastPaths
 from koordrp.hooks.client import HookClients
 from koordrp.hooks.dispatcher import Dispatcher
 from koordrp.hooks.messages import ContainerHookRequest, PodHookRequest
 from koordrp.hooks.types import FailurePolicy, HookServerConfig, HookServers, HookType
-from koordrp.store import ContainerState, Store
+from koordrp.store import ContainerState, StoredContainer, StoredPod, Store
 from koordrp.unix import grpc_target
 from tests.fake.cri_backend import FakeCRIBackend
 from tests.fake.flows import RecordingRuntime, Reply, ScriptedStages
 from tests.fake.hook_server import FakeHookServer
+from tests.support.logs import logged_events
 from tests.support.tempdirs import short_tempdir
 from tests.support.waiting import until
 
@@ -55,19 +59,12 @@ def create_request_bytes() -> bytes:
 
 def call_lines(case: SynchronousTestCase) -> list[LogEvent]:
     """The call lines logged from now until ``case`` ends."""
-    lines: list[LogEvent] = []
-
-    def observe(event: LogEvent) -> None:
-        if event.get("log_namespace") == "koordrp.calls":
-            lines.append(event)
-
-    observer = cast(ILogObserver, observe)
-    globalLogPublisher.addObserver(observer)
-    case.addCleanup(globalLogPublisher.removeObserver, observer)
-    return lines
+    return logged_events(case, "koordrp.calls")
 
 
 class InterceptTests(TestCase):
+    paths = FastPaths({})
+
     def setUp(self) -> None:
         directory = short_tempdir(self)
         self.backend = FakeCRIBackend(os.path.join(directory, "cri.sock")).start()
@@ -92,10 +89,10 @@ class InterceptTests(TestCase):
         channel = BackendChannel(self.backend.path, lambda change, path: None)
         self.addCleanup(channel.close)
         threads = IReactorFromThreads(reactor)
-        later = Later.on(threads, 0.001)
+        later = Later.on(threads, 0.001, self.paths)
         self.addCleanup(later.close)
         lookup = RuntimeLookup(threads, channel.channel)
-        interceptor = Interceptor(threads, channel, parts, lookup, later.queue)
+        interceptor = Interceptor(threads, channel, parts, lookup, later.queue, self.paths)
         handler = PassThroughHandler({BackendRole.RUNTIME: channel, BackendRole.IMAGE: channel}, interceptor.handlers)
         # One worker: a call that held it after its caller gave up would keep every other call waiting.
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=1), handlers=[handler])
@@ -284,24 +281,45 @@ class InterceptTests(TestCase):
         self.assertTrue(given_up)
 
 
+class InterceptWithoutFastPathsTests(InterceptTests):
+    """The same calls, the same answers and ends, with every hand-off woken at once."""
+
+    paths = FastPaths({ENVIRONMENT: "0"})
+
+
+def store_with_a_container() -> Store:
+    store = Store()
+    pod = PodHookRequest(pod_meta=hook.PodSandboxMetadata(name="p", uid="u"))
+    store.put_pod("sandbox-1", pod, pod)
+    container = ContainerHookRequest(container_meta=hook.ContainerMetadata(name="app", id="c-1"))
+    store.put_container("c-1", "sandbox-1", container, container)
+    return store
+
+
 class QueueingReactor:
     """The reactor's queue of calls from threads, and the wakes asked for it: at once (``callFromThread``), a
     moment later (``later``), or none (``queue``). What is queued runs when the test turns the reactor."""
 
     def __init__(self) -> None:
         self.queued: list[tuple[Callable[..., object], tuple[object, ...]]] = []
+        self.handed: list[tuple[Callable[..., object], str]] = []
+        """Everything ever queued, and how: ``unwoken``, ``later`` or ``woken``."""
         self.woken = False
         self.wake_coming = False
 
-    def queue(self, f: Callable[..., object], *args: object) -> None:
+    def _hand(self, f: Callable[..., object], args: tuple[object, ...], how: str) -> None:
         self.queued.append((f, args))
+        self.handed.append((f, how))
+
+    def queue(self, f: Callable[..., object], *args: object) -> None:
+        self._hand(f, args, "unwoken")
 
     def later(self, f: Callable[..., object], *args: object) -> None:
-        self.queue(f, *args)
+        self._hand(f, args, "later")
         self.wake_coming = True
 
     def callFromThread(self, f: Callable[..., object], *args: object) -> None:
-        self.queue(f, *args)
+        self._hand(f, args, "woken")
         self.woken = True
 
     def turn(self) -> None:
@@ -370,8 +388,7 @@ class ExchangeTests(SynchronousTestCase):
             pass
 
         exchange.runtime_answered(self.answer, settle)
-        offered = EndReportedOnRelease(exchange)
-        exchange._offered = offered  # type: ignore[assignment]
+        exchange._lock = EndReportedOnRelease(exchange)  # type: ignore[assignment]
         self.assertTrue(exchange.wait(0))  # grpc's thread reports the end as soon as the worker lets go
         self.assertEqual([work for work, _ in self.reactor.queued], [settle, exchange.rpc_ended])
 
@@ -411,7 +428,7 @@ class ExchangeTests(SynchronousTestCase):
         self.assertIs(answered_already.outcome, adapters.CALLER_GONE)
 
     def test_a_calls_duration_ends_when_the_worker_had_the_runtimes_answer_not_when_the_reactor_woke(self) -> None:
-        store = self.store_with_a_container()
+        store = store_with_a_container()
         runtime = RecordingRuntime(answering=Deferred())
         parts = Parts(store, ScriptedStages(), HookServers, SkipLabel("skip", "true"), self.clock)
         call: Call[Reply] = Call(parts, "UpdateContainerResources", runtime, went_ahead=True)
@@ -429,17 +446,9 @@ class ExchangeTests(SynchronousTestCase):
         self.reactor.turn()
         self.assertEqual([(line["outcome"], line["duration_ms"]) for line in lines], [("OK", 12.0)])
 
-    def store_with_a_container(self) -> Store:
-        store = Store()
-        pod = PodHookRequest(pod_meta=hook.PodSandboxMetadata(name="p", uid="u"))
-        store.put_pod("sandbox-1", pod, pod)
-        container = ContainerHookRequest(container_meta=hook.ContainerMetadata(name="app", id="c-1"))
-        store.put_container("c-1", "sandbox-1", container, container)
-        return store
-
     def test_a_flow_the_runtime_answered_is_not_given_up_when_the_rpc_ends_first(self) -> None:
         # kubelet went just as the runtime answered an update: the runtime did it, so the store learns it.
-        store = self.store_with_a_container()
+        store = store_with_a_container()
         runtime = RecordingRuntime(answering=Deferred())
         parts = Parts(store, ScriptedStages(), HookServers, SkipLabel("skip", "true"), Clock())
         call: Call[Reply] = Call(parts, "UpdateContainerResources", runtime)
@@ -465,3 +474,187 @@ class MethodTableTests(SynchronousTestCase):
     def test_every_method_that_may_go_ahead_names_what_it_is_about(self) -> None:
         named = {name for name, method in _METHODS.items() if method.subject is not None}
         self.assertEqual(named, set(flows._SENT_AS_IT_CAME))
+
+
+class DrivenCall:
+    """A call as an exchange drives it: its outcome offered when the test says, what the reactor does to it recorded."""
+
+    def __init__(self) -> None:
+        self.outcome: Deferred[adapters.Outcome[CRIReply]] = Deferred()
+        self.cancelled = 0
+        self.ends: list[float | None] = []
+
+    def run(self, flow: Flow) -> "Deferred[adapters.Outcome[CRIReply]]":
+        flow.close()
+        return self.outcome
+
+    def cancel(self) -> None:
+        self.cancelled += 1
+        if not self.outcome.called:
+            self.outcome.callback(adapters.CALLER_GONE)
+
+    def ended(self, decided_at: float | None = None) -> None:
+        self.ends.append(decided_at)
+
+
+async def a_flow() -> CRIReply:
+    raise AssertionError("the exchange's call runs it")
+
+
+OFFERED, ANSWERED, WORKER_DONE, RPC_OVER = "offered", "answered", "worker done", "rpc over"
+
+
+class ExchangeOrderTests(SynchronousTestCase):
+    """The events of one exchange come from three threads (the reactor offers the flow's outcome, grpc's threads
+    the runtime's answer and the RPC's end, the worker is done waiting) in any order: each order ends as the rules
+    say, with nothing lost or handed over twice."""
+
+    flows_outcome = CRIReply(Answer(grpc.StatusCode.OK, b"the flow's"))
+    runtimes = Answer(grpc.StatusCode.OK, b"the runtime's")
+
+    def test_every_order_of_the_events_that_race_ends_as_the_rules_say(self) -> None:
+        # The flow always ends, the worker always stops waiting and grpc always says the RPC is over; the runtime
+        # answers the call's forward only where there is one, and it was not cancelled first.
+        always = (OFFERED, WORKER_DONE, RPC_OVER)
+        orders = [*permutations((*always, ANSWERED)), *permutations(always)]
+        self.assertEqual(len(orders), 30)
+        for order in orders:
+            self.delivered(order)
+
+    def delivered(self, order: Sequence[str]) -> None:
+        reactor, clock, call = QueueingReactor(), Clock(), DrivenCall()
+        exchange = _Exchange(cast(IReactorFromThreads, reactor), reactor.queue, reactor.later, clock)
+        exchange.start(call, a_flow())  # on the reactor, first (an end before the start: ExchangeTests)
+        settled: list[float] = []
+
+        def settle() -> None:
+            settled.append(clock.seconds())
+
+        waited: list[bool] = []
+        for event in order:
+            clock.advance(1)
+            if event == OFFERED:
+                call.outcome.callback(self.flows_outcome)
+            elif event == ANSWERED:
+                exchange.runtime_answered(self.runtimes, settle)
+            elif event == WORKER_DONE:
+                waited.append(exchange.wait(0))
+            else:
+                exchange.end_reported()
+        handed = list(reactor.handed)
+        reactor.turn()
+
+        at = {event: index + 1 for index, event in enumerate(order)}  # the clock as each came
+        done, over = at[WORKER_DONE], at[RPC_OVER]
+        offered_before = sorted((at[event], event) for event in (OFFERED, ANSWERED) if event in at and at[event] < done)
+        first = offered_before[0][1] if offered_before else None
+        outcome = {None: adapters.CALLER_GONE, OFFERED: self.flows_outcome, ANSWERED: CRIReply(self.runtimes)}[first]
+        took_the_runtimes = first == ANSWERED
+        said = f"in the order {order}"
+        # The worker: the first outcome offered before it was done, or none.
+        self.assertEqual(waited, [first is not None], said)
+        self.assertEqual(exchange.outcome, outcome, said)
+        # The reactor: the RPC's end once, a moment later once the worker is done, at once before; the runtime's
+        # answer once, unwoken only where the worker took it and the RPC's end was still to wake the reactor.
+        expected = [(over, exchange.rpc_ended, "later" if done < over else "woken")]
+        if ANSWERED in at:
+            how = "unwoken" if took_the_runtimes and done < over else "woken"
+            expected.append((done if took_the_runtimes else at[ANSWERED], settle, how))
+        self.assertEqual(handed, [(work, how) for _, work, how in sorted(expected, key=lambda handed: handed[0])], said)
+        self.assertEqual(len(settled), 1 if ANSWERED in at else 0, said)
+        # The call: given up unless the runtime's answer was the caller's; ended once, its duration up to the worker's
+        # outcome.
+        self.assertEqual(call.cancelled, 0 if took_the_runtimes else 1, said)
+        self.assertEqual(call.ends, [float(done) if first is not None else None], said)
+
+    def test_an_event_the_rules_say_comes_once_is_refused_loudly_the_second_time(self) -> None:
+        reactor = QueueingReactor()
+        exchange = _Exchange(cast(IReactorFromThreads, reactor), reactor.queue, reactor.later, Clock())
+        exchange.end_reported()
+        self.assertRaises(RuntimeError, exchange.end_reported)
+        self.assertEqual(len(reactor.handed), 1)
+
+
+Entry = TypeVar("Entry")
+
+
+class Guarded(dict[str, Entry]):
+    """A store's table that counts its changes and fails one made without the store's lock."""
+
+    def __init__(self, lock: "threading.Lock") -> None:
+        super().__init__()
+        self._lock = lock
+        self.changes = 0
+
+    def _changing(self) -> None:
+        assert self._lock.locked(), "the store changed without its lock"
+        self.changes += 1
+
+    def __setitem__(self, key: str, value: Entry) -> None:
+        self._changing()
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key: str) -> None:
+        self._changing()
+        super().__delitem__(key)
+
+    def pop(self, key: str, *default: Any) -> Any:
+        self._changing()
+        return super().pop(key, *default)
+
+
+class StoreSharedWithWorkersTests(SynchronousTestCase):
+    """A worker reads the store (``flows.goes_ahead``) while the reactor changes it: under the store's lock."""
+
+    def store(self) -> tuple[Store, Guarded[StoredPod], Guarded[StoredContainer]]:
+        store = Store()
+        pods: Guarded[StoredPod] = Guarded(store.changing)
+        containers: Guarded[StoredContainer] = Guarded(store.changing)
+        store._pods, store._containers = pods, containers
+        return store, pods, containers
+
+    def test_every_change_the_reactor_makes_holds_the_lock(self) -> None:
+        store, pods, containers = self.store()
+        pod = PodHookRequest(pod_meta=hook.PodSandboxMetadata(name="p", uid="u"))
+        container = ContainerHookRequest(container_meta=hook.ContainerMetadata(name="app", id="c-1"))
+        store.put_pod("sandbox-1", pod, pod)
+        store.resize_pod("sandbox-1", None, None)
+        store.put_container("c-1", "sandbox-1", container, container)
+        store.revise_container("c-1", container, container)
+        store.started("c-1")
+        store.stopped("c-1")
+        store.started("c-1")
+        store.pod_stopped("sandbox-1")
+        store.unhook("c-1")
+        store.forget_container("c-1")
+        store.put_container("c-1", "sandbox-1", container, container)
+        store.forget_pod("sandbox-1")
+        store.learn(
+            [("sandbox-2", StoredPod.read_back(pod, False))],
+            [("c-2", StoredContainer.read_back("sandbox-2", container, ContainerState.RUNNING))],
+        )
+        store.reconcile((set(), set()), [], [], ({"sandbox-2"}, {"c-2"}))
+        self.assertEqual(store.sizes(), (0, 0))
+        self.assertEqual((pods.changes, containers.changes), (6, 12))
+
+    def test_a_worker_deciding_whether_a_call_goes_ahead_reads_the_store_under_its_lock(self) -> None:
+        store = store_with_a_container()
+        parts = Parts(store, ScriptedStages(), HookServers, SkipLabel("skip", "true"), Clock())
+        read_locked: list[bool] = []
+
+        class Read(dict[str, StoredContainer]):
+            """The store's containers, noting whether the lock is held at each read."""
+
+            def get(self, key: str, default: Any = None) -> Any:
+                read_locked.append(store.changing.locked())
+                return super().get(key, default)
+
+            def __getitem__(self, key: str) -> StoredContainer:
+                read_locked.append(store.changing.locked())
+                return super().__getitem__(key)
+
+        store._containers = Read(store._containers)
+        self.assertTrue(flows.goes_ahead(parts, HookServers(), "StopContainer", "c-1"))
+        self.assertTrue(read_locked)
+        self.assertTrue(all(read_locked), read_locked)
+        self.assertFalse(store.changing.locked())

@@ -5,7 +5,7 @@ import os
 import struct
 from typing import Any, cast
 
-from twisted.internet.defer import Deferred, fail, succeed
+from twisted.internet.defer import Deferred, TimeoutError as DeferredTimeout, fail, succeed
 from twisted.internet.error import ConnectionDone, ConnectionRefusedError
 from twisted.internet.task import Clock
 from twisted.internet.testing import MemoryReactorClock
@@ -18,7 +18,7 @@ from koordrp.call import Parts, SkipLabel
 from koordrp.api.nri.v1alpha1 import api_pb2 as nri
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
 from koordrp.hooks.dispatcher import Dispatcher
-from koordrp.hooks.limit import PreHookLimit
+from koordrp.hooks.limit import ANSWER_MARGIN, PreHookLimit
 from koordrp.checkpoint import DirectoryCheckpoint
 from koordrp.store import OwedStops
 from koordrp.nri.catchup import REPLY_SLACK as CATCH_UP_REPLY_SLACK
@@ -27,16 +27,18 @@ from koordrp.hooks.types import FailurePolicy, HookServerConfig, HookServers, Ho
 from koordrp.nri import registration, translate
 from koordrp.api.ttrpc import ttrpc_pb2
 from koordrp.nri.connection import PLUGIN_SERVICE, RESOURCE_EXHAUSTED, UNIMPLEMENTED, UNKNOWN, NRIConnection, NRIError
+from koordrp.nri.confirmations import CONFIRM_SECONDS, UNDONE_CREATE
 from koordrp.nri.plugin import (
-    ANSWER_MARGIN,
-    CONFIRM_SECONDS,
     EVENT_MASK,
+    HANDLERS,
     NOT_DONE,
     REGISTER_SECONDS,
-    UNDONE_CREATE,
+    EventHandler,
     GivenUp,
     NRIPlugin,
     PluginIdentity,
+    RequestHandler,
+    subscription,
 )
 from koordrp.metrics import Metrics
 from koordrp.nri.service import CONNECT_RETRY_CAP_SECONDS, NRIService, NRISettings
@@ -126,7 +128,7 @@ class WireTests(SynchronousTestCase):
 
 
 class RecordingPlugin:
-    """``IPluginCalls``: what containerd called, answered with ``answers`` (or a Deferred the test fires)."""
+    """``PluginCalls``: what containerd called, answered with ``answers`` (or a Deferred the test fires)."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, bytes, float | None]] = []
@@ -175,7 +177,28 @@ class ConnectionTests(LogCapture):
         self.assertEqual(answers[second].status.code, UNKNOWN)
         self.assertIn("StateChange failed: oops", answers[second].status.message)
         self.assertEqual(answers[third].status.code, UNIMPLEMENTED)
-        self.assertEqual(len(self.flushLoggedErrors(ZeroDivisionError)), 1)
+        # A status the plugin decided was said where it decided it; an exception turned into one is said here, once.
+        [line] = self.logged("answered containerd's NRI {method} with UNKNOWN")
+        self.assertEqual((line["method"], line["error"], line["log_level"]), ("StateChange", "ZeroDivisionError: oops", LogLevel.error))
+        self.assertEqual(self.flushLoggedErrors(), [])
+
+    def test_a_request_that_is_not_ttrpc_is_answered_unknown_in_one_line(self) -> None:
+        self.containerd.feed(mux_frames(PLUGIN_SERVICE_CONNECTION, ttrpc_message(1, REQUEST, b"\xff\xff")))
+        answer = self.containerd.answers()[1]
+        self.assertEqual(answer.status.code, UNKNOWN)
+        self.assertIn("koordrp cannot read the ttrpc request", answer.status.message)
+        [line] = self.logged("answered containerd's NRI {method} with UNKNOWN")
+        self.assertEqual(line["method"], "request")
+        self.assertTrue(line["error"].startswith("DecodeError: "), line["error"])
+        self.assertEqual(self.plugin.calls, [])
+
+    def test_a_call_koordrp_gave_up_on_is_said_in_one_line(self) -> None:
+        self.plugin.answers["CreateContainer"] = fail(DeferredTimeout("no answer in time"))
+        stream = self.containerd.call("CreateContainer", nri.CreateContainerRequest())
+        answer = self.containerd.answers()[stream]
+        self.assertEqual((answer.status.code, answer.status.message), (UNKNOWN, "koordrp gave up on CreateContainer"))
+        [line] = self.logged("answered containerd's NRI {method} with UNKNOWN")
+        self.assertEqual((line["method"], line["error"]), ("CreateContainer", "TimeoutError: no answer in time"))
 
     def test_an_answer_that_cannot_be_sent_is_logged(self) -> None:
         self.plugin.answers["StateChange"] = succeed(cast(bytes, "not bytes"))  # a bug koordrp's plugin could have
@@ -618,6 +641,53 @@ class PluginTests(LogCapture):
     def test_an_event_koordrp_does_not_know_is_unimplemented(self) -> None:
         stream = self.containerd.call("Reconfigure", nri.Empty())
         self.assertEqual(self.containerd.answers()[stream].status.code, UNIMPLEMENTED)
+
+    def test_a_failure_inside_a_handler_is_answered_unknown_and_said_in_one_line(self) -> None:
+        def broken(pod: nri.PodSandbox) -> translate.RunPodSandbox:
+            raise RuntimeError("a bug")
+
+        self.patch(translate, "RunPodSandbox", broken)
+        self.containerd.answers()  # the registration
+        stream = self.containerd.call("StateChange", event(nri.RUN_POD_SANDBOX))
+        answer = self.containerd.answers()[stream]
+        self.assertEqual((answer.status.code, answer.status.message), (UNKNOWN, "koordrp: StateChange failed: a bug"))
+        [line] = self.logged("answered containerd's NRI {method} with UNKNOWN")
+        self.assertEqual(line["method"], "StateChange")
+        self.assertEqual(line["error"], f"RuntimeError: a bug (in broken, {os.path.basename(__file__)}:{broken.__code__.co_firstlineno + 1})")
+        self.assertEqual(self.flushLoggedErrors(), [])
+
+
+class HandlerTableTests(SynchronousTestCase):
+    """What the plugin asks containerd for is what its handlers take, as NRI's Go stub derives it."""
+
+    def test_the_subscription_is_every_event_a_handler_takes(self) -> None:
+        events = {handler.event for handler in HANDLERS.values() if handler.event is not None}
+        self.assertEqual(EVENT_MASK, sum(1 << (event - 1) for event in events))
+        self.assertEqual(subscription(HANDLERS.values()), EVENT_MASK)
+
+    def test_a_handler_taken_out_takes_its_event_out_of_the_subscription(self) -> None:
+        for name, handler in HANDLERS.items():
+            rest = [other for other_name, other in HANDLERS.items() if other_name != name]
+            expected = EVENT_MASK if handler.event is None else EVENT_MASK & ~(1 << (handler.event - 1))
+            self.assertEqual(subscription(rest), expected, name)
+
+    def test_each_event_has_one_handler_and_the_calls_every_plugin_gets_subscribe_to_nothing(self) -> None:
+        told = [handler.event for handler in HANDLERS.values() if isinstance(handler, EventHandler)]
+        self.assertEqual(len(told), len(set(told)))
+        requested = {name: handler.event for name, handler in HANDLERS.items() if isinstance(handler, RequestHandler)}
+        self.assertEqual(
+            requested,
+            {
+                "Configure": None,
+                "Synchronize": None,
+                "Shutdown": None,
+                "StateChange": None,
+                "CreateContainer": nri.CREATE_CONTAINER,
+                "UpdateContainer": nri.UPDATE_CONTAINER,
+                "StopContainer": nri.STOP_CONTAINER,
+            },
+        )
+        self.assertFalse(set(told) & set(requested.values()))
 
 
 class LateAnswerTests(LogCapture):

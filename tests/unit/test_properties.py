@@ -345,7 +345,7 @@ def unknown(message: Any) -> list[tuple[int, int, Any]]:
 
 
 class MergeModel:
-    """The merge rules of docs/hook-server.md ("How answers are merged"), written out field by field, against which merges are checked."""
+    """The merge rules of docs/hook-server/merging.md, written out field by field, against which merges are checked."""
 
     def __init__(self, test: SynchronousTestCase) -> None:
         self.test = test

@@ -10,8 +10,12 @@ from typing import Iterator, cast
 
 import grpc
 from cri_api.v1 import api_pb2, api_pb2_grpc
+from twisted.internet import reactor
+from twisted.internet.defer import Deferred, inlineCallbacks
+from twisted.internet.interfaces import IReactorThreads
+from twisted.internet.threads import deferToThread
 from twisted.logger import formatEvent
-from twisted.trial.unittest import SynchronousTestCase
+from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from koordrp.cri import server as server_module
 from koordrp.bounds import FEWEST_CONNECTIONS, METRICS_DESCRIPTORS, OWN_DESCRIPTORS, connection_cap
@@ -20,12 +24,14 @@ from koordrp.call import Parts, SkipLabel
 from koordrp.hooks.client import HookClients
 from koordrp.hooks.dispatcher import Dispatcher
 from koordrp.hooks.types import HookServers
+from koordrp.metrics import Metrics
 from koordrp.store import Store
 from koordrp.unix import NotASocket, SocketInUse, UnsafeDirectory, grpc_target
 from tests.fake.cri_backend import FakeCRIBackend
 from tests.fake.reactor import InlineThreadsReactor
 from tests.support.logs import logged_events
 from tests.support.tempdirs import short_tempdir
+from tests.support.waiting import until
 
 
 def no_hooks(reactor: InlineThreadsReactor) -> Parts:
@@ -158,6 +164,42 @@ class CRIProxyServiceTests(SynchronousTestCase):
         messages = [event.get("log_format") for event in self.events]
         self.assertIn("backend unix://{endpoint} is reachable", messages)
         self.assertTrue(self.reactor.from_threads)
+
+
+class CountedOnceTests(TestCase):
+    """On the real reactor: the front end counts with the parts' metrics, a passed-through call where it is forwarded
+    and an intercepted one at its end (``Call.ended``), never both."""
+
+    @inlineCallbacks
+    def test_each_call_is_counted_once_whether_passed_through_or_intercepted(self):  # type: ignore[no-untyped-def]
+        directory = short_tempdir(self)
+        backend = FakeCRIBackend(os.path.join(directory, "backend.sock")).start()
+        self.addCleanup(backend.stop)
+        listen = os.path.join(directory, "proxy.sock")
+        metrics = Metrics()
+        threads = IReactorThreads(reactor)
+        clients = HookClients(reactor)
+        parts = Parts(Store(), Dispatcher(clients, reactor), HookServers, SkipLabel("skip", "true"), reactor, metrics)
+        proxy = CRIProxyService(CRIProxySettings(listen, backend.path, backend.path, grace_period=5.0, max_workers=4), threads, parts)
+        proxy.startService()
+        self.addCleanup(proxy.stopService)
+        channel = grpc.insecure_channel(grpc_target(listen))
+        self.addCleanup(channel.close)
+        stub = api_pb2_grpc.RuntimeServiceStub(channel)
+
+        def call() -> None:
+            stub.Version(api_pb2.VersionRequest(), timeout=5)
+            remove = channel.unary_unary("/runtime.v1.RuntimeService/RemovePodSandbox", None, None)  # the fake answers in no schema
+            remove(api_pb2.RemovePodSandboxRequest(pod_sandbox_id="p-1").SerializeToString(), timeout=5)
+
+        def counted(method: str) -> float | None:
+            return metrics.registry.get_sample_value("koordrp_cri_calls_total", {"method": method, "code": "OK"})
+
+        yield deferToThread(call)
+        yield Deferred.fromCoroutine(until(lambda: counted("RemovePodSandbox") is not None))
+        self.assertEqual((counted("Version"), counted("RemovePodSandbox")), (1.0, 1.0))
+        reachable = metrics.registry.get_sample_value("koordrp_backend_reachable", {"endpoint": backend.path})
+        self.assertEqual(reachable, 1.0)
 
 
 # Raw HTTP/2 on the CRI socket, as a client that means harm speaks it.

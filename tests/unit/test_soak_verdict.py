@@ -1,5 +1,5 @@
-"""The node soak's verdict is issue 24's rule: RSS within 10 % of the start, file descriptors and every
-store figure back to the start; what this koordrp does not measure is said, not judged."""
+"""The node soak's verdict (benchmarks/soak_figures.py), flat or not: RSS within 10 % of the start, file descriptors
+and every store figure back to the start; what this koordrp does not measure is said, not judged."""
 
 from twisted.trial.unittest import SynchronousTestCase
 

@@ -3,6 +3,7 @@
 import os
 import socket
 import time
+from typing import Any
 
 from twisted.internet import reactor
 from twisted.internet.task import Clock
@@ -45,9 +46,24 @@ class EnvironmentTests(SynchronousTestCase):
         self.assertIsNone(watchdog_interval({}, 7))
 
     def test_without_systemd_nothing_is_sent_and_nothing_breaks(self) -> None:
-        notifier = SystemdNotifier(Clock(), {})
+        opened: list[tuple[object, ...]] = []
+        real_socket = socket.socket
+
+        def recording(*args: Any, **kwargs: Any) -> socket.socket:
+            opened.append(args)
+            return real_socket(*args, **kwargs)
+
+        # Every notification is a datagram from a socket of its own: none opened is none sent.
+        self.patch(socket, "socket", recording)
+        clock = Clock()
+        events = logged_events(self)
+        # A watchdog interval alone (no $NOTIFY_SOCKET) has nowhere to send to: nothing is scheduled either.
+        notifier = SystemdNotifier(clock, {"WATCHDOG_USEC": "1000000", "WATCHDOG_PID": str(os.getpid())})
         notifier.startService()
+        self.assertEqual(clock.getDelayedCalls(), [])
+        clock.pump([0.5] * 10)
         notifier.stopService()
+        self.assertEqual((opened, events), ([], []))
 
     def test_a_socket_that_is_gone_costs_one_warning(self) -> None:
         clock = Clock()

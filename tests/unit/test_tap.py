@@ -9,7 +9,7 @@ from twisted.application.service import IServiceCollection
 from twisted.python import usage
 from twisted.trial.unittest import SynchronousTestCase
 
-from koordrp import tap
+from koordrp import defaults, tap
 from koordrp.checkpoint import DirectoryCheckpoint
 from koordrp.nri.listing import NRIListingService
 from koordrp.cri.server import CRIProxyService
@@ -25,8 +25,8 @@ from tests.fake.reactor import InlineThreadsReactor
 from tests.support.logs import logged_events
 
 
-def parse(*argv: str) -> tap.Options:
-    options = tap.Options()
+def parse(*argv: str) -> defaults.Options:
+    options = defaults.Options()
     options.parseOptions(list(argv))
     return options
 
@@ -116,7 +116,7 @@ class MakeServiceTests(SynchronousTestCase):
         )
         plugin = list(IServiceCollection(top))[1]
         assert isinstance(plugin, NRIService)
-        self.assertEqual(plugin.settings, NRISettings(tap.DEFAULT_NRI_SOCKET, PluginIdentity("koordrp", "05"), "/run/k"))
+        self.assertEqual(plugin.settings, NRISettings(defaults.DEFAULT_NRI_SOCKET, PluginIdentity("koordrp", "05"), "/run/k"))
         self.assertFalse(plugin.running)
 
     def test_one_bound_covers_the_stop_of_every_mode(self) -> None:

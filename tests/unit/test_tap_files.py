@@ -9,7 +9,7 @@ from pathlib import Path
 
 from twisted.trial.unittest import SkipTest, SynchronousTestCase
 
-from koordrp import tap
+from koordrp import defaults
 from koordrp.hooks.config import parse_hook_server_config
 from tests.support.tempdirs import short_tempdir
 
@@ -21,13 +21,13 @@ NRI_DROP_IN = TAP / "nri" / "10-nri-mode.conf"
 
 
 class TapFilesTests(SynchronousTestCase):
-    def options_of(self, unit: Path) -> tap.Options:
+    def options_of(self, unit: Path) -> defaults.Options:
         """The options the unit's (last) ExecStart= gives koordrp, the node's own (KOORDRP_ARGS) last."""
         command = unit.read_text().rsplit("ExecStart=", 1)[1].split("\n#", 1)[0].replace("\\\n", " ")
         argv = shlex.split(command)
         self.assertEqual(argv[1:4], ["-n", "--pidfile=", "--logfile=-"])
         self.assertEqual(argv[-1], "$KOORDRP_ARGS")
-        options = tap.Options()
+        options = defaults.Options()
         options.parseOptions(argv[argv.index("koordrp") + 1 : -1])
         return options
 
@@ -58,12 +58,12 @@ class TapFilesTests(SynchronousTestCase):
 
     def test_the_nri_drop_in_runs_koordrp_as_containerds_plugin(self) -> None:
         options = self.options_of(NRI_DROP_IN)
-        self.assertEqual((options["backend-runtime-mode"], options["nri-socket"]), ("NRI", tap.DEFAULT_NRI_SOCKET))
+        self.assertEqual((options["backend-runtime-mode"], options["nri-socket"]), ("NRI", defaults.DEFAULT_NRI_SOCKET))
         self.assertIn("\nExecStart=\nExecStart=", NRI_DROP_IN.read_text())
 
     def test_the_kubelet_drop_in_points_both_endpoints_at_koordrp(self) -> None:
         drop_in = DROP_IN.read_text()
-        socket = "unix://" + tap.DEFAULT_PROXY_ENDPOINT
+        socket = "unix://" + defaults.DEFAULT_PROXY_ENDPOINT
         self.assertIn(f"--container-runtime-endpoint={socket}", drop_in)
         self.assertIn(f"--image-service-endpoint={socket}", drop_in)
 

@@ -2,6 +2,7 @@
 Twisted's fakes and a Clock; its unix socket's mode and lock; the closed set of metric labels."""
 
 import errno
+import gc
 import os
 import resource
 import signal
@@ -27,7 +28,7 @@ from twisted.web.server import Site
 from twisted.web.test.requesthelper import DummyRequest
 from zope.interface import implementer
 
-from koordrp import bounds, tap
+from koordrp import bounds, defaults
 from koordrp.bounds import ABORT_SECONDS, Bounds, BoundedConnection, BoundedFactory
 from koordrp.cri.methods import KNOWN_METHODS
 from koordrp.hooks.messages import PodHookRequest
@@ -408,16 +409,56 @@ class ReadinessTests(SynchronousTestCase):
         self.assertEqual(self.ready(), 0)
 
     def test_a_failure_ends_the_trust_in_an_earlier_answer_for_healthz_and_the_gauge_alike(self) -> None:
+        self.assertEqual(self.code(self.healthz()), 200)
+        self.clock.advance(FRESH_SECONDS)
+        self.answer = lambda: fail(RuntimeError("containerd is away"))
+        self.assertEqual((self.code(self.healthz()), self.ready()), (503, 0))
         self.answer = Deferred
-        first, second = self.healthz(), self.healthz()  # two probes under way: the first answers, the second fails
-        self.asked[0].callback(None)
-        self.asked[1].errback(RuntimeError("containerd is away"))
-        self.assertEqual((self.code(first), self.code(second)), (200, 503))
-        self.assertEqual(self.ready(), 0)
+        asked = len(self.asked)
         third = self.healthz()
-        self.assertEqual((len(self.asked), self.code(third)), (4, None))  # asked again, not "answered 0.0s ago"
-        self.asked[3].errback(RuntimeError("containerd is away"))
+        self.assertEqual((len(self.asked), self.code(third)), (asked + 1, None))  # asked again, not "answered 0.0s ago"
+        self.asked[-1].errback(RuntimeError("containerd is away"))
         self.assertEqual(self.code(third), 503)
+
+    def test_healthz_requests_and_scrapes_share_the_probe_in_flight(self) -> None:
+        self.answer = Deferred
+        first, second = self.healthz(), self.healthz()
+        self.assertIsNone(self.ready())  # the scrape waits for nothing, and asks nothing more
+        self.assertEqual(len(self.asked), 1)
+        self.asked[0].errback(RuntimeError("containerd is away"))
+        self.assertEqual((self.code(first), self.code(second), self.ready()), (503, 503, 0))
+        self.assertEqual(b"".join(second.written), b"unhealthy: containerd is away\n")
+        third = self.healthz()
+        self.assertEqual(len(self.asked), 2)  # the next one once it has ended
+        self.asked[1].callback(None)
+        self.assertEqual((self.code(third), self.ready()), (200, 1))
+
+    def test_a_request_whose_client_went_away_is_not_answered_and_stops_waiting(self) -> None:
+        self.answer = Deferred
+        gone, staying = self.healthz(), self.healthz()
+        gone.processingFailed(Failure(ConnectionDone()))  # as twisted.web tells of a connection lost
+        self.asked[0].callback(None)
+        self.assertEqual((gone.finished, gone.written), (0, []))
+        self.assertEqual(self.code(staying), 200)
+        self.assertEqual(self.ready(), 1)  # the probe went on: its answer is remembered
+
+    def test_a_client_gone_from_the_site_while_its_probe_runs_leaves_no_error(self) -> None:
+        """A real twisted.web site on a memory transport: twisted.web refuses to finish such a request."""
+        self.answer = Deferred
+        factory = metrics_service("tcp:0", self.metrics, self.probe, self.clock).factory
+        factory.doStart()
+        self.addCleanup(factory.doStop)
+        gone, gone_transport = connect(factory)
+        gone.dataReceived(b"GET /healthz HTTP/1.1\r\nHost: koordrp\r\n\r\n")
+        staying, staying_transport = connect(factory)
+        staying.dataReceived(b"GET /healthz HTTP/1.1\r\nHost: koordrp\r\n\r\n")
+        gone.connectionLost(Failure(ConnectionDone()))
+        self.assertEqual(len(self.asked), 1)
+        self.asked[0].callback(None)
+        gc.collect()  # an error left in a Deferred is logged as it is collected: trial fails the test for it
+        self.assertEqual(gone_transport.value(), b"")
+        self.assertTrue(staying_transport.value().startswith(b"HTTP/1.1 200 OK"), staying_transport.value())
+        self.assertIn(b"\r\nok: the backend answers\n\r\n", staying_transport.value())
 
 
 class MetricLabelTests(SynchronousTestCase):
@@ -459,11 +500,11 @@ class EndpointOptionTests(SynchronousTestCase):
 
     def test_endpoints_koordrp_cannot_take_are_usage_errors(self) -> None:
         for value in ("unix:metrics.sock", "unix:/run/m.sock:mode=999", "unix:/run/m.sock:colour=red", "nope:1"):
-            options = tap.Options()
+            options = defaults.Options()
             with self.assertRaises(usage.UsageError, msg=value) as raised:
                 options.parseOptions([f"--metrics-endpoint={value}"])
             self.assertIn("--metrics-endpoint", str(raised.exception))
-        options = tap.Options()
+        options = defaults.Options()
         options.parseOptions(["--metrics-endpoint=unix:/run/k/m.sock:mode=640"])
         self.assertEqual(options["metrics-endpoint"], "unix:/run/k/m.sock:mode=640")
 
