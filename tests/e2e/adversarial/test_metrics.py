@@ -22,6 +22,7 @@ import socket
 import stat
 import subprocess
 import sys
+import time
 from concurrent import futures
 from pathlib import Path
 from typing import Any, Iterator
@@ -278,7 +279,7 @@ def test_ten_thousand_unknown_cri_methods_make_one_series(containerd: Containerd
     try:
         with proxy.channel() as channel:
             proxy.runtime(channel).Version(api_pb2.VersionRequest(), timeout=30)
-            before = series(http_get("tcp", ("127.0.0.1", port), "/metrics")[1])
+            before = ready_series(port)
 
             def unknown(number: int) -> grpc.StatusCode:
                 try:
@@ -297,6 +298,16 @@ def test_ten_thousand_unknown_cri_methods_make_one_series(containerd: Containerd
         assert sample(metrics, "koordrp_cri_calls_total", method="other", code="UNIMPLEMENTED") == 10_000
     finally:
         proxy.stop()
+
+
+def ready_series(port: int) -> set[tuple[str, tuple[tuple[str, str], ...]]]:
+    """The series on /metrics once koordrp_ready is among them: a proxy's gauge appears once the probe that a
+    scrape starts has ended (the runtime answered)."""
+    deadline = time.monotonic() + 60
+    while ("koordrp_ready", ()) not in (found := series(http_get("tcp", ("127.0.0.1", port), "/metrics")[1])):
+        assert time.monotonic() < deadline, found
+        time.sleep(0.1)
+    return found
 
 
 def series(metrics: str) -> set[tuple[str, tuple[tuple[str, str], ...]]]:
