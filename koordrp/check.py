@@ -477,23 +477,30 @@ def reach_findings(proc: str, said: registration.Registration, servers: Sequence
     ]
     if not in_container(proc, said.pid):
         return findings
+    # As the kernel names mount points: with links resolved (/var/run is /run). Run beside koordrp, check
+    # resolves them in koordrp's own root.
     needed = {
-        os.path.dirname(options["nri-socket"]),
-        options["hook-config-dir"],
-        options["state-dir"],
-        *(os.path.dirname(server.endpoint) for server in servers),
+        os.path.realpath(path)
+        for path in (
+            os.path.dirname(options["nri-socket"]),
+            options["hook-config-dir"],
+            options["state-dir"],
+            *(os.path.dirname(server.endpoint) for server in servers),
+        )
     }
     try:
         with open(os.path.join(base, "mountinfo"), encoding="utf-8", errors="surrogateescape") as mountinfo:
-            points = mount_points(mountinfo.read())
+            points = {os.path.realpath(point) for point in mount_points(mountinfo.read())}
         with open(os.path.join(base, "status"), encoding="utf-8") as status:
             capabilities = next((int(line.split()[1], 16) for line in status if line.startswith("CapEff:")), 0)
     except OSError as error:
         return [*findings, Finding(False, f"cannot read koordrp's mounts and capabilities (pid {said.pid}): {error.strerror}")]
+    # What is mounted inside a directory koordrp needs (the runtime's mounts it propagates) gives no more of the node.
+    within = (*_CONTAINER_OWN_TREES, *needed)
     extra = sorted(
         point
-        for point in set(points) - needed - _CONTAINER_OWN
-        if not any(point == tree or point.startswith(tree + "/") for tree in _CONTAINER_OWN_TREES)
+        for point in points - _CONTAINER_OWN
+        if not any(point == tree or point.startswith(tree + "/") for tree in within)
     )
     if extra:
         findings.append(
@@ -504,7 +511,7 @@ def reach_findings(proc: str, said: registration.Registration, servers: Sequence
             )
         )
     else:
-        findings.append(Finding(True, f"koordrp's container mounts only what NRI mode needs: {', '.join(sorted(needed & set(points)))}"))
+        findings.append(Finding(True, f"koordrp's container mounts only what NRI mode needs: {', '.join(sorted(needed & points))}"))
     if capabilities:
         findings.append(
             Finding(

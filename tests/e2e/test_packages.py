@@ -436,6 +436,11 @@ def test_the_image_runs_as_the_daemonset_runs_it(image: Image, injector: FakeHoo
         assert healthz(port, "livez")[0] == 200
         assert_containers_get_the_hooks_env(containerd, workdir, "from-daemonset")
         mounts = runtime_spec(runtime, container_id)["mounts"]
+        # As an operator runs it: kubectl exec into koordrp's container.
+        checked = runtime.ExecSync(
+            api_pb2.ExecSyncRequest(container_id=container_id, cmd=["koordrp", "check", "--backend-runtime-mode=NRI"], timeout=60),
+            timeout=TIMEOUT,
+        )
     finally:
         remove_pod(runtime, sandbox_id)
     said = (workdir / "pod/koordrp.log").read_text()
@@ -449,3 +454,7 @@ def test_the_image_runs_as_the_daemonset_runs_it(image: Image, injector: FakeHoo
         and mount["destination"] not in POD_FILES
     }
     assert reached == {"/var/run/nri": str(containerd.paths.nri_socket.parent)}, mounts
+    # koordrp check, beside koordrp, finds it given nothing beyond what NRI mode needs: no option, mount or capability.
+    said = checked.stdout.decode() + checked.stderr.decode()
+    assert "✓ koordrp's container mounts only what NRI mode needs: " in said, said
+    assert "does not use" not in said and "more than NRI mode needs" not in said and "CapEff" not in said, said

@@ -102,7 +102,8 @@ class ReachTests(SynchronousTestCase):
     def test_the_daemonsets_pod_has_what_nri_mode_needs_and_nothing_more(self) -> None:
         [(ok, text)] = self.findings(self.proc(1, DAEMONSET_ARGS), 1)
         self.assertTrue(ok, text)
-        self.assertIn("/etc/runtime/hookserver.d, /var/run/koord-runtimeproxy/state, /var/run/koordlet, /var/run/nri", text)
+        needed = ("/etc/runtime/hookserver.d", "/var/run/koord-runtimeproxy/state", "/var/run/koordlet", "/var/run/nri")
+        self.assertIn(", ".join(sorted(os.path.realpath(path) for path in needed)), text)
 
     def test_containerds_socket_mounted_and_named_is_two_findings_a_capability_a_third(self) -> None:
         mounts = POD_MOUNTS + "1210 1190 0:25 /containerd /var/run/containerd rw,nosuid,nodev - tmpfs tmpfs rw\n"
@@ -111,7 +112,9 @@ class ReachTests(SynchronousTestCase):
         findings = self.findings(self.proc(1, args, mounts, capabilities=0x400), 1)
         self.assertEqual([ok for ok, _ in findings], [False, False, False])
         self.assertEqual(findings[0][1], "koordrp (pid 1) is given --remote-runtime-service-endpoint, which NRI mode does not use")
-        self.assertIn("mounts /run/secrets/kubernetes.io/serviceaccount, /var/run/containerd: more than NRI mode needs", findings[1][1])
+        containerd = os.path.realpath("/var/run/containerd")  # as the kernel names it
+        extra = ", ".join(sorted((containerd, "/run/secrets/kubernetes.io/serviceaccount")))
+        self.assertIn(f"mounts {extra}: more than NRI mode needs", findings[1][1])
         self.assertIn("CapEff 0x400", findings[2][1])
 
     def test_a_mount_point_with_a_space_is_read_as_the_kernel_wrote_it(self) -> None:
@@ -120,3 +123,9 @@ class ReachTests(SynchronousTestCase):
     def test_installed_on_the_node_koordrps_mounts_and_capabilities_are_the_units_to_judge(self) -> None:
         proc = self.proc(4242, DAEMONSET_ARGS, POD_MOUNTS + "9 1 8:1 /home /home rw - ext4 /dev/sda1 rw\n", 0x1FF, own_namespace=False)
         self.assertEqual(self.findings(proc, 4242), [])
+
+    def test_mounts_inside_a_needed_directory_and_var_run_as_the_kernel_names_it_give_no_more(self) -> None:
+        mounts = POD_MOUNTS.replace(" /var/run/", " /run/")  # /var/run is a link to /run: the kernel says /run
+        mounts += "1220 1196 0:90 / /run/nri/state/io.containerd.runtime.v2.task/k8s.io/ab/rootfs rw - overlay overlay rw\n"
+        [(ok, text)] = self.findings(self.proc(1, DAEMONSET_ARGS, mounts), 1)
+        self.assertTrue(ok, text)
