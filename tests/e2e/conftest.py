@@ -126,6 +126,15 @@ def koordrp(containerd: Containerd, workdir: Path) -> Iterator[KoordrpProcess]:
 
 
 @pytest.fixture
+def plugin(nri_containerd: Containerd, workdir: Path) -> Iterator[KoordrpProcess]:
+    """koordrp in NRI mode, registered with the session's containerd."""
+    koordrp = KoordrpProcess(workdir, nri_containerd.endpoint, nri_socket=nri_containerd.paths.nri_socket)
+    koordrp.start()
+    yield koordrp
+    koordrp.stop()
+
+
+@pytest.fixture
 def servers(workdir: Path) -> Iterator[dict[str, FakeHookServer]]:
     started: dict[str, FakeHookServer] = {}
     yield started

@@ -39,15 +39,6 @@ BESTEFFORT = "/kubepods/besteffort/pod-nri-e2e"
 
 
 @pytest.fixture
-def plugin(nri_containerd: Containerd, workdir: Path) -> Iterator[KoordrpProcess]:
-    """koordrp in NRI mode, registered with the session's containerd."""
-    koordrp = KoordrpProcess(workdir, nri_containerd.endpoint, nri_socket=nri_containerd.paths.nri_socket)
-    koordrp.start()
-    yield koordrp
-    koordrp.stop()
-
-
-@pytest.fixture
 def runtime(nri_containerd: Containerd) -> Any:
     """containerd's own RuntimeService: in NRI mode kubelet calls containerd."""
     return nri_containerd.runtime()

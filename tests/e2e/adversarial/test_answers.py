@@ -113,15 +113,6 @@ def test_an_ignore_policy_servers_cgroup_parent_out_of_the_pods_root_leaves_the_
     assert warning.endswith(f"{refused}; policy Ignore, the rest of its answer applies"), warning
 
 
-@pytest.fixture
-def plugin(nri_containerd: Containerd, workdir: Path) -> Iterator[KoordrpProcess]:
-    """koordrp in NRI mode, registered with the session's containerd."""
-    koordrp = KoordrpProcess(workdir, nri_containerd.endpoint, nri_socket=nri_containerd.paths.nri_socket)
-    koordrp.start()
-    yield koordrp
-    koordrp.stop()
-
-
 def test_in_nri_mode_an_annotation_just_under_ttrpcs_limit_is_refused_and_the_container_starts(
     plugin: KoordrpProcess, nri_containerd: Containerd, servers: dict[str, FakeHookServer], workdir: Path, hooks_dir: Path
 ) -> None:
