@@ -13,8 +13,10 @@ then two chained, it prints:
   request of the same shape. From each round:
 
   - koordrp's share of a hook stage = hooked - skipped - the servers alone;
-  - koordrp's CPU per hook stage = its CPU (every thread's, /proc schedstat) during the hooked call
-    minus during the skipped one, beside the CPU this process spends calling the servers alone;
+  - koordrp's CPU per hook stage = its CPU (its process CPU clock: every thread's) during the hooked call
+    minus during the skipped one, beside the CPU this process spends calling the servers alone; per
+    hook call (over the servers chained), as a ratio to the floor: benchmarks/floor.py, a bare grpcio
+    client's CPU per call against a no-op server, measured first in the same run;
   - a skipped call over a pass-through = the skipped call - the same call through the minimal
     pass-through; and, as this benchmark first measured it, (skipped - direct) - (ContainerStatus through
     koordrp - directly), which compares with a different call's pass-through;
@@ -57,7 +59,9 @@ from cri_api.v1 import api_pb2, api_pb2_grpc
 
 from benchmarks import minimal_passthrough, nri_starts
 from benchmarks.echo_hook_server import HookServerProcess
-from benchmarks.stats import quantile, thread_cpu_ns
+from benchmarks.floor import Floor
+from benchmarks.floor import measure as measure_floor
+from benchmarks.stats import quantile, process_cpu_ns
 from koordrp.api.cri.v1 import api_pb2 as koordrp_cri
 from koordrp.api.runtime.v1alpha1 import api_pb2_grpc as hook_grpc
 from koordrp.cri import translate
@@ -83,6 +87,7 @@ TARGETS = {
     "cpu": 0.3e-3,
     "skipped": 0.2e-3,
     "pod start": 1.08,
+    "per call": 1.2,
 }
 
 
@@ -134,14 +139,14 @@ class Measured:
     def __call__(self, call: Callable[[], object], own: bool = False) -> tuple[float, float, float]:
         """Seconds, koordrp's CPU seconds and, with ``own``, this process's CPU seconds."""
         time.sleep(SETTLE_SECONDS)
-        cpu_before = thread_cpu_ns(self._pid)
-        own_before = thread_cpu_ns(os.getpid()) if own else 0
+        cpu_before = process_cpu_ns(self._pid)
+        own_before = process_cpu_ns(os.getpid()) if own else 0
         started = time.perf_counter()
         call()
         seconds = time.perf_counter() - started
-        own_cpu = (thread_cpu_ns(os.getpid()) - own_before) / 1e9 if own else 0.0
+        own_cpu = (process_cpu_ns(os.getpid()) - own_before) / 1e9 if own else 0.0
         time.sleep(SETTLE_SECONDS)
-        koordrp_cpu = (thread_cpu_ns(self._pid) - cpu_before) / 1e9
+        koordrp_cpu = (process_cpu_ns(self._pid) - cpu_before) / 1e9
         return seconds, koordrp_cpu, own_cpu
 
 
@@ -290,7 +295,7 @@ def ms(seconds: float) -> str:
 
 def verdict(value: float, target_key: str) -> str:
     target = TARGETS[target_key]
-    shown = f"{target:.2f}x" if target_key == "pod start" else ms(target)
+    shown = f"{target:.2f}x" if target_key in ("pod start", "per call") else ms(target)
     return f"(target {shown}: {'met' if value <= target else 'NOT met'})"
 
 
@@ -299,8 +304,8 @@ def report_pod_start(direct: list[float], proxied: list[float], alone: float, pa
     when = "back to back" if not pause else f"each after a {pause:g} s pause"
     print(f"  pod start, {len(direct)} pods each way, {when}: direct p50 {ms(d50)}, koordrp p50 {ms(k50)}, added {ms(k50 - d50)}")
     print(f"  ratio of the p50 sums: {k50 / d50:.3f} {verdict(k50 / d50, 'pod start')}")
-    floor = 3 * alone + 3 * passthrough
-    print(f"  the floor (3 pre stages' servers alone + 3 pass-through costs): +{ms(floor)}; beyond it: {ms(k50 - d50 - floor)}")
+    least = 3 * alone + 3 * passthrough
+    print(f"  the least a proxy with hooks adds (3 pre stages' servers alone + 3 pass-through costs): +{ms(least)}; beyond it: {ms(k50 - d50 - least)}")
 
 
 @dataclass(frozen=True)
@@ -330,8 +335,9 @@ COMPARED = {
 }
 
 
-def report_rounds(label: str, samples: Samples) -> Figures:
-    """Prints the figures of one koordrp's hook stage; returns them for the comparison and the floor."""
+def report_rounds(label: str, samples: Samples, floor: Floor, servers: int) -> Figures:
+    """Prints the figures of one koordrp's hook stage (``servers`` hook calls); returns them for the comparison and
+    the pod start."""
     print(f"  koordrp {label}")
     print(f"  {'':<18}{'p50':>11}{'p99':>11}{'koordrp CPU':>13}")
     for row, what in [*ROWS.items(), (SERVERS_ALONE, SERVERS_ALONE_WHAT)]:
@@ -359,6 +365,9 @@ def report_rounds(label: str, samples: Samples) -> Figures:
     figure("", quick_share, "share p99", None, 0.99)
     figure("koordrp CPU per hook stage", cpu, "cpu", "CPU of update hooked - of update skipped")
     figure("  the same, on a quick call", quick_cpu, "cpu", "CPU of start hooked - of start skipped")
+    for name, stage in (("koordrp CPU per hook call", cpu), ("  the same, on a quick call", quick_cpu)):
+        per_call = statistics.median(stage) / servers
+        print(f"    {name:<36}p50 {ms(per_call):>10} = {floor.ratio(per_call)} {verdict(per_call / floor.future_and_callback, 'per call')}")
     figure("a plain client's CPU, same calls", samples.client_cpu, None, "this process, calling the servers alone")
     figure("skipped over a pass-through", over_same, "skipped", "update skipped - update minimal")
     figure("  the same, on a quick call", quick_over_same, "skipped", "start skipped - start minimal")
@@ -423,6 +432,8 @@ def main() -> None:
         help="also measure the koordrp of the checkout in DIR, run by this virtualenv's twistd, in the same rounds",
     )
     args = parser.parse_args()
+    floor = measure_floor()  # first, while nothing else runs
+    print(floor.line())
     with tempfile.TemporaryDirectory(prefix="krp-bench-", dir="/tmp") as scratch, ExitStack() as stack:
         base = Path(scratch)
         echo_servers = [stack.enter_context(running(base / f"echo-{n}.sock")) for n in range(max(args.servers))]
@@ -448,9 +459,9 @@ def main() -> None:
             made_koordrp(label, process, stack.enter_context(process.channel()), base / "logs")
             for label, process in processes.items()
         ]
-        measure(args, containerd.runtime(), minimal, koordrps, echo_servers, base / "logs")
+        measure(args, containerd.runtime(), minimal, koordrps, echo_servers, base / "logs", floor)
         if args.nri_pods:
-            nri_starts.measure(base / "nri", args.nri_pods)
+            nri_starts.measure(base / "nri", args.nri_pods, floor=floor)
 
 
 def checkout_first(checkout: str) -> dict[str, str]:
@@ -491,7 +502,13 @@ def running(socket: Path) -> Iterator[HookServerProcess]:
 
 
 def measure(
-    args: argparse.Namespace, direct: Any, minimal: Any, koordrps: list[Koordrp], servers: list[HookServerProcess], logs: Path
+    args: argparse.Namespace,
+    direct: Any,
+    minimal: Any,
+    koordrps: list[Koordrp],
+    servers: list[HookServerProcess],
+    logs: Path,
+    floor: Floor,
 ) -> None:
     every_hook = [hook.value for hook in HookType]
     for count in args.servers:
@@ -502,7 +519,7 @@ def measure(
         print(f"\n== {count} echo hook server{'s' if count > 1 else ''} on every hook point, chained ==")
         rounds = hook_stage_rounds(direct, minimal, koordrps, [str(s.socket) for s in servers[:count]], args.rounds)
         print(f"one hook stage: UpdateContainerResources, {args.rounds} rounds")
-        figures = {label: report_rounds(label, samples) for label, samples in rounds.items()}
+        figures = {label: report_rounds(label, samples, floor, count) for label, samples in rounds.items()}
         if len(figures) > 1:
             report_comparison(figures)
         if args.pods:

@@ -10,16 +10,20 @@ RunPodSandbox + CreateContainer + StartContainer, called as kubelet calls them. 
 
 * what it adds to a pod start over no plugin: the p50 of the per-round differences, with a 95 %
   confidence interval of that median (order statistics), and the same per phase;
-* the plugin's CPU per pod start: every thread's (/proc/PID/task/*/schedstat), read after the pause
+* the plugin's CPU per pod start: its process CPU clock (every thread's), read after the pause
   before the pod start and again after the same pause once it started, so that what the plugin still
   does after containerd answered (a post hook, its log line) is counted; and, for a way with hooks,
-  the echo hook server's CPU beside it.
+  the echo hook server's CPU beside it; and per pod cycle, its removal (each pod's, after the round,
+  as kubelet makes it: StopContainer, RemoveContainer, StopPodSandbox, RemovePodSandbox) measured the same way;
+* koordrp's CPU per pod cycle without hook servers as a ratio to the Go stub's, and per hook call (with the
+  echo server on all 7 hook points, less without, over the hook calls a cycle makes) as a ratio to the floor
+  (benchmarks/floor.py: a bare grpcio client's CPU per call against a no-op server, measured first).
 
 Then, for koordrp with hooks, restarted ``--first-calls`` times: its first hook call after it starts
 (a new channel to the server) against the same hook in the next pod start, both as koordrp's own log
 line times them.
 
-The Go stub is benchmarks/nri_go_stub, built by scripts/build-nri-stub into .deps/nri-go-stub; without
+The Go stub is benchmarks/nri_go_stub, built by scripts/build-go into .deps/nri-go-stub; without
 it, the figures are printed without it.
 """
 
@@ -39,8 +43,10 @@ from cri_api.v1 import api_pb2
 
 from benchmarks import minimal_nri_plugin
 from benchmarks.echo_hook_server import HookServerProcess
+from benchmarks.floor import Floor
+from benchmarks.floor import measure as measure_floor
 from benchmarks.processes import running
-from benchmarks.stats import median_interval, thread_cpu_ns
+from benchmarks.stats import median_interval, process_cpu_ns
 from koordrp.hooks.types import HookType
 from koordrp.defaults import DEFAULT_NRI_PLUGIN_INDEX, DEFAULT_NRI_PLUGIN_NAME
 from tests.support.containerd import PROJECT_ROOT, Containerd
@@ -89,7 +95,13 @@ class Samples:
 
     phases: dict[str, list[tuple[float, ...]]] = field(default_factory=dict)
     plugin_cpu: dict[str, list[float]] = field(default_factory=dict)
+    """The plugin's CPU per pod start."""
+    removal_cpu: dict[str, list[float]] = field(default_factory=dict)
+    """The plugin's CPU per pod removal: with the start, a whole pod cycle."""
     server_cpu: dict[str, list[float]] = field(default_factory=dict)
+
+    def cycle_cpu(self, way: str) -> list[float]:
+        return [start + removal for start, removal in zip(self.plugin_cpu[way], self.removal_cpu[way])]
 
     def totals(self, way: str) -> list[float]:
         return [sum(phases) for phases in self.phases[way]]
@@ -99,11 +111,12 @@ class Samples:
 
 
 def cpu_seconds(pid: int | None) -> float:
-    return 0.0 if pid is None else thread_cpu_ns(pid) / 1e9
+    return 0.0 if pid is None else process_cpu_ns(pid) / 1e9
 
 
-def phased_pod_start(runtime: Any, name: str, logs: Path) -> tuple[tuple[float, ...], str]:
-    """Seconds of RunPodSandbox, CreateContainer and StartContainer of a pod with one container; its sandbox id."""
+def phased_pod_start(runtime: Any, name: str, logs: Path) -> tuple[tuple[float, ...], str, str]:
+    """Seconds of RunPodSandbox, CreateContainer and StartContainer of a pod with one container; its sandbox's and
+    its container's ids."""
     pod = pod_sandbox_config(name, log_directory=logs / name)
     container = container_config(name, image=BUSYBOX_REF, command=["sleep", "3600"], log_path=f"{name}.log")
     began = time.perf_counter()
@@ -113,7 +126,7 @@ def phased_pod_start(runtime: Any, name: str, logs: Path) -> tuple[tuple[float, 
     container_id = runtime.CreateContainer(create, timeout=TIMEOUT).container_id
     created = time.perf_counter()
     runtime.StartContainer(api_pb2.StartContainerRequest(container_id=container_id), timeout=TIMEOUT)
-    return (ran - began, created - ran, time.perf_counter() - created), sandbox_id
+    return (ran - began, created - ran, time.perf_counter() - created), sandbox_id, container_id
 
 
 def pod_name(way: str, index: int | str) -> str:
@@ -129,15 +142,22 @@ def rounds(ways: dict[str, Way], count: int, settle: float, logs: Path) -> Sampl
         for name, way in order:
             time.sleep(settle)
             plugin_before, server_before = cpu_seconds(way.plugin), cpu_seconds(way.server)
-            phases, sandbox_id = phased_pod_start(way.runtime, pod_name(name, index), logs)
+            phases, sandbox_id, container_id = phased_pod_start(way.runtime, pod_name(name, index), logs)
             time.sleep(settle)
             if index != "warm-up":
                 samples.phases.setdefault(name, []).append(phases)
                 samples.plugin_cpu.setdefault(name, []).append(cpu_seconds(way.plugin) - plugin_before)
                 samples.server_cpu.setdefault(name, []).append(cpu_seconds(way.server) - server_before)
-            started.append((way.runtime, sandbox_id))
-        for runtime, sandbox_id in started:
-            remove_pod(runtime, sandbox_id)
+            started.append((name, way, sandbox_id, container_id))
+        for name, way, sandbox_id, container_id in started:
+            # The rest of the pod's cycle (its stops and removals as kubelet makes them, and their post hooks),
+            # charged the same way.
+            time.sleep(settle)
+            plugin_before = cpu_seconds(way.plugin)
+            remove_pod(way.runtime, sandbox_id, [container_id])
+            time.sleep(settle)
+            if index != "warm-up":
+                samples.removal_cpu.setdefault(name, []).append(cpu_seconds(way.plugin) - plugin_before)
     return samples
 
 
@@ -211,7 +231,26 @@ def report(samples: Samples, rounds_done: int, version: str, settle: float) -> N
         if any(samples.server_cpu[way]):
             cpu += f" (+{ms(statistics.median(samples.server_cpu[way]))} in the echo server)"
         print(f"    {way:<15} {ms(statistics.median(added), sign=True)} (CI {ms(low, sign=True)} … {ms(high, sign=True)});")
-        print(f"    {'':<15} {per_phase}; {cpu}")
+        print(f"    {'':<15} {per_phase}; {cpu}; per pod cycle {ms(statistics.median(samples.cycle_cpu(way)))}")
+
+
+def report_per_cycle(samples: Samples, floor: Floor, hook_calls: float) -> None:
+    """koordrp's CPU per pod cycle against the Go stub's, and per hook call against the floor (``hook_calls`` a cycle)."""
+    print("  CPU per pod cycle (start, then stop and removal as kubelet makes them), p50 of the rounds:")
+    koordrp = samples.cycle_cpu("koordrp")
+    if "Go stub" in samples.plugin_cpu:
+        ratio = statistics.median(koordrp) / statistics.median(samples.cycle_cpu("Go stub"))
+        print(
+            f"    koordrp, no hook server: {ms(statistics.median(koordrp))}, {ratio:.2f}x the Go stub's "
+            f"{ms(statistics.median(samples.cycle_cpu('Go stub')))} (target 1.30x: {'met' if ratio <= 1.3 else 'NOT met'})"
+        )
+    added = [hooked - idle for hooked, idle in zip(samples.cycle_cpu("koordrp, hooks"), koordrp)]
+    per_call = statistics.median(added) / hook_calls
+    verdict = "met" if per_call <= 1.5 * floor.future_and_callback else "NOT met"
+    print(
+        f"    a hook call: (koordrp, hooks - koordrp) {ms(statistics.median(added))} over the {hook_calls:g} hook calls of a "
+        f"cycle = {ms(per_call)}, {floor.ratio(per_call)} (target 1.50x: {verdict})"
+    )
 
 
 def report_first_calls(found: list[tuple[str, float, float]], restarts: int) -> None:
@@ -225,8 +264,12 @@ def report_first_calls(found: list[tuple[str, float, float]], restarts: int) -> 
     print(f"    first: {firsts}; the same hook in the next pod start: {nexts}")
 
 
-def measure(base: Path, count: int, settle: float = SETTLE_SECONDS, restarts: int = 3) -> None:
-    """Starts everything under ``base``, runs ``count`` rounds, prints the figures, stops everything."""
+def measure(base: Path, count: int, settle: float = SETTLE_SECONDS, restarts: int = 3, floor: Floor | None = None) -> None:
+    """Starts everything under ``base``, runs ``count`` rounds, prints the figures, stops everything. ``floor``: the
+    one measured earlier in the run (else it is measured first)."""
+    if floor is None:
+        floor = measure_floor()
+        print(floor.line())
     images = build_test_images(base / "nri-images")
     every_hook = [hook.value for hook in HookType]
     with ExitStack() as stack:
@@ -266,7 +309,7 @@ def measure(base: Path, count: int, settle: float = SETTLE_SECONDS, restarts: in
             stub = containerd("cd-go-stub")
             ways["Go stub"] = plugin(running([str(GO_STUB), f"--nri-socket={stub.paths.nri_socket}"]), stub, GO_STUB_PLUGIN)
         else:
-            print(f"Go NRI stub: {GO_STUB} is missing (scripts/build-nri-stub builds it); measured without it")
+            print(f"Go NRI stub: {GO_STUB} is missing (scripts/build-go builds it); measured without it")
         minimal = containerd("cd-minimal")
         ways["minimal plugin"] = plugin(minimal_nri_plugin.running(str(minimal.paths.nri_socket)), minimal, MINIMAL_PLUGIN)
         idle = containerd("cd-koordrp")
@@ -281,7 +324,9 @@ def measure(base: Path, count: int, settle: float = SETTLE_SECONDS, restarts: in
 
         version = bare.runtime().Version(api_pb2.VersionRequest(), timeout=TIMEOUT).runtime_version
         samples = rounds(ways, count, settle, base / "nri-logs")
+        hook_calls = sum(nri_server.counts().values()) / (count + 1)  # the warm-up's pods too
         report(samples, count, version, settle)
+        report_per_cycle(samples, floor, hook_calls)
         if restarts:
             report_first_calls(first_hook_calls(hooked, plugged, restarts, base / "nri-logs"), restarts)
 

@@ -40,7 +40,7 @@ from twisted.internet.defer import Deferred, ensureDeferred
 from twisted.internet.interfaces import IReactorFromThreads, IReactorUNIX
 from twisted.internet.task import deferLater, react
 
-from benchmarks.stats import quantile, thread_cpu_ns
+from benchmarks.stats import quantile, process_cpu_ns
 from koordrp.cri.backend import CHANNEL_OPTIONS
 from koordrp.cri.runtime_lookup import RuntimeLookup
 from koordrp.nri.listing import LINGER_SECONDS, NRIListing
@@ -208,7 +208,7 @@ def _cpu(pids: list[int]) -> float:
     total = 0
     for pid in pids:
         try:
-            total += thread_cpu_ns(pid)
+            total += process_cpu_ns(pid)
         except FileNotFoundError:
             pass  # gone meanwhile: its CPU is nobody's listing's
     return total / 1e9

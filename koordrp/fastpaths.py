@@ -164,7 +164,7 @@ UNWOKEN = Path(
 TIMER = Path(
     "a CRI call's end woken a moment after its answer", f"a timerfd, {TIMERFD_FROM}", "the reactor woken at once for it"
 )
-AT_ONCE = Path("NRI messages written at once", "the connection's socket beside its transport", "transport.write")
+AT_ONCE = Path("messages written at once", "the connection's socket beside its transport", "transport.write")
 
 
 @dataclass(frozen=True)

@@ -77,10 +77,15 @@ def read_at_most(descriptor: int, limit: int) -> bytes:
 
 def create_file(path: str, mode: int = 0o600) -> int:
     """A descriptor of a new regular file at ``path``, open for writing; the caller closes it. Whatever was there
-    (an earlier write's leftover, or something planted) is removed first, and the file is created only if nothing
+    (an earlier write's leftover, or something planted) is removed, and the file is created only if nothing
     took the name meanwhile (``O_EXCL``, which follows no link). OSError: as ``unlink`` and ``open`` raise them."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        return os.open(path, flags, mode)
+    except FileExistsError:  # the name is seldom taken: an unlink only then spares every write a system call
+        pass
     try:
         os.unlink(path)
     except FileNotFoundError:
         pass
-    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+    return os.open(path, flags, mode)

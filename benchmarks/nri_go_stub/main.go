@@ -8,7 +8,7 @@
 // It prints "ready" once containerd has synchronized it (from then on containerd calls it on
 // every pod and container event) and exits when containerd closes the connection. The stub's own
 // log lines (registration, configuration) go to stderr with --verbose; else only its warnings.
-// scripts/build-nri-stub builds it.
+// scripts/build-go builds it.
 package main
 
 import (

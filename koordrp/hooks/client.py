@@ -1,30 +1,34 @@
-"""Calling one hook server: a reused grpc channel per endpoint, calls as Deferreds on the reactor."""
+"""Calling one hook server: one HTTP/2 connection per endpoint, kept, with calls as Deferreds on the reactor."""
 
 from functools import partial
 from typing import Callable, Iterable
 
-import grpc
+from google.protobuf.message import DecodeError
 from twisted.internet.defer import Deferred, fail
-from twisted.internet.interfaces import IReactorFromThreads, IReactorTime
+from twisted.internet.interfaces import IReactorTime, IReactorUNIX
 
 from koordrp import trust
-from koordrp.api.runtime.v1alpha1 import api_pb2_grpc
-from koordrp.grpcdefer import failed_call, when_done
+from koordrp.api.runtime.v1alpha1 import api_pb2
+from koordrp.hooks.channel import HTTP2Channel
 from koordrp.hooks.messages import HookRequest, HookResponse
 from koordrp.hooks.types import HookType
+from koordrp.http2 import DEADLINE_EXCEEDED, Answered, Failed, Outcome, StatusSent, grpc_timeout, request_headers
 from koordrp.text import shortened
-from koordrp.unix import grpc_target, socket_identity, socket_problem
+from koordrp.unix import socket_identity, socket_problem
 
-# Hook servers come and go with their plugins; reconnect quickly when one is back.
-_CHANNEL_OPTIONS = [
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-    ("grpc.enable_retries", 0),
-    # grpc shares connections between channels to the same target, backoff included; a fresh
-    # channel (see HookClient.call) must really start afresh.
-    ("grpc.use_local_subchannel_pool", 1),
-]
+MAX_ANSWER = 4 << 20
+"""The largest answer read from a hook server: grpc's default receive limit, which koordrp's client had."""
+_SERVICE = api_pb2.DESCRIPTOR.services_by_name["RuntimeHookService"]
+
+
+def _prepared(hook: HookType) -> tuple[bytes, Callable[[bytes], HookResponse]]:
+    """What every call of ``hook`` sends first (its header block, but for the timeout) and what reads its answer."""
+    method = _SERVICE.methods_by_name[hook.rpc_name]
+    answer: Callable[[bytes], HookResponse] = getattr(api_pb2, method.output_type.name).FromString
+    return request_headers(f"/{_SERVICE.full_name}/{method.name}", "localhost", "koordrp"), answer
+
+
+_PREPARED = {hook: _prepared(hook) for hook in HookType}
 
 
 class HookCallError(Exception):
@@ -32,12 +36,10 @@ class HookCallError(Exception):
 
     timed_out = False
 
-    def __init__(self, reason: str, sent_back: bool = False, lost: bool = False) -> None:
+    def __init__(self, reason: str, sent_back: bool = False) -> None:
         super().__init__(reason)
         self.sent_back = sent_back
         """The server itself answered with this error: it is there, and it answers."""
-        self.lost = lost
-        """grpc could not reach the server: the channel waits out a backoff before it tries again."""
 
 
 class HookTimedOut(HookCallError):
@@ -53,26 +55,23 @@ def _raise_timed_out(result: object, timeout: float) -> object:
     raise HookTimedOut(no_answer_within(timeout))
 
 
-def _read(done: "grpc.Future[HookResponse]", timeout: float) -> "HookResponse | HookCallError":
-    """The server's answer, or why there is none (read on grpc's thread)."""
-    error = done.exception()
-    if error is None:
-        return done.result()
-    call = failed_call(error)
-    if call is None:
-        return HookCallError(shortened(str(error)))
-    code = call.code()
-    if code is grpc.StatusCode.DEADLINE_EXCEEDED:
-        return HookTimedOut(no_answer_within(timeout))
-    # UNAVAILABLE is grpc's own word for a server it could not reach; any other code the server sent.
-    sent_back = code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
-    return HookCallError(
-        f"{code.name}: {shortened(call.details() or '')}", sent_back=sent_back, lost=code is grpc.StatusCode.UNAVAILABLE
-    )
-
-
-def _unwatched(_: grpc.ChannelConnectivity) -> None:
-    pass
+def _read(outcome: Outcome, answer: Callable[[bytes], HookResponse], timeout: float, deadline: float, clock: IReactorTime) -> HookResponse:
+    """The server's answer, or the HookCallError that says why there is none. Past ``deadline`` that is a timeout,
+    however the server ended the call: grpc-go resets a stream whose grpc-timeout passed, with no status."""
+    if isinstance(outcome, Answered):
+        try:
+            return answer(outcome.message)
+        except DecodeError as error:
+            raise HookCallError(f"INTERNAL: an answer that is no {answer.__qualname__.split('.')[0]}: {error}", sent_back=True) from None
+    if isinstance(outcome, StatusSent):
+        if outcome.code == DEADLINE_EXCEEDED:
+            raise HookTimedOut(no_answer_within(timeout))
+        raise HookCallError(f"{outcome.name}: {shortened(outcome.details)}", sent_back=True)
+    assert isinstance(outcome, Failed)
+    if clock.seconds() >= deadline:
+        raise HookTimedOut(no_answer_within(timeout))
+    # grpc's word for a server that never had the call, which operators know from koordrp's lines.
+    raise HookCallError(f"UNAVAILABLE: {outcome.reason}" if outcome.lost else outcome.reason)
 
 
 class HookClient:
@@ -86,42 +85,41 @@ class HookClient:
         return self._calls > 0
 
     def __init__(self, endpoint: str, reactor: IReactorTime) -> None:
-        """``reactor`` also provides IReactorFromThreads: grpc answers on its own threads."""
+        """``reactor`` also provides IReactorUNIX: the connection is the reactor's."""
         self.endpoint = endpoint
         self._clock = reactor
-        self._from_threads = IReactorFromThreads(reactor)
-        self._connect()
-
-    def _connect(self, eagerly: bool = True) -> None:
-        self._channel = grpc.insecure_channel(grpc_target(self.endpoint), options=_CHANNEL_OPTIONS)
-        self._stub = api_pb2_grpc.RuntimeHookServiceStub(self._channel)
-        self._lost = False
+        self._unix = IReactorUNIX(reactor)
+        self._channel: HTTP2Channel | None = None
+        self._channel_socket: trust.SocketIdentity | None = None
         self._trusted: trust.SocketIdentity | None = None
-        """The socket last found trusted at the endpoint: a new channel, or another socket there, is looked at anew."""
-        if eagerly and self.problem() is None:
-            # Connect now rather than in the first call, which has a deadline (containerd's, in NRI mode) to
-            # keep. One attempt: subscribing with try_to_connect starts it, and grpc's watch of the channel
-            # ends a moment after the unsubscribe, so a server that is not there costs nothing more.
-            self._channel.subscribe(_unwatched, try_to_connect=True)
-            self._channel.unsubscribe(_unwatched)
+        """The socket last found trusted at the endpoint: another socket there is looked at anew."""
+        if self.problem() is None:
+            # Connect now rather than in the first call, which has a deadline (containerd's, in NRI mode) to keep.
+            self._connected()
+
+    def _connected(self) -> HTTP2Channel:
+        """A channel that takes a new call, to the socket found trusted: the one there is, or a new one."""
+        channel = self._channel
+        if channel is not None and channel.accepting and self._channel_socket == self._trusted:
+            return channel
+        if channel is not None:
+            # Its calls end on it; a server restarted, or another socket bound there, gets the next call at once.
+            channel.close_when_idle()
+        self._channel = channel = HTTP2Channel(self._unix, self.endpoint, MAX_ANSWER)
+        self._channel_socket = self._trusted
+        return channel
 
     def call(self, hook: HookType, request: HookRequest, timeout: float) -> "Deferred[HookResponse]":
         """Call ``hook`` with ``request``; fails with HookCallError, at the latest after ``timeout``."""
-        if self._lost:
-            # A channel that lost its server waits out grpc's reconnect backoff before it tries
-            # again; a plugin restarted meanwhile must get the very next call, so start afresh.
-            self._channel.close()
-            self._connect(eagerly=False)
-        # A missing socket would otherwise cost a connection attempt (and its backoff) per call; one koordrp does
-        # not trust is never called.
+        # A missing socket would otherwise cost a connection attempt per call; one koordrp does not trust is never called.
         problem = self.problem()
         if problem is not None:
             return self._counted(fail(HookCallError(problem)))  # counted too: it ends at once
-        future = getattr(self._stub, hook.rpc_name).future(request, timeout=timeout)
-        answered: Deferred[HookResponse] = when_done(future, self._from_threads, partial(_read, timeout=timeout)).addCallback(
-            self._answer
-        )
-        # The reactor's clock bounds the call too, so a hook that never answers cannot hold a CRI call.
+        headers, answer = _PREPARED[hook]
+        sent: Deferred[Outcome] = self._connected().call(headers + grpc_timeout(timeout), request.SerializeToString())
+        answered: Deferred[HookResponse] = sent.addCallback(_read, answer, timeout, self._clock.seconds() + timeout, self._clock)
+        # The reactor's clock bounds the call too, so a hook that never answers cannot hold a CRI call; the
+        # cancel it makes resets the stream, so the server hears of it.
         answered.addTimeout(timeout, self._clock, _raise_timed_out)
         return self._counted(answered)
 
@@ -140,7 +138,7 @@ class HookClient:
         """Why the endpoint may not be called now: no socket there, or one koordrp does not trust (``koordrp.trust``).
 
         The socket found trusted last costs one stat; another one there (its server bound it anew, or it was
-        swapped), or a new channel, has its path looked at again before anything is sent to it.
+        swapped) has its path looked at again before anything is sent to it.
         """
         found = socket_identity(self.endpoint)
         if found is not None and found == self._trusted:
@@ -156,15 +154,9 @@ class HookClient:
         self._trusted = judged.socket
         return None
 
-    def _answer(self, read: "HookResponse | HookCallError") -> HookResponse:
-        if isinstance(read, HookCallError):
-            if read.lost:
-                self._lost = True
-            raise read
-        return read
-
     def close(self) -> None:
-        self._channel.close()
+        if self._channel is not None:
+            self._channel.close()
 
 
 class HookClients:

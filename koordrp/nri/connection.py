@@ -19,7 +19,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from koordrp.api.ttrpc import ttrpc_pb2
-from koordrp.nri.sending import SentAtOnce
+from koordrp.sending import SentAtOnce
 from koordrp.nri.wire import (
     MAX_TTRPC_MESSAGE,
     PLUGIN_SERVICE_CONNECTION,

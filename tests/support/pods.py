@@ -39,7 +39,11 @@ def start_container(
     return container_id
 
 
-def remove_pod(runtime: api_pb2_grpc.RuntimeServiceStub, sandbox_id: str) -> None:
+def remove_pod(runtime: api_pb2_grpc.RuntimeServiceStub, sandbox_id: str, container_ids: Sequence[str] = ()) -> None:
+    """Stop and remove the pod; ``container_ids`` first, one by one, as kubelet does (each stop then has a call of its own)."""
+    for container_id in container_ids:
+        runtime.StopContainer(api_pb2.StopContainerRequest(container_id=container_id, timeout=0), timeout=TIMEOUT)
+        runtime.RemoveContainer(api_pb2.RemoveContainerRequest(container_id=container_id), timeout=TIMEOUT)
     runtime.StopPodSandbox(api_pb2.StopPodSandboxRequest(pod_sandbox_id=sandbox_id), timeout=TIMEOUT)
     runtime.RemovePodSandbox(api_pb2.RemovePodSandboxRequest(pod_sandbox_id=sandbox_id), timeout=TIMEOUT)
 

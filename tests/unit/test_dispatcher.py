@@ -1,12 +1,12 @@
 """Hook stages against real hook servers on unix sockets: chaining, policies, timeouts."""
 
 import os
-import socket
 
 import grpc
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred, fail, inlineCallbacks
-from twisted.internet.interfaces import IReactorTime
+from twisted.internet.interfaces import IReactorTime, IReactorUNIX
+from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.task import Clock
 from twisted.logger import LogLevel, formatEvent
 from twisted.trial.unittest import SynchronousTestCase, TestCase
@@ -62,17 +62,20 @@ class DispatcherTests(TestCase):
         self.assertIs(self.clients.get(kept), kept_client)
         self.assertIsNot(self.clients.get(gone), gone_client)
 
-    def test_a_registered_servers_channel_connects_before_its_first_call(self) -> None:
+    @inlineCallbacks
+    def test_a_registered_servers_channel_connects_before_its_first_call(self):  # type: ignore[no-untyped-def]
         # The first call then pays no connection set-up inside its caller's deadline (containerd's, in NRI mode).
         path = os.path.join(self.dir, "listening.sock")
-        listening = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.addCleanup(listening.close)
-        listening.bind(path)
-        listening.listen(1)
-        listening.settimeout(30)  # a bound, not a measure: the connection comes at once, or the test fails
+        connected: Deferred[None] = Deferred()
+
+        class Accepted(Protocol):
+            def connectionMade(self) -> None:
+                connected.callback(None)
+
+        port = IReactorUNIX(reactor).listenUNIX(path, Factory.forProtocol(Accepted))
+        self.addCleanup(port.stopListening)
         self.dispatcher.retain(frozenset({path}))
-        connection, _ = listening.accept()
-        connection.close()
+        yield connected
 
     @inlineCallbacks
     def test_post_stages_are_not_waited_for_and_drain_waits_for_them(self):  # type: ignore[no-untyped-def]

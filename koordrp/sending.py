@@ -1,12 +1,12 @@
-"""Writing to containerd's NRI socket at once, rather than on the reactor's next turn.
+"""Writing to a socket at once, rather than on the reactor's next turn: containerd's NRI socket, a hook server's.
 
 A Twisted transport's ``write`` only buffers: the reactor then polls the socket for writing, writes
-on its next turn, and stops polling it: two more system calls and a turn of the loop for each of
-containerd's calls, which waits for its answer meanwhile (benchmarks/nri_starts.py, run with
-``KOORDRP_FAST_PATHS=0`` too, shows what that costs a pod start). So what the socket takes is written to it at once (``fastpaths.FastPaths.socket_send``);
-what it does not take waits in the transport, and so does everything after it until the transport has
-written it all, so that bytes never pass each other. Where that fast path is off, everything goes
-through the transport.
+on its next turn, and stops polling it: two more system calls and a turn of the loop for each message,
+whose peer waits for it meanwhile (benchmarks/nri_starts.py and benchmarks/hooks.py, run with
+``KOORDRP_FAST_PATHS=0`` too, show what that costs). So what the socket takes is written to it at once
+(``fastpaths.FastPaths.socket_send``); what it does not take waits in the transport, and so does
+everything after it until the transport has written it all, so that bytes never pass each other. Where
+that fast path is off, everything goes through the transport.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Writing to containerd's NRI socket at once (koordrp.nri.sending), on real unix sockets and the real reactor, with the
+"""Writing to containerd's NRI socket at once (koordrp.sending), on real unix sockets and the real reactor, with the
 fast paths on and off: the same bytes arrive in the same order either way, only sooner with them."""
 
 import socket
@@ -12,7 +12,7 @@ from twisted.internet.testing import StringTransport
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from koordrp.fastpaths import ENVIRONMENT, FastPaths
-from koordrp.nri.sending import SentAtOnce
+from koordrp.sending import SentAtOnce
 from tests.support.waiting import until
 
 MORE_THAN_FITS = bytes(range(256)) * (32 << 10)
