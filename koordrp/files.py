@@ -6,7 +6,8 @@ Either would stop the reactor, and every call with it. So a file is looked at be
 was swapped in meanwhile), and looked at again through what was opened (``fstat``) before a byte is
 read. The hook server registrations and the state files are read so. A file koordrp writes is made anew
 (``create_file``): whatever was at its name goes first, so that neither a FIFO (which would stop the
-reactor) nor a symbolic link (which would have root write where it points) is ever opened.
+reactor) nor a symbolic link (which would have root write where it points) is ever opened; one it changes in
+place is opened as one it reads is (``open_file(writing=True)``).
 """
 
 import os
@@ -22,7 +23,7 @@ _KINDS = (
     (stat.S_ISLNK, "a symbolic link"),
 )
 
-_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+_FLAGS = os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 
 _READ_CHUNK = 64 * 1024
 
@@ -40,10 +41,11 @@ class NotAFile(Exception):
         self.info = info
 
 
-def open_file(path: str, follow: bool = True) -> tuple[int, os.stat_result]:
+def open_file(path: str, follow: bool = True, writing: bool = False) -> tuple[int, os.stat_result]:
     """A descriptor of the regular file at ``path``, open for reading, and its ``fstat``; the caller closes it.
 
-    ``follow=False``: a symbolic link is refused as what it is (``O_NOFOLLOW``), not followed.
+    ``follow=False``: a symbolic link is refused as what it is (``O_NOFOLLOW``), not followed. ``writing``: open
+    for writing instead, to change in place what it holds (nothing is truncated).
 
     NotAFile: a directory, FIFO, device, socket (or, not following, a link), never opened, or found so once
     opened. OSError: as ``stat`` and ``open`` raise them.
@@ -51,7 +53,8 @@ def open_file(path: str, follow: bool = True) -> tuple[int, os.stat_result]:
     info = os.stat(path) if follow else os.lstat(path)
     if not stat.S_ISREG(info.st_mode):
         raise NotAFile(info)
-    descriptor = os.open(path, _FLAGS if follow else _FLAGS | os.O_NOFOLLOW)
+    flags = _FLAGS | (os.O_WRONLY if writing else os.O_RDONLY)
+    descriptor = os.open(path, flags if follow else flags | os.O_NOFOLLOW)
     try:
         info = os.fstat(descriptor)
         if not stat.S_ISREG(info.st_mode):  # swapped in since the stat

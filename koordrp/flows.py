@@ -170,20 +170,22 @@ def updated_container(given: ContainerHookRequest, final: ContainerHookRequest) 
 # The flows, one per method
 
 
-async def run_pod_sandbox(call: Call[AnyReply], request: RunPodSandbox) -> AnyReply:
+async def run_pod_sandbox(call: Call[AnyReply], request: RunPodSandbox, made_id: str = "") -> AnyReply:
+    """``made_id``: the sandbox's id, if the front end knows it before it forwards the call (NRI mode's, made already)."""
     call.lifecycle = "RunPodSandbox"
     asked = request.hook_request()
     pod = copied(asked)
     call.concerns(pod)
     rewritten = await call.pre_rewriting(HookType.PRE_RUN_POD_SANDBOX, pod, request.rewritten, asked)
-    call.store.expect_pod(asked)  # kept before the runtime can make it: a koordrp killed meanwhile still has it
+    call.store.expect_pod(asked, made_id)  # kept before the runtime can make it: a koordrp killed meanwhile still has it
     reply = await call.forward(rewritten)
     if reply.ok:
         call.store.put_pod(reply.created_id, asked, pod)
     return reply
 
 
-async def create_container(call: Call[AnyReply], request: CreateContainer) -> AnyReply:
+async def create_container(call: Call[AnyReply], request: CreateContainer, made_id: str = "") -> AnyReply:
+    """``made_id``: the container's id, if the front end knows it before it forwards the call (NRI mode's)."""
     call.lifecycle = "CreateContainer"
     pod = await call.pod(request.sandbox_id)
     if pod is None:
@@ -193,7 +195,7 @@ async def create_container(call: Call[AnyReply], request: CreateContainer) -> An
     container = copied(asked)
     call.concerns(container)
     rewritten = await call.pre_rewriting(HookType.PRE_CREATE_CONTAINER, container, request.rewritten, sent, keep_late=True)
-    call.store.expect_container(request.sandbox_id, asked, changed=None if rewritten is None else container)
+    call.store.expect_container(request.sandbox_id, asked, None if rewritten is None else container, made_id)
     reply = await call.forward(rewritten)
     if reply.ok:
         container_id = reply.created_id  # Docker mode reads it from the JSON answer, so once
@@ -209,6 +211,8 @@ async def create_container(call: Call[AnyReply], request: CreateContainer) -> An
                 call.store.revise_container(container_id, stored.asked, copy_changed(copied(stored.given), answered, changes))
 
         call.apply_late(container_id, applied_late)
+    elif made_id:
+        call.store.not_made(made_id)
     return reply
 
 

@@ -142,7 +142,7 @@ class Call:
         self._window = 0
         """What the server lets koordrp send on this stream now (set as it opens: the server's settings may change
         while it waits for a stream)."""
-        self._headers: list[tuple[bytes, bytes]] | None = None
+        self._headers: "Headers | None" = None
         self._body = bytearray()
         self._status = 0
         self._received = 0
@@ -212,6 +212,83 @@ def _frame(kind: int, flags: int, stream_id: int, payload: bytes | memoryview = 
     return FRAME_HEADER.pack(length >> 8, length & 0xFF, kind, flags, stream_id) + payload
 
 
+Headers = tuple[tuple[bytes, bytes], ...]
+_KNOWN_BLOCKS = 16
+
+
+class HeaderBlocks:
+    """The server's header blocks, decoded with its HPACK table.
+
+    A server answers every call with the same few blocks, and once its table holds their fields, each leaves
+    the table as it is (indexed fields, and literals it is not to keep): such a block reads the same for as
+    long as no other block changes the table, and it is decoded once for that long.
+    """
+
+    def __init__(self) -> None:
+        self._decoder = hpack.Decoder(max_header_list_size=HEADER_LIST_LIMIT)
+        self._known: dict[bytes, Headers] = {}
+
+    def decode(self, block: bytes) -> Headers:
+        """``block``'s fields, as bytes; HPACKError: it cannot be read."""
+        known = self._known.get(block)
+        if known is not None:
+            return known
+        fields: Headers = tuple(self._decoder.decode(block, raw=True))  # raw: bytes
+        if not leaves_table(block):
+            self._known.clear()  # it may have changed the table
+        elif len(self._known) < _KNOWN_BLOCKS:
+            self._known[block] = fields
+        return fields
+
+
+def leaves_table(block: bytes) -> bool:
+    """Whether no field of ``block`` (which HPACK has read) changes the table: each is an indexed field (RFC 7541,
+    6.1) or a literal not indexed or never indexed (6.2.2, 6.2.3); none is one to index (6.2.1) or a size update
+    (6.3)."""
+    offset, size = 0, len(block)
+    while offset < size:
+        first = block[offset]
+        if first & 0x80:
+            offset = _integer_end(block, offset, 0x7F)
+        elif first & 0xC0 == 0x40 or first & 0xE0 == 0x20:
+            return False
+        else:
+            named = not first & 0x0F  # index 0: the name follows as a string
+            offset = _integer_end(block, offset, 0x0F)
+            if named:
+                offset = _string_end(block, offset)
+            offset = _string_end(block, offset)
+    return offset == size
+
+
+def _integer_end(block: bytes, offset: int, prefix: int) -> int:
+    """Where the HPACK integer at ``offset`` (with a prefix of ``prefix``'s bits) ends."""
+    if block[offset] & prefix != prefix:
+        return offset + 1
+    offset += 1
+    while offset < len(block) and block[offset] & 0x80:
+        offset += 1
+    return offset + 1
+
+
+def _string_end(block: bytes, offset: int) -> int:
+    """Where the HPACK string at ``offset`` ends (its length an integer with a 7-bit prefix)."""
+    if offset >= len(block):
+        return len(block) + 1
+    length = block[offset] & 0x7F
+    if length != 0x7F:
+        return offset + 1 + length
+    length, shift, offset = 0x7F, 0, offset + 1
+    while offset < len(block):
+        byte = block[offset]
+        length += (byte & 0x7F) << shift
+        shift += 7
+        offset += 1
+        if not byte & 0x80:
+            break
+    return offset + length
+
+
 class ProtocolError(Exception):
     """The server broke HTTP/2: the connection ends with GOAWAY carrying ``code``."""
 
@@ -248,7 +325,7 @@ class ClientConnection:
         if 2 * self._window_size > DEFAULT_WINDOW:  # else the connection's default window is more than that already
             self._out.append(_frame(Frame.WINDOW_UPDATE, 0, 0, struct.pack(">L", 2 * self._window_size - DEFAULT_WINDOW)))
         self._connection_received = 0
-        self._decoder = hpack.Decoder(max_header_list_size=HEADER_LIST_LIMIT)
+        self._blocks = HeaderBlocks()
         self._buffer = bytearray()
         self._streams: dict[int, Call] = {}
         self._queued: deque[Call] = deque()
@@ -447,14 +524,13 @@ class ClientConnection:
     def _headers(self, stream_id: int, flags: int, block: bytes) -> None:
         try:
             # Decoded even for a stream that ended: the server's table changes with every block it sends.
-            fields = self._decoder.decode(block, raw=True)
+            headers = self._blocks.decode(block)
         except HPACKError as error:
             raise ProtocolError(f"a header block HPACK cannot read ({error})", ErrorCode.COMPRESSION_ERROR) from None
         call = self._streams.get(stream_id)
         if call is None:
             self._known(stream_id)
             return None
-        headers: list[tuple[bytes, bytes]] = fields  # type: ignore[assignment]  # raw=True: bytes
         if call._headers is None:
             status = next((value for name, value in headers if name == b":status"), None)
             if status is None or not status.isdigit():
@@ -624,7 +700,7 @@ class ClientConnection:
         self._blocked.clear()
 
 
-def _outcome(status: int, headers: list[tuple[bytes, bytes]], body: bytearray, trailers: list[tuple[bytes, bytes]] | None) -> Outcome:
+def _outcome(status: int, headers: Headers, body: bytearray, trailers: Headers | None) -> Outcome:
     """A finished stream's outcome, as gRPC reads it: HTTP status, then grpc-status, then exactly one message."""
     if status != 200:
         return StatusSent(_HTTP_CODES.get(status, STATUS_NAMES.index("UNKNOWN")), f"HTTP status {status}")

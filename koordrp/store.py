@@ -18,7 +18,8 @@ changed, so what the worker read stays whole after it lets go.
 After a restart the store is rebuilt from the runtime, which knows only ``given``; ``asked`` comes
 back from the checkpoint (``koordrp.checkpoint``), where a file is kept for every pod and container koordrp
 saw made (``hooked``: its post hooks are owed), with whether its stop was told, and, before the runtime
-may make one, under a name from what kubelet calls it (``expect_pod``). A kept file koordrp cannot read
+may make one, under the id it is to have if the front end knows it (NRI), else under a name from what kubelet
+calls it (``expect_pod``). A kept file koordrp cannot read
 costs a warning naming it, and the entry is marked (``asked_lost``) so that the lines of the calls about
 it say their hooks were not shown kubelet's values.
 """
@@ -33,7 +34,7 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 from twisted.logger import Logger
 
 from koordrp.checkpoint import Checkpoint, Kind, NoCheckpoint, StateUnreadable
-from koordrp.hooks.messages import ContainerHookRequest, PodHookRequest, Resources, copied
+from koordrp.hooks.messages import ContainerHookRequest, HookRequest, PodHookRequest, Resources, copied
 
 
 Request = TypeVar("Request", PodHookRequest, ContainerHookRequest)
@@ -117,6 +118,10 @@ _STOPPED = 0x01
 """Flag: its stop was told (or it was found stopped): no post stop is owed for it any more."""
 _CHANGED = 0x02
 """Flag, for a container about to be made: the hooks changed what the runtime is to make of it."""
+_EXPECTED = 0x04
+"""Flag: kept under the id it is to have before the runtime made it, as a ``pending`` file is: not seen made yet."""
+_FLAGS_AT = len(_RECORD_HEADER)
+"""Where a state file's flags are: a change of its flags alone is written in place (``Checkpoint.write_byte``)."""
 
 
 def _record(asked: PodHookRequest | ContainerHookRequest, stopped: bool, changed: bool = False) -> bytes:
@@ -134,6 +139,8 @@ class Record:
     changed: bool = False
     earlier: bool = False
     """Written by an earlier koordrp (no header)."""
+    expected: bool = False
+    """Kept under its id before the runtime made it (``_EXPECTED``)."""
 
 
 def _parser(template: type[Request], uid: str | None) -> Callable[[bytes], Record]:
@@ -158,7 +165,7 @@ def _parser(template: type[Request], uid: str | None) -> Callable[[bytes], Recor
             raise ValueError(f"not a {template.__name__} as koordrp writes it")
         if uid is not None and kept.pod_meta.uid != uid:
             raise ValueError(f"about pod uid {kept.pod_meta.uid!r}, not {uid!r}")
-        return Record(kept, bool(flags & _STOPPED), bool(flags & _CHANGED), earlier)
+        return Record(kept, bool(flags & _STOPPED), bool(flags & _CHANGED), earlier, bool(flags & _EXPECTED))
 
     return parse
 
@@ -226,8 +233,17 @@ class Store:
         self.unreadable_state_files = 0
         """How many times a kept file could not be read (each costs one warning)."""
         self._pending_seen: AbstractSet[str] = frozenset()
-        self._earlier: bool | None = None
         """What was kept for pods and containers about to be made at the previous reconcile."""
+        self._expected_seen: AbstractSet[tuple[Kind, str]] = frozenset()
+        """As ``_pending_seen``, of what was kept under the ids they were to have."""
+        self._expected: dict[tuple[Kind, str], bytes] = {}
+        """What this store kept for each pod and container about to be made under the id it is to have (``expect_pod``),
+        as written, until the runtime made it."""
+        self._as_kept: dict[tuple[Kind, str], tuple[HookRequest, int]] = {}
+        """The request and flags each state file this store wrote holds (the request is an entry's ``asked`` itself,
+        never changed): a file whose flags alone change is changed in place, and one that would not change is not
+        written."""
+        self._earlier: bool | None = None
 
     def pod(self, sandbox_id: str) -> StoredPod | None:
         """The pod's entry itself, to read and never to change: the store replaces an entry, it never changes
@@ -262,34 +278,78 @@ class Store:
 
     def _keep_pod(self, sandbox_id: str, stored: StoredPod) -> None:
         if stored.hooked:
-            self._checkpoint.write("pods", sandbox_id, _record(stored.asked, stored.stopped))
+            self._keep("pods", sandbox_id, stored.asked, _STOPPED if stored.stopped else 0)
 
     def _keep_container(self, container_id: str, stored: StoredContainer) -> None:
         if stored.hooked:
-            self._checkpoint.write("containers", container_id, _record(stored.asked, stored.state is ContainerState.STOPPED))
+            self._keep("containers", container_id, stored.asked, _STOPPED if stored.state is ContainerState.STOPPED else 0)
 
-    def expect_pod(self, asked: PodHookRequest) -> None:
+    def _keep(self, kind: Kind, identifier: str, asked: HookRequest, flags: int) -> None:
+        """Keep an entry's ``asked`` and ``flags`` in its state file: written whole, or only its flags where the file
+        holds that request already (on ext4 a new file costs ten times the CPU of a byte written)."""
+        key = (kind, identifier)
+        as_kept = self._as_kept.get(key)
+        if as_kept is not None and (as_kept[0] is asked or as_kept[0] == asked):
+            if as_kept[1] == flags or self._checkpoint.write_byte(kind, identifier, _FLAGS_AT, flags):
+                self._as_kept[key] = (asked, flags)
+                return
+        body = asked.SerializeToString()
+        kept = self._expected.pop(key, None) == body and self._checkpoint.write_byte(kind, identifier, _FLAGS_AT, flags)
+        if kept or self._checkpoint.write(kind, identifier, _RECORD_HEADER + bytes((flags,)) + body):
+            self._as_kept[key] = (asked, flags)
+        else:
+            self._as_kept.pop(key, None)
+
+    def _let_go(self, kind: Kind, identifier: str) -> None:
+        """Nothing is kept any more for the pod or container ``identifier``."""
+        self._as_kept.pop((kind, identifier), None)
+        self._expected.pop((kind, identifier), None)
+        self._checkpoint.write(kind, identifier, None)
+
+    def _expect(self, kind: Kind, made_id: str, pending: str, asked: HookRequest, flags: int) -> None:
+        """What kubelet asked, kept before the runtime makes it: under ``made_id`` if known (then what it will be
+        kept as once made differs by its flags alone), else under the ``pending`` name."""
+        body = asked.SerializeToString()
+        if made_id:
+            key = (kind, made_id)
+            self._as_kept.pop(key, None)
+            if self._checkpoint.write(kind, made_id, _RECORD_HEADER + bytes((flags | _EXPECTED,)) + body):
+                self._expected[key] = body
+            self._expected_seen -= {key}
+        else:
+            self._checkpoint.write("pending", pending, _RECORD_HEADER + bytes((flags,)) + body)
+            self._pending_seen -= {pending}
+
+    def expect_pod(self, asked: PodHookRequest, made_id: str = "") -> None:
         """The runtime is about to run this pod: what kubelet asked is kept first, so that a koordrp killed before
-        it hears that the pod runs still has it (``learn`` takes it)."""
-        name = pending_pod_name(asked)
-        self._checkpoint.write("pending", name, _record(asked, False))
-        self._pending_seen -= {name}
+        it hears that the pod runs still has it (``learn`` takes it). ``made_id``: the id the runtime gives the pod,
+        if the front end knows it before it forwards the call (NRI mode)."""
+        self._expect("pods", made_id, "" if made_id else pending_pod_name(asked), asked, 0)
 
-    def expect_container(self, sandbox_id: str, asked: ContainerHookRequest, changed: ContainerHookRequest | None) -> None:
+    def expect_container(
+        self, sandbox_id: str, asked: ContainerHookRequest, changed: ContainerHookRequest | None, made_id: str = ""
+    ) -> None:
         """As ``expect_pod``, for a container about to be created in ``sandbox_id``; ``changed``: what the hooks made of
         it, if the runtime is sent their changes (if the runtime then shows it as kubelet asked where the hooks
         changed it, their answer never reached it)."""
-        name = pending_container_name(sandbox_id, asked)
         shown_changed = changed is not None and _as_the_runtime_shows(changed) != _as_the_runtime_shows(asked)
-        self._checkpoint.write("pending", name, _record(asked, False, shown_changed))
-        self._pending_seen -= {name}
+        pending = "" if made_id else pending_container_name(sandbox_id, asked)
+        self._expect("containers", made_id, pending, asked, _CHANGED if shown_changed else 0)
 
     def put_pod(self, sandbox_id: str, asked: PodHookRequest, given: PodHookRequest) -> None:
         """A pod the runtime has just run."""
         stored = StoredPod(copied(asked), copied(given))
         self._set_pod(sandbox_id, stored)
+        expected = ("pods", sandbox_id) in self._expected
         self._keep_pod(sandbox_id, stored)
-        self._checkpoint.write("pending", pending_pod_name(asked), None)
+        if not expected:
+            self._checkpoint.write("pending", pending_pod_name(asked), None)
+
+    def not_made(self, container_id: str) -> None:
+        """The runtime did not make the container expected under ``container_id`` (``expect_container``): what was
+        kept for it goes now (a reading would keep it a while, as one about to be made)."""
+        if self._expected.pop(("containers", container_id), None) is not None:
+            self._let_go("containers", container_id)
 
     def resize_pod(self, sandbox_id: str, resources: Resources | None, overhead: Resources | None) -> None:
         """The runtime resized the pod (kubelet's UpdatePodSandboxResources): kubelet's values, asked and given."""
@@ -311,8 +371,10 @@ class Store:
         """A container the runtime has just created."""
         stored = StoredContainer(sandbox_id, copied(asked), copied(given))
         self._set_container(container_id, stored)
+        expected = ("containers", container_id) in self._expected
         self._keep_container(container_id, stored)
-        self._checkpoint.write("pending", pending_container_name(sandbox_id, asked), None)
+        if not expected:
+            self._checkpoint.write("pending", pending_container_name(sandbox_id, asked), None)
 
     def revise_container(self, container_id: str, asked: ContainerHookRequest, given: ContainerHookRequest) -> None:
         """The runtime took an update of the container; one forgotten meanwhile stays forgotten."""
@@ -373,20 +435,20 @@ class Store:
         stored = self._containers.get(container_id)
         if stored is not None:
             self._set_container(container_id, replace(stored, hooked=False))
-            self._checkpoint.write("containers", container_id, None)
+            self._let_go("containers", container_id)
 
     def forget_container(self, container_id: str) -> None:
         self._drop_containers((container_id,))
-        self._checkpoint.write("containers", container_id, None)
+        self._let_go("containers", container_id)
 
     def forget_pod(self, sandbox_id: str) -> None:
         """Forget a pod and every container in it: the runtime removes them with the sandbox."""
         self._drop_pod(sandbox_id)
         gone = [cid for cid, c in self._containers.items() if c.sandbox_id == sandbox_id]
         self._drop_containers(gone)
-        self._checkpoint.write("pods", sandbox_id, None)
+        self._let_go("pods", sandbox_id)
         for container_id in gone:
-            self._checkpoint.write("containers", container_id, None)
+            self._let_go("containers", container_id)
 
     def learn(self, pods: Iterable[tuple[str, StoredPod]], containers: Iterable[tuple[str, StoredContainer]]) -> None:
         """Add what the runtime has and the store lacks (after a start or a store miss), with what kubelet asked
@@ -434,9 +496,10 @@ class Store:
         (or what the runtime has, if nothing was kept), whether something was kept that cannot be read (what the
         runtime has then stands in, said once), whether koordrp saw it made, and whether its stop was told.
 
-        What was kept for it while it was about to be made (``expect_pod``) is taken, and kept under its id.
+        What was kept for it while it was about to be made (``expect_pod``) is taken, and kept under its id as seen made.
         """
         parse = _parser(type(given), given.pod_meta.uid)
+        self._as_kept.pop((kind, identifier), None)  # what its file holds is decided here
         for where, name in ((kind, identifier), ("pending", pending)):
             try:
                 record = self._checkpoint.read(where, name, parse)
@@ -449,12 +512,14 @@ class Store:
             if record is None:
                 continue
             asked = record.asked
-            if where == "pending":
-                self._checkpoint.write("pending", name, None)
+            if where == "pending" or record.expected:
+                if where == "pending":
+                    self._checkpoint.write("pending", name, None)
                 if record.changed and isinstance(given, ContainerHookRequest) and isinstance(asked, ContainerHookRequest) and (
                     _as_the_runtime_shows(given) == _as_the_runtime_shows(asked)
                 ):
                     # koordrp was killed before the runtime had the hooks' answer: made as if it were away.
+                    self._let_go(kind, identifier)
                     return _Kept(copied(given), False, False, False)
                 if isinstance(asked, ContainerHookRequest):
                     asked.container_meta.id = identifier
@@ -516,19 +581,30 @@ class Store:
                 owed.pods.append(pod.asked)
         new = len({i for i, _ in pods} - self._pods.keys()) + len({i for i, _ in containers} - self._containers.keys())
         self.learn(pods, containers)
-        # What was kept for pods and containers gone before this koordrp learnt them (it was away).
+        # What was kept for pods and containers gone before this koordrp learnt them (it was away), or about to be made.
+        expected: set[tuple[Kind, str]] = set()
         for container_id in sorted(self._checkpoint.kept("containers") - listed_containers - self._containers.keys()):
-            if container_id not in gone_containers:
-                self._owe(owed.containers, "containers", container_id, ContainerHookRequest)
+            if container_id not in gone_containers and self._owe(owed.containers, "containers", container_id, ContainerHookRequest):
+                expected.add(("containers", container_id))
         for sandbox_id in sorted(self._checkpoint.kept("pods") - listed_pods - self._pods.keys()):
-            if sandbox_id not in gone_pods:
-                self._owe(owed.pods, "pods", sandbox_id, PodHookRequest)
+            if sandbox_id not in gone_pods and self._owe(owed.pods, "pods", sandbox_id, PodHookRequest):
+                expected.add(("pods", sandbox_id))
+        # What was kept for a pod or container about to be made, and not taken since the previous reconcile: its
+        # call failed (or was given up before the runtime made it). What this store is waiting for stays.
+        spared = expected - self._expected_seen if learns else expected
+        if learns:
+            self._expected_seen = spared
+        spared |= self._expected.keys()
         # What was kept for the pods and containers the runtime no longer has goes; not what was kept for
         # those it lists and the store has not learnt (yet: NRI mode learns from Synchronize alone).
-        self._checkpoint.retain("pods", self._pods.keys() | listed_pods)
-        self._checkpoint.retain("containers", self._containers.keys() | listed_containers)
-        # What was kept for a pod or container about to be made, and not taken since the previous reconcile: its
-        # call failed (or was given up before the runtime made it).
+        stay: tuple[tuple[Kind, AbstractSet[str]], ...] = (
+            ("pods", self._pods.keys() | listed_pods),
+            ("containers", self._containers.keys() | listed_containers),
+        )
+        for kind, staying in stay:
+            self._checkpoint.retain(kind, staying | {i for k, i in spared if k == kind})
+            kept = self._checkpoint.kept(kind)
+            self._as_kept = {key: value for key, value in self._as_kept.items() if key[0] != kind or key[1] in kept}
         if learns:
             pending = self._checkpoint.kept("pending")
             self._checkpoint.retain("pending", pending - self._pending_seen)
@@ -537,17 +613,21 @@ class Store:
             self._owed(owed)
         return len(gone_pods) + len(gone_containers), new
 
-    def _owe(self, owed: list[Request], kind: Kind, identifier: str, template: type[Request]) -> None:
-        """The post stop owed for what was kept of a pod or container gone while koordrp was away, if any."""
+    def _owe(self, owed: list[Request], kind: Kind, identifier: str, template: type[Request]) -> bool:
+        """The post stop owed for what was kept of a pod or container gone while koordrp was away, if any; True: it was
+        kept while about to be made (it may be made yet), and owes none."""
         try:
             record = self._checkpoint.read(kind, identifier, _parser(template, None))
         except StateUnreadable as error:
             self._unreadable(kind, identifier, error, "it went while koordrp was away, and its post stop cannot be told")
-            return
+            return False
+        if record is not None and record.expected:
+            return True
         if record is not None and not record.stopped:
             asked = record.asked
             assert isinstance(asked, template)
             owed.append(asked)
+        return False
 
     def _unreadable(self, kind: Kind, identifier: str, error: StateUnreadable, consequence: str) -> None:
         """Something is kept for a pod or container that cannot be read: said once (with ``consequence``), counted."""

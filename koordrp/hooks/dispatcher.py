@@ -146,9 +146,9 @@ class Dispatcher:
             self._metrics.hook_call(server.name, hook.value, result, seconds)
         return seconds
 
-    def run(
+    async def run(
         self, hook: HookType, servers: Subscribers, request: HookRequest, budget: float | None = None, keep_late: bool = False
-    ) -> "Deferred[StageOutcome]":
+    ) -> StageOutcome:
         """Run ``hook`` on ``servers`` in order; ``budget`` is what is left of the CRI call's deadline.
 
         The flows (``koordrp.flows``) await them on the reactor, whichever front end the call came
@@ -159,12 +159,10 @@ class Dispatcher:
 
         ``keep_late``: a server whose own timeout is longer than the budget is not cancelled when the
         budget passes; the stage goes on without it, and its call is the outcome's ``late`` one.
-        """
-        return ensureDeferred(self._chain(hook, servers, request, budget, keep_late))
 
-    async def _chain(
-        self, hook: HookType, servers: Subscribers, request: HookRequest, budget: float | None, keep_late: bool
-    ) -> StageOutcome:
+        A coroutine, awaited in the caller's own: a stage adds no Deferred of its own between the flow and the
+        hook call it waits for.
+        """
         outcome = StageOutcome(request)
         deadline = None if budget is None else self._reactor.seconds() + budget
         changed_by: dict[str, str] = {}

@@ -174,12 +174,12 @@ class CatchUp:
 
     async def _pod(self, pod: nri.PodSandbox, pod_missed: bool, containers: list[nri.Container]) -> None:
         if pod_missed:
-            if not await self._call("RunPodSandbox", pod.id, None, lambda call: flows.run_pod_sandbox(call, translate.CaughtUpPod(pod))):
+            if not await self._call("RunPodSandbox", pod.id, None, lambda call: flows.run_pod_sandbox(call, translate.CaughtUpPod(pod), pod.id)):
                 return
             self._counted("pod")
         for container in containers:  # one after another, as kubelet makes them
             create = translate.CaughtUpContainer(pod, container)
-            if not await self._call("CreateContainer", pod.id, container.id, lambda call: flows.create_container(call, create)):
+            if not await self._call("CreateContainer", pod.id, container.id, lambda call: flows.create_container(call, create, container.id)):
                 continue
             self._counted("container")
             if container.state in (nri.CONTAINER_RUNNING, nri.CONTAINER_PAUSED):

@@ -285,7 +285,7 @@ class NRIPlugin:
             "CreateContainer",
             timeout,
             lambda answer: NRIBackend(answer, empty, request.pod, request.container, self._expect("create", request.container.id)),
-            lambda call: flows.create_container(call, translate.CreateContainer(request.pod, request.container)),
+            lambda call: flows.create_container(call, translate.CreateContainer(request.pod, request.container), request.container.id),
             late=LateAnswers(self._connection),
         )
 
@@ -326,7 +326,7 @@ class NRIPlugin:
     def _run_pod_sandbox(self, event: nri.StateChangeEvent, timeout: float | None) -> Deferred[bytes]:
         pod = event.pod
         self._told.ran(pod.id)
-        return self._done(event, timeout, "RunPodSandbox", lambda call: flows.run_pod_sandbox(call, translate.RunPodSandbox(pod)))
+        return self._done(event, timeout, "RunPodSandbox", lambda call: flows.run_pod_sandbox(call, translate.RunPodSandbox(pod), pod.id))
 
     def _start_container(self, event: nri.StateChangeEvent, timeout: float | None) -> Deferred[bytes]:
         container_id = event.container.id

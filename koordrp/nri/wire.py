@@ -9,8 +9,7 @@ big-endian uint32; message type; flags) and a protobuf ``ttrpc.Request`` or ``tt
 """
 
 import struct
-from dataclasses import dataclass
-from typing import Iterator
+from typing import NamedTuple
 
 PLUGIN_SERVICE_CONNECTION = 1
 """The multiplexed connection on which containerd calls the plugin."""
@@ -37,9 +36,8 @@ class WireError(Exception):
     """Bytes that break NRI's framing: the trunk cannot be read past them."""
 
 
-@dataclass(frozen=True)
-class MuxChunk:
-    """Bytes of one multiplexer frame's payload, as they arrived."""
+class MuxChunk(NamedTuple):
+    """Bytes of one multiplexer frame's payload, as they arrived (a tuple: one is made for every read)."""
 
     connection: int
     data: bytes
@@ -61,36 +59,41 @@ class MuxReader:
 
     def feed(self, data: bytes) -> list[MuxChunk]:
         chunks: list[MuxChunk] = []
-        view = memoryview(data)
-        while view:
+        at, end = 0, len(data)
+        while at < end:
             if self._left == 0:
-                wanted = _MUX_HEADER.size - len(self._header)
-                self._header += view[:wanted]
-                view = view[wanted:]
-                if len(self._header) < _MUX_HEADER.size:
-                    break
-                self._connection, self._left = _MUX_HEADER.unpack(self._header)
-                self._header.clear()
+                if self._header or end - at < _MUX_HEADER.size:  # a header split between reads
+                    wanted = _MUX_HEADER.size - len(self._header)
+                    self._header += data[at : at + wanted]
+                    at += wanted
+                    if len(self._header) < _MUX_HEADER.size:
+                        break
+                    self._connection, self._left = _MUX_HEADER.unpack(self._header)
+                    self._header.clear()
+                else:
+                    self._connection, self._left = _MUX_HEADER.unpack_from(data, at)
+                    at += _MUX_HEADER.size
                 if self._left > MAX_MUX_PAYLOAD:
                     raise WireError(f"a multiplexer frame of {self._left} bytes (the limit is {MAX_MUX_PAYLOAD})")
                 continue
-            taken = view[: self._left]
-            view = view[self._left :]
-            self._left -= len(taken)
-            chunks.append(MuxChunk(self._connection, bytes(taken), self._left == 0))
+            taken = min(self._left, end - at)
+            self._left -= taken
+            chunks.append(MuxChunk(self._connection, data[at : at + taken], self._left == 0))
+            at += taken
         return chunks
 
 
 def mux_frames(connection: int, data: bytes) -> bytes:
     """``data`` as frames of ``connection``, none larger than containerd can read."""
+    if len(data) <= MAX_MUX_FRAME_SENT:
+        return _MUX_HEADER.pack(connection, len(data)) + data
     return b"".join(
         _MUX_HEADER.pack(connection, len(chunk)) + chunk
         for chunk in (data[start : start + MAX_MUX_FRAME_SENT] for start in range(0, len(data), MAX_MUX_FRAME_SENT))
     )
 
 
-@dataclass(frozen=True)
-class TtrpcMessage:
+class TtrpcMessage(NamedTuple):
     stream_id: int
     kind: int
     """REQUEST, RESPONSE (or ttrpc's stream data, which NRI does not use)."""
@@ -98,8 +101,7 @@ class TtrpcMessage:
     payload: bytes
 
 
-@dataclass(frozen=True)
-class Oversized:
+class Oversized(NamedTuple):
     """A message larger than ttrpc carries, whose bytes were read and dropped (ttrpc's own server does the
     same, then answers its stream with RESOURCE_EXHAUSTED)."""
 
@@ -117,36 +119,46 @@ class TtrpcReader:
         self._left = 0
         """Bytes of the oversized message being dropped still to come."""
 
-    def feed(self, data: bytes) -> Iterator[TtrpcMessage | Oversized]:
-        view = memoryview(data)
+    def feed(self, data: bytes) -> list[TtrpcMessage | Oversized]:
+        messages: list[TtrpcMessage | Oversized] = []
+        at, end = 0, len(data)
         while True:
             if self._dropping is not None:
-                dropped = min(self._left, len(view))
+                dropped = min(self._left, end - at)
                 self._left -= dropped
-                view = view[dropped:]
+                at += dropped
                 if self._left:
-                    return
-                oversized, self._dropping = self._dropping, None
-                yield oversized
+                    return messages
+                messages.append(self._dropping)
+                self._dropping = None
+            if not self._buffer and end - at >= _TTRPC_HEADER.size:
+                # The message's header is here whole, as it nearly always is: read from ``data`` itself.
+                length, stream_id, kind, flags = _TTRPC_HEADER.unpack_from(data, at)
+                if length <= MAX_TTRPC_MESSAGE and end - at - _TTRPC_HEADER.size >= length:
+                    at += _TTRPC_HEADER.size + length
+                    messages.append(TtrpcMessage(stream_id, kind, flags, data[at - length : at]))
+                    continue
+            if at == end:
+                return messages
             if len(self._buffer) < _TTRPC_HEADER.size:
                 wanted = _TTRPC_HEADER.size - len(self._buffer)
-                self._buffer += view[:wanted]
-                view = view[wanted:]
+                self._buffer += data[at : at + wanted]
+                at += wanted
                 if len(self._buffer) < _TTRPC_HEADER.size:
-                    return
+                    return messages
             length, stream_id, kind, flags = _TTRPC_HEADER.unpack_from(self._buffer)
             if length > MAX_TTRPC_MESSAGE:
                 self._dropping, self._left = Oversized(stream_id, kind, length), length
                 self._buffer.clear()
                 continue
             wanted = _TTRPC_HEADER.size + length - len(self._buffer)
-            self._buffer += view[:wanted]
-            view = view[wanted:]
+            self._buffer += data[at : at + wanted]
+            at += wanted
             if len(self._buffer) < _TTRPC_HEADER.size + length:
-                return
+                return messages
             payload = bytes(self._buffer[_TTRPC_HEADER.size :])
             self._buffer.clear()
-            yield TtrpcMessage(stream_id, kind, flags, payload)
+            messages.append(TtrpcMessage(stream_id, kind, flags, payload))
 
 
 def ttrpc_message(stream_id: int, kind: int, payload: bytes) -> bytes:

@@ -171,7 +171,7 @@ class StageTests(Logged):
 
     def stage(self, server: HookServerConfig = SLOW, keep_late: bool = False, budget: float = BUDGET) -> "Deferred[StageOutcome]":
         request = hook.ContainerResourceHookRequest(container_envs={"A": "1"})
-        return self.dispatcher.run(CREATE, (server,), request, budget, keep_late)
+        return Deferred.fromCoroutine(self.dispatcher.run(CREATE, (server,), request, budget, keep_late))
 
     def counted(self, result: str) -> float | None:
         return self.metrics.registry.get_sample_value(

@@ -114,6 +114,40 @@ class WholeOrNothingTests(SynchronousTestCase):
         self.assertEqual(self.checkpoint.write_failures, 4)
 
 
+class InPlaceTests(SynchronousTestCase):
+    """A byte of a kept file is changed in place, in the same file; where nothing of koordrp's is kept, the caller
+    is told to write it whole."""
+
+    def setUp(self) -> None:
+        self.directory = self.mktemp()
+        self.checkpoint = DirectoryCheckpoint(self.directory)
+        self.checkpoint.open()
+        self.path = os.path.join(self.directory, "containers", "c1")
+
+    def test_a_byte_is_changed_in_the_file_written(self) -> None:
+        self.assertTrue(self.checkpoint.write("containers", "c1", b"K\x01\x00rest"))
+        written = os.stat(self.path).st_ino
+        self.assertTrue(self.checkpoint.write_byte("containers", "c1", 2, 1))
+        with open(self.path, "rb") as kept:
+            self.assertEqual(kept.read(), b"K\x01\x01rest")
+        self.assertEqual(os.stat(self.path).st_ino, written)
+
+    def test_nothing_kept_or_too_short_is_for_the_caller_to_write_whole(self) -> None:
+        self.assertFalse(self.checkpoint.write_byte("containers", "c1", 2, 1))
+        self.checkpoint.write("containers", "c1", b"K")
+        self.assertFalse(self.checkpoint.write_byte("containers", "c1", 2, 1))
+        os.unlink(self.path)  # removed behind koordrp's back
+        self.assertFalse(self.checkpoint.write_byte("containers", "c1", 0, 1))
+        self.assertEqual(self.checkpoint.kept("containers"), frozenset())
+
+    def test_a_fifo_put_in_its_place_is_never_opened(self) -> None:
+        self.checkpoint.write("containers", "c1", b"K\x01\x00rest")
+        os.unlink(self.path)
+        os.mkfifo(self.path)
+        self.assertFalse(self.checkpoint.write_byte("containers", "c1", 2, 1))  # returns at once: nothing waits for a reader
+        self.assertEqual(self.checkpoint.write_failures, 0)
+
+
 def read_only(case: SynchronousTestCase) -> Callable[[], None]:
     """Until ``case`` ends (or what this returns is called), the filesystem refuses every change as a read-only
     one does (root may chmod, not that)."""

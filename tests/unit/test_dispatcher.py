@@ -337,7 +337,7 @@ class AnswerCheckTests(SynchronousTestCase):
     def stage(
         self, hook_type: HookType, servers: tuple[HookServerConfig, ...], request: HookRequest, answers: dict[str, HookResponse]
     ) -> StageOutcome:
-        running = self.dispatcher.run(hook_type, servers, request, None)
+        running = Deferred.fromCoroutine(self.dispatcher.run(hook_type, servers, request, None))
         for server in servers:  # each is called once the one before it has answered
             for pending in calls_to(self.clients, server.endpoint):
                 pending.answer(answers[server.name])
@@ -370,7 +370,7 @@ class AnswerCheckTests(SynchronousTestCase):
         labels = {"server": "strict.json", "hook": "PreRunPodSandbox", "result": "error"}
         self.assertEqual(self.metrics.registry.get_sample_value("koordrp_hook_calls_total", labels), 1)
         # It answered: a refusal does not silence it.
-        again = self.dispatcher.run(HookType.PRE_RUN_POD_SANDBOX, (CHECKING_STRICT,), hook.PodSandboxHookRequest(), None)
+        again = Deferred.fromCoroutine(self.dispatcher.run(HookType.PRE_RUN_POD_SANDBOX, (CHECKING_STRICT,), hook.PodSandboxHookRequest(), None))
         self.assertEqual(len(calls_to(self.clients, CHECKING_STRICT.endpoint)), 2)
         calls_to(self.clients, CHECKING_STRICT.endpoint)[1].answer(hook.PodSandboxHookResponse())
         self.assertIsNone(self.successResultOf(again).failure)
@@ -414,7 +414,7 @@ class AnswerCheckTests(SynchronousTestCase):
         self.assertIn("… and 1 more; policy Ignore, the rest of its answer applies", warning)
 
     def test_a_late_answer_is_checked_before_it_is_applied(self) -> None:
-        running = self.dispatcher.run(HookType.PRE_CREATE_CONTAINER, (CHECKING_LAX,), checked_container(), 1.0, keep_late=True)
+        running = Deferred.fromCoroutine(self.dispatcher.run(HookType.PRE_CREATE_CONTAINER, (CHECKING_LAX,), checked_container(), 1.0, keep_late=True))
         self.clock.advance(1.0)
         outcome: StageOutcome = self.successResultOf(running)
         assert outcome.late is not None

@@ -875,9 +875,10 @@ class CancellationTests(FlowTestCase):
     def test_a_failure_after_the_forward_is_said_and_the_runtimes_answer_stands(self) -> None:
         # The runtime made the pod: kubelet must hear so, even if koordrp's own bookkeeping then fails.
         class Broken(NoCheckpoint):
-            def write(self, kind: Kind, identifier: str, data: bytes | None) -> None:
+            def write(self, kind: Kind, identifier: str, data: bytes | None) -> bool:
                 if kind != "pending":  # what is kept before the forward
                     raise KeyError(identifier)
+                return True
 
         self.store = Store(Broken())
         self.parts = replace(self.parts, store=self.store)

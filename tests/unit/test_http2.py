@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
 from koordrp.http2 import (
+    HeaderBlocks,
+    leaves_table,
     ACK,
     DEFAULT_FRAME_SIZE,
     DEFAULT_WINDOW,
@@ -799,3 +801,38 @@ class LostTests(ConnectionTest):
         self.assertEqual((sent.outcome, waiting.outcome), (Failed("gone"), Failed("gone", lost=True)))
         self.assertFalse(self.client.accepting)
         self.assertEqual(self.client.received(self.server.answer(1, b"a")), [])
+
+
+class HeaderBlockTests(SynchronousTestCase):
+    """A block of indexed fields only is decoded once for as long as the server's table stays as it was."""
+
+    def test_a_repeated_indexed_block_reads_the_same_and_a_table_change_is_never_missed(self) -> None:
+        server, blocks = hpack.Encoder(), HeaderBlocks()
+        first = server.encode([("grpc-status", "0")], huffman=True)  # a literal the table keeps
+        self.assertEqual(blocks.decode(first), ((b"grpc-status", b"0"),))
+        indexed = server.encode([("grpc-status", "0")], huffman=True)
+        self.assertEqual(indexed, b"\xbe")  # dynamic entry 62
+        self.assertEqual(blocks.decode(indexed), ((b"grpc-status", b"0"),))
+        self.assertEqual(blocks.decode(indexed), ((b"grpc-status", b"0"),))
+        # A new entry moves the first one to 63: the very same byte now names the new one.
+        blocks.decode(server.encode([("grpc-message", "late")], huffman=True))
+        self.assertEqual(blocks.decode(indexed), ((b"grpc-message", b"late"),))
+
+    def test_a_block_leaves_the_table_unless_a_field_is_to_be_indexed_or_the_size_changes(self) -> None:
+        self.assertTrue(leaves_table(b"\x88\xff\x81\x01\xbe"))  # indexed 8, 127 + 1 + 128, 62
+        # grpcio's trailers once its table holds grpc-status: indexed, then a literal not indexed, named.
+        self.assertTrue(leaves_table(bytes.fromhex("be000c677270632d6d65737361676500")))
+        self.assertTrue(leaves_table(b"\x1f\x10\x01x"))  # never indexed, name index 31 (content-type)
+        self.assertTrue(leaves_table(b"\x00\x7f\x01" + b"n" * 128 + b"\x00"))  # a 128-byte name
+        self.assertFalse(leaves_table(b"\x88\x40\x01a\x01b"))  # a literal with incremental indexing
+        self.assertFalse(leaves_table(b"\x3f\xe1\x1f"))  # a table size update
+
+    def test_grpcios_answers_are_decoded_once_while_the_table_stays(self) -> None:
+        blocks = HeaderBlocks()
+        first = bytes.fromhex("88400c636f6e74656e742d74797065106170706c69636174696f6e2f67727063")
+        trailers = bytes.fromhex("400b677270632d7374617475730130000c677270632d6d65737361676500")
+        blocks.decode(first)
+        blocks.decode(trailers)
+        later = bytes.fromhex("be000c677270632d6d65737361676500")
+        self.assertEqual(blocks.decode(later), ((b"grpc-status", b"0"), (b"grpc-message", b"")))
+        self.assertIs(blocks.decode(later), blocks.decode(later))

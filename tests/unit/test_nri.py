@@ -19,7 +19,7 @@ from koordrp.api.nri.v1alpha1 import api_pb2 as nri
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
 from koordrp.hooks.dispatcher import Dispatcher
 from koordrp.hooks.limit import ANSWER_MARGIN, PreHookLimit
-from koordrp.checkpoint import DirectoryCheckpoint
+from koordrp.checkpoint import DirectoryCheckpoint, Kind
 from koordrp.store import OwedStops
 from koordrp.nri.catchup import REPLY_SLACK as CATCH_UP_REPLY_SLACK
 from koordrp.hooks.messages import CATCH_UP_ANNOTATION, PodHookRequest
@@ -1369,3 +1369,50 @@ class AnswerSizeTests(LogCapture):
         grown.linux.resources.cpu.shares.value = 512
         self.assertLessEqual(translate.told_size(nri_pod(), grown), MAX_TTRPC_MESSAGE)
         self.assertLessEqual(nri.StateChangeEvent(event=nri.POST_CREATE_CONTAINER, pod=nri_pod(), container=grown).ByteSize(), MAX_TTRPC_MESSAGE)
+
+
+class KeptFirstTests(LogCapture):
+    """What kubelet asked is kept under the id containerd gives, before containerd is answered: a koordrp killed
+    just after its answer still has it, and nothing goes through a pending file."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.clock = Clock()
+        self.directory = self.mktemp()
+        self.kept_when: list[tuple[str, str, int]] = []
+        """Each state file written: its kind, its id, and how many bytes koordrp had sent containerd then."""
+        kept_when = self.kept_when
+        sent = self.sent_bytes
+
+        class Watched(DirectoryCheckpoint):
+            def write(self, kind: Kind, identifier: str, data: bytes | None) -> bool:
+                kept_when.append((kind, identifier, sent()))
+                return super().write(kind, identifier, data)
+
+        checkpoint = Watched(self.directory)
+        checkpoint.open()
+        self.store = Store(checkpoint)
+        parts = Parts(self.store, ScriptedStages(), HookServers, SKIP, self.clock)
+        self.containerd = FakeContainerd(NRIConnection(NRIPlugin(parts, PluginIdentity("koordrp", "10")), self.clock))
+        self.containerd.answers()  # the registration
+
+    def sent_bytes(self) -> int:
+        return len(self.containerd.transport.value())
+
+    def test_the_pods_and_containers_files_are_written_once_before_containerd_is_answered(self) -> None:
+        before_run = self.sent_bytes()
+        self.containerd.call("StateChange", event(nri.RUN_POD_SANDBOX))
+        before_create = self.sent_bytes()
+        self.containerd.call("CreateContainer", nri.CreateContainerRequest(pod=nri_pod(), container=nri_container()))
+        self.containerd.call("StateChange", event(nri.POST_CREATE_CONTAINER, nri_container(nri.CONTAINER_CREATED)))
+        written = [write for write in self.kept_when if write[0] != "pending"]
+        self.assertEqual(written, [("pods", "s-1", before_run), ("containers", "c-1", before_create)])
+        self.assertEqual(os.listdir(os.path.join(self.directory, "pending")), [])
+        self.assertTrue(self.store.container("c-1").hooked)  # type: ignore[union-attr]
+
+    def test_a_create_containerd_undid_leaves_nothing_kept(self) -> None:
+        self.containerd.call("StateChange", event(nri.RUN_POD_SANDBOX))
+        self.containerd.call("CreateContainer", nri.CreateContainerRequest(pod=nri_pod(), container=nri_container()))
+        self.containerd.call("StopContainer", nri.StopContainerRequest(pod=nri_pod(), container=nri_container(nri.CONTAINER_CREATED)))
+        self.assertIsNone(self.store.container("c-1"))
+        self.assertEqual(os.listdir(os.path.join(self.directory, "containers")), [])

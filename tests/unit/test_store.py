@@ -490,3 +490,107 @@ class AbsenceTests(SynchronousTestCase):
         self.assertTrue(again.container("c2").hooked)  # type: ignore[union-attr]
         self.assertTrue(again.stopped("c2"))
         self.assertEqual(self.owed, [])
+
+
+class KnownIdTests(SynchronousTestCase):
+    """A front end that knows the id before the runtime makes it (NRI) has what kubelet asked kept under that id at
+    once: no pending file, and what changes afterwards is its flags alone, changed in place."""
+
+    def setUp(self) -> None:
+        self.directory = self.mktemp()
+        self.owed: list[OwedStops] = []
+        self.writes: list[tuple[str, str]] = []
+
+    def restarted(self) -> Store:
+        writes = self.writes
+
+        class Counting(DirectoryCheckpoint):
+            def write(self, kind: Kind, identifier: str, data: bytes | None) -> bool:
+                writes.append((kind, identifier))
+                return super().write(kind, identifier, data)
+
+        checkpoint = Counting(self.directory)
+        checkpoint.open()
+        return Store(checkpoint, self.owed.append)
+
+    def kept(self, kind: str) -> list[str]:
+        return sorted(os.listdir(os.path.join(self.directory, kind)))
+
+    def inode(self, kind: str, identifier: str) -> int:
+        return os.stat(os.path.join(self.directory, kind, identifier)).st_ino
+
+    def test_what_kubelet_asked_is_kept_under_the_id_before_it_is_made_and_nothing_goes_pending(self) -> None:
+        store = self.restarted()
+        store.expect_pod(pod("web"), made_id="p1")
+        store.expect_container("p1", container("app"), None, made_id="c1")
+        self.assertEqual((self.kept("pods"), self.kept("containers"), self.kept("pending")), (["p1"], ["c1"], []))
+        made = self.inode("containers", "c1")
+        store.put_pod("p1", pod("web"), pod("web"))
+        store.put_container("c1", "p1", container("app"), container("app"))
+        self.assertEqual(self.writes, [("pods", "p1"), ("containers", "c1")])  # each file written once, whole
+        self.assertEqual(self.inode("containers", "c1"), made)
+        self.assertEqual(self.kept("pending"), [])
+        # Seen made: a restart that finds it gone owes its post stop.
+        restarted = self.restarted()
+        restarted.reconcile((set(), set()), [], [], restarted.ids())
+        self.assertEqual([(len(o.pods), len(o.containers)) for o in self.owed], [(1, 1)])
+
+    def test_what_was_kept_under_its_id_when_koordrp_was_killed_keeps_kubelets_values(self) -> None:
+        asked = container("app")
+        asked.container_envs["FROM_KUBELET"] = "1"
+        self.restarted().expect_container("p1", asked, None, made_id="c1")
+        given = container("app")
+        given.container_envs["FROM_KUBELET"] = "1"
+        given.container_envs["FROM_THE_IMAGE"] = "1"
+        restarted = self.restarted()
+        restarted.learn([], [("c1", StoredContainer.read_back("p1", given, ContainerState.RUNNING))])
+        stored = restarted.container("c1")
+        assert stored is not None
+        self.assertEqual((dict(stored.asked.container_envs), stored.hooked), ({"FROM_KUBELET": "1"}, True))
+        restarted.stopped("c1")
+        self.assertEqual(self.owed, [])
+
+    def test_a_container_made_without_the_hooks_answer_counts_as_made_while_koordrp_was_away(self) -> None:
+        asked, hooked = container("app"), container("app")
+        asked.container_resources.cpu_shares, hooked.container_resources.cpu_shares = 102, 512
+        self.restarted().expect_container("p1", asked, hooked, made_id="c1")
+        restarted = self.restarted()
+        restarted.learn([], [("c1", StoredContainer.read_back("p1", asked, ContainerState.RUNNING))])
+        self.assertFalse(restarted.container("c1").hooked)  # type: ignore[union-attr]
+        self.assertEqual(self.kept("containers"), [])
+
+    def test_what_was_about_to_be_made_and_never_was_owes_no_stop_and_goes_after_two_readings(self) -> None:
+        self.restarted().expect_container("p1", container("never made"), None, made_id="c1")
+        restarted = self.restarted()
+        restarted.reconcile((set(), set()), [], [], restarted.ids())
+        self.assertEqual(self.kept("containers"), ["c1"])  # its call may still be under way
+        restarted.reconcile((set(), set()), [], [], restarted.ids())
+        self.assertEqual((self.kept("containers"), self.owed), ([], []))
+
+    def test_what_this_koordrp_waits_to_see_made_outlives_any_reading(self) -> None:
+        store = self.restarted()
+        store.expect_container("p1", container("being made"), None, made_id="c1")
+        for _ in range(3):
+            store.reconcile((set(), set()), [], [], store.ids())
+        self.assertEqual(self.kept("containers"), ["c1"])
+
+    def test_a_container_the_runtime_did_not_make_leaves_nothing_kept(self) -> None:
+        store = self.restarted()
+        store.expect_container("p1", container("refused"), None, made_id="c1")
+        store.not_made("c1")
+        self.assertEqual(self.kept("containers"), [])
+
+    def test_a_change_of_flags_alone_is_written_in_place_and_a_write_that_changes_nothing_is_skipped(self) -> None:
+        store = self.restarted()
+        store.put_pod("p1", pod("web"), pod("web"))
+        store.put_container("c1", "p1", container("app"), container("app"))
+        made = self.inode("containers", "c1"), self.inode("pods", "p1")
+        store.stopped("c1")
+        store.pod_stopped("p1")
+        store.revise_container("c1", container("app"), container("app"))  # what kubelet asked, again
+        # Each written whole once (the put's pending files were never written: nothing to remove).
+        self.assertEqual([write for write in self.writes if write[0] != "pending"], [("pods", "p1"), ("containers", "c1")])
+        self.assertEqual((self.inode("containers", "c1"), self.inode("pods", "p1")), made)
+        restarted = self.restarted()
+        restarted.reconcile((set(), set()), [], [], restarted.ids())
+        self.assertEqual(self.owed, [])  # their stops were told: the flags say so
