@@ -236,7 +236,11 @@ class DirectoryCheckpoint:
         except (OSError, files.NotAFile):
             return False  # replaced by the whole write that follows, or said by its failure
         try:
-            if info.st_size <= offset or os.pwrite(descriptor, bytes((value,)), offset) != 1:
+            # Only a file koordrp made itself (its own, with no other name) is changed in place; anything else
+            # is replaced by the whole write that follows.
+            if info.st_nlink != 1 or info.st_uid != os.geteuid() or info.st_size <= offset:
+                return False
+            if os.pwrite(descriptor, bytes((value,)), offset) != 1:
                 return False
         except OSError as error:
             self._failed(error, path, _UNWRITTEN)

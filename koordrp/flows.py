@@ -62,6 +62,7 @@ from koordrp.hooks.messages import (
     subject_text,
 )
 from koordrp.hooks.types import UNREADABLE, HookServers, HookType, PostStage
+from koordrp.checkpoint import Kind
 from koordrp.store import ContainerState, OwedStops
 from koordrp.text import shortened
 
@@ -148,6 +149,17 @@ async def _forward_changing(
     return reply
 
 
+async def _forward_expected(call: Call[AnyReply], rewritten: bytes | None, kind: Kind, made_id: str) -> AnyReply:
+    """Forward a call that makes the pod or container the store expects under ``made_id`` (if known); a forward that
+    ends in neither answer (the caller or the connection went) leaves it to the store's readings."""
+    try:
+        return await call.forward(rewritten)
+    except BaseException:
+        if made_id:
+            call.store.not_waited_for(kind, made_id)
+        raise
+
+
 def created_container(
     final: ContainerHookRequest, container_id: str, envs_sent: dict[str, str]
 ) -> ContainerHookRequest:
@@ -178,9 +190,11 @@ async def run_pod_sandbox(call: Call[AnyReply], request: RunPodSandbox, made_id:
     call.concerns(pod)
     rewritten = await call.pre_rewriting(HookType.PRE_RUN_POD_SANDBOX, pod, request.rewritten, asked)
     call.store.expect_pod(asked, made_id)  # kept before the runtime can make it: a koordrp killed meanwhile still has it
-    reply = await call.forward(rewritten)
+    reply = await _forward_expected(call, rewritten, "pods", made_id)
     if reply.ok:
         call.store.put_pod(reply.created_id, asked, pod)
+    elif made_id:
+        call.store.not_made("pods", made_id)
     return reply
 
 
@@ -196,7 +210,7 @@ async def create_container(call: Call[AnyReply], request: CreateContainer, made_
     call.concerns(container)
     rewritten = await call.pre_rewriting(HookType.PRE_CREATE_CONTAINER, container, request.rewritten, sent, keep_late=True)
     call.store.expect_container(request.sandbox_id, asked, None if rewritten is None else container, made_id)
-    reply = await call.forward(rewritten)
+    reply = await _forward_expected(call, rewritten, "containers", made_id)
     if reply.ok:
         container_id = reply.created_id  # Docker mode reads it from the JSON answer, so once
         asked.container_meta.id = container_id
@@ -212,7 +226,7 @@ async def create_container(call: Call[AnyReply], request: CreateContainer, made_
 
         call.apply_late(container_id, applied_late)
     elif made_id:
-        call.store.not_made(made_id)
+        call.store.not_made("containers", made_id)
     return reply
 
 

@@ -120,12 +120,10 @@ class Failed:
 
     reason: str
     lost: bool = False
-    reset: int | None = None
-    """The error code of the server's RST_STREAM, if that ended the call: grpc-go's server resets a call with CANCEL
-    at the grpc-timeout it was sent, which may be read before the caller's own timer runs."""
 
 
 Outcome = Answered | StatusSent | Failed
+_CANCELLED = Failed("cancelled by the caller")
 
 
 class Call:
@@ -378,7 +376,7 @@ class ClientConnection:
         """The caller gave ``call`` up: the server is told (RST_STREAM CANCEL), and nothing of it is returned."""
         if call.outcome is not None:
             return
-        call.outcome = Failed("cancelled")
+        call.outcome = _CANCELLED  # ended: nothing more of it is read, and it is never returned
         if call.stream_id == 0:
             self._queued.remove(call)
             return
@@ -471,7 +469,7 @@ class ClientConnection:
             (code,) = struct.unpack(">L", payload)
             refused = code == ErrorCode.REFUSED_STREAM
             # Never a RST_STREAM for a RST_STREAM (RFC 9113, 5.4.2), even with request bytes held.
-            self._end(call, Failed(f"the server reset the stream: {error_name(code)}", refused, code), None)
+            self._end(call, Failed(f"the server reset the stream: {error_name(code)}", refused), None)
             return None
         if kind == Frame.SETTINGS:
             self._settings(flags, stream_id, payload)
@@ -533,7 +531,7 @@ class ClientConnection:
             return None
         if call._headers is None:
             status = next((value for name, value in headers if name == b":status"), None)
-            if status is None or not status.isdigit():
+            if status is None or len(status) != 3 or not status.isdigit():
                 # A malformed answer (RFC 9113, 8.1.1): the server hears the stream is over unless it ended it.
                 failed = Failed("an answer without an HTTP status")
                 if flags & END_STREAM:
@@ -629,6 +627,11 @@ class ClientConnection:
     def _open_queued(self) -> None:
         while self._queued and self.ended is None and (self._max_streams is None or len(self._streams) < self._max_streams):
             if self._next_id > MAX_STREAM_ID:
+                # Out of stream ids: the calls left never reach the server (new ones go on a new connection).
+                for call in self._queued:
+                    call.outcome = Failed("the connection ran out of stream ids", lost=True)
+                    self._ended.append(call)
+                self._queued.clear()
                 return
             call = self._queued.popleft()
             call.stream_id = self._next_id
@@ -710,7 +713,7 @@ def _outcome(status: int, headers: Headers, body: bytearray, trailers: Headers |
             grpc_status = value
         elif name == b"grpc-message":
             grpc_message = value
-    if grpc_status is None or not grpc_status.isdigit():
+    if grpc_status is None or len(grpc_status) > 3 or not grpc_status.isdigit():
         return Failed("an answer without a gRPC status")
     code = int(grpc_status)
     if code != 0:

@@ -345,11 +345,18 @@ class Store:
         if not expected:
             self._checkpoint.write("pending", pending_pod_name(asked), None)
 
-    def not_made(self, container_id: str) -> None:
-        """The runtime did not make the container expected under ``container_id`` (``expect_container``): what was
-        kept for it goes now (a reading would keep it a while, as one about to be made)."""
-        if self._expected.pop(("containers", container_id), None) is not None:
-            self._let_go("containers", container_id)
+    def not_made(self, kind: Kind, identifier: str) -> None:
+        """The runtime did not make the pod or container expected under ``identifier`` (``expect_pod``,
+        ``expect_container``): what was kept for it goes now (a reading would keep it a while, as one about to be
+        made)."""
+        if self._expected.pop((kind, identifier), None) is not None:
+            self._let_go(kind, identifier)
+
+    def not_waited_for(self, kind: Kind, identifier: str) -> None:
+        """The flow that expected ``identifier`` ended before it knew whether the runtime made it (its caller or
+        its connection went): its file stays, for the readings to settle as one kept before a kill, and nothing
+        here holds it any more."""
+        self._expected.pop((kind, identifier), None)
 
     def resize_pod(self, sandbox_id: str, resources: Resources | None, overhead: Resources | None) -> None:
         """The runtime resized the pod (kubelet's UpdatePodSandboxResources): kubelet's values, asked and given."""

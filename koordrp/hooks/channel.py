@@ -69,6 +69,7 @@ class HTTP2Channel(Protocol):
         assert self.transport is not None
         self._sending = SentAtOnce(self.transport, self._paths)
         self._flush()
+        self._idle_check()  # closed while it connected, its calls gone meanwhile
 
     def dataReceived(self, data: bytes) -> None:
         ended = self._state.received(data)

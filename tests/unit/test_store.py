@@ -574,11 +574,24 @@ class KnownIdTests(SynchronousTestCase):
             store.reconcile((set(), set()), [], [], store.ids())
         self.assertEqual(self.kept("containers"), ["c1"])
 
-    def test_a_container_the_runtime_did_not_make_leaves_nothing_kept(self) -> None:
+    def test_a_pod_or_container_the_runtime_did_not_make_leaves_nothing_kept(self) -> None:
         store = self.restarted()
+        store.expect_pod(pod("refused"), made_id="p1")
         store.expect_container("p1", container("refused"), None, made_id="c1")
-        store.not_made("c1")
-        self.assertEqual(self.kept("containers"), [])
+        store.not_made("containers", "c1")
+        store.not_made("pods", "p1")
+        self.assertEqual((self.kept("pods"), self.kept("containers")), ([], []))
+
+    def test_what_a_flow_stopped_waiting_for_is_left_to_the_readings(self) -> None:
+        # Its caller or its connection went before the runtime said: the file stays (it may have been made), and
+        # the readings settle it as one kept before a kill.
+        store = self.restarted()
+        store.expect_container("p1", container("given up on"), None, made_id="c1")
+        store.not_waited_for("containers", "c1")
+        store.reconcile((set(), set()), [], [], store.ids())
+        self.assertEqual(self.kept("containers"), ["c1"])
+        store.reconcile((set(), set()), [], [], store.ids())
+        self.assertEqual((self.kept("containers"), self.owed), ([], []))
 
     def test_a_change_of_flags_alone_is_written_in_place_and_a_write_that_changes_nothing_is_skipped(self) -> None:
         store = self.restarted()
