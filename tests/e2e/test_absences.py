@@ -204,13 +204,14 @@ def test_kubelets_values_survive_a_kill_right_after_the_pre_create_answer(
 ) -> None:
     runtime = nri_containerd.runtime()
     with koordrp_in(nri_containerd, workdir) as koordrp:
-        pending = workdir / "state" / "pending"
+        containers = workdir / "state" / "containers"
         killer: list[threading.Thread] = []
 
         def kill_once_kept() -> None:
-            # What kubelet asked is kept just before containerd is answered, and goes once containerd confirms the
-            # create, a few milliseconds later: koordrp dies in between. (No sleep: the window is short.)
-            spin_until(lambda: any(os.scandir(pending)), "what kubelet asked kept before the answer")
+            # What kubelet asked is kept, under the id containerd gave and marked expected, just before containerd is
+            # answered; containerd confirms the create a few milliseconds later: koordrp dies in between. (No sleep:
+            # the window is short.)
+            spin_until(lambda: any(os.scandir(containers)), "what kubelet asked kept before the answer")
             koordrp.kill()
 
         tuned = tuner.behaviours[CREATE]
