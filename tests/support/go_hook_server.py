@@ -13,6 +13,7 @@ from typing import Sequence
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
 from koordrp.hooks.messages import HookRequest, HookResponse
 from koordrp.hooks.types import HookType
+from koordrp.sdk import reply
 from tests.support.daemons import MissingBinariesError
 
 BINARY = Path(__file__).resolve().parents[2] / ".deps" / "go-hook-server"
@@ -31,21 +32,13 @@ def require_binary() -> None:
 
 def echo_answer(hook_type: HookType, request: HookRequest) -> HookResponse:
     """What the server answers ``request`` with (``--answer echo``): the request's fields koordlet copies into its
-    response, with the cgroup parent or the cpuset its default plugins set."""
+    response (``koordrp.sdk.reply``'s answer), with the cgroup parent or the cpuset its default plugins set."""
     if isinstance(request, hook.PodSandboxHookRequest):
-        pod = hook.PodSandboxHookResponse(labels=request.labels, annotations=request.annotations, cgroup_parent=request.cgroup_parent)
-        if request.HasField("resources"):
-            pod.resources.CopyFrom(request.resources)
+        pod = reply(request)
         if hook_type is HookType.PRE_RUN_POD_SANDBOX:
             pod.cgroup_parent = CGROUP_PARENT
         return pod
-    container = hook.ContainerResourceHookResponse(
-        container_annotations=request.container_annotations,
-        pod_cgroup_parent=request.pod_cgroup_parent,
-        container_envs=request.container_envs,
-    )
-    if request.HasField("container_resources"):
-        container.container_resources.CopyFrom(request.container_resources)
+    container = reply(request)
     if hook_type in CPUSET_HOOKS:
         container.container_resources.cpuset_cpus = CPUSET
     return container
