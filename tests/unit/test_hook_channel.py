@@ -18,10 +18,11 @@ from twisted.python.failure import Failure
 from twisted.trial.unittest import TestCase
 
 from koordrp.api.runtime.v1alpha1 import api_pb2 as hook
-from koordrp.hooks.client import HookCallError, HookClient, HookTimedOut
+from koordrp.hooks.channel import HTTP2Channel
+from koordrp.hooks.client import MAX_ANSWER, HookCallError, HookClient, HookTimedOut
 from koordrp.hooks.messages import HookResponse
 from koordrp.hooks.types import HookType
-from koordrp.http2 import END_STREAM, ErrorCode, Frame, Setting
+from koordrp.http2 import END_STREAM, ErrorCode, Frame, Setting, request_headers
 from tests.fake import FakeGrpcServer
 from tests.fake.hook_server import FakeHookServer
 from tests.support.tempdirs import short_tempdir
@@ -246,6 +247,17 @@ class MisbehavingServerTests(ClientTest):
 
         self.addCleanup(lambda: Deferred.fromCoroutine(stopped()))
         return factory.connections
+
+    async def test_a_channel_let_go_while_it_connects_closes_once_connected(self) -> None:
+        # Its one call was given up before the connection was up: nothing is left holding the socket open.
+        connections = self.serve(lambda server, frames: None)
+        channel = HTTP2Channel(IReactorUNIX(reactor), self.path, MAX_ANSWER)
+        call = channel.call(request_headers("/runtime.v1alpha1.RuntimeHookService/PreCreateContainerHook", "localhost", "koordrp"), b"")
+        call.addErrback(lambda _: None)
+        channel.close_when_idle()
+        call.cancel()
+        await until(lambda: connections)
+        await connections[0].ended
 
     async def test_garbage_for_an_answer(self) -> None:
         def garbage(server: RawServer, frames: list[Written]) -> None:
