@@ -124,10 +124,17 @@ _FLAGS_AT = len(_RECORD_HEADER)
 """Where a state file's flags are: a change of its flags alone is written in place (``Checkpoint.write_byte``)."""
 
 
+def _body(asked: PodHookRequest | ContainerHookRequest) -> bytes:
+    """What kubelet asked, as a state file holds it: the same request gives the same bytes, so that a file written
+    before the runtime made it is known to hold it once made (protobuf writes a map's entries in whatever order a
+    message's copy keeps them, unless asked to sort them)."""
+    return asked.SerializeToString(deterministic=True)
+
+
 def _record(asked: PodHookRequest | ContainerHookRequest, stopped: bool, changed: bool = False) -> bytes:
     """A state file's content: what kubelet asked, whether its stop was told, whether hooks changed it."""
     flags = (_STOPPED if stopped else 0) | (_CHANGED if changed else 0)
-    return _RECORD_HEADER + bytes((flags,)) + asked.SerializeToString()
+    return _RECORD_HEADER + bytes((flags,)) + _body(asked)
 
 
 @dataclass(frozen=True)
@@ -293,7 +300,7 @@ class Store:
             if as_kept[1] == flags or self._checkpoint.write_byte(kind, identifier, _FLAGS_AT, flags):
                 self._as_kept[key] = (asked, flags)
                 return
-        body = asked.SerializeToString()
+        body = _body(asked)
         kept = self._expected.pop(key, None) == body and self._checkpoint.write_byte(kind, identifier, _FLAGS_AT, flags)
         if kept or self._checkpoint.write(kind, identifier, _RECORD_HEADER + bytes((flags,)) + body):
             self._as_kept[key] = (asked, flags)
@@ -309,7 +316,7 @@ class Store:
     def _expect(self, kind: Kind, made_id: str, pending: str, asked: HookRequest, flags: int) -> None:
         """What kubelet asked, kept before the runtime makes it: under ``made_id`` if known (then what it will be
         kept as once made differs by its flags alone), else under the ``pending`` name."""
-        body = asked.SerializeToString()
+        body = _body(asked)
         if made_id:
             key = (kind, made_id)
             self._as_kept.pop(key, None)

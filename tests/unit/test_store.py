@@ -593,6 +593,19 @@ class KnownIdTests(SynchronousTestCase):
         store.reconcile((set(), set()), [], [], store.ids())
         self.assertEqual((self.kept("containers"), self.owed), ([], []))
 
+    def test_a_file_kept_before_its_pod_was_made_is_known_once_made_whatever_order_its_maps_are_copied_in(self) -> None:
+        # A request with many labels: its copy (which the store keeps once made) lists them in another order.
+        asked = pod("web")
+        for index in range(64):
+            asked.labels[f"label-{index}.example.com/key"] = f"value-{index}"
+            asked.annotations[f"annotation-{index}.example.com/key"] = f"value-{index}"
+        store = self.restarted()
+        store.expect_pod(asked, made_id="p1")
+        made = self.inode("pods", "p1")
+        store.put_pod("p1", asked, asked)
+        self.assertEqual(self.writes, [("pods", "p1")])  # written whole once; its flags after, in place
+        self.assertEqual(self.inode("pods", "p1"), made)
+
     def test_a_change_of_flags_alone_is_written_in_place_and_a_write_that_changes_nothing_is_skipped(self) -> None:
         store = self.restarted()
         store.put_pod("p1", pod("web"), pod("web"))
