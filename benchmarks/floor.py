@@ -68,16 +68,27 @@ def no_op_server(socket: Path) -> ContextManager["subprocess.Popen[bytes]"]:
     return running_module("benchmarks.floor", "--serve", str(socket))
 
 
+class CallingBack:
+    """A bare grpcio client calling as one on an event loop must: ``.future()`` and a done-callback, which wakes the
+    calling thread here; one call at a time."""
+
+    def __init__(self, method: Any) -> None:
+        self._method = method
+        self._done = threading.Event()
+
+    def _called_back(self, _: object) -> None:
+        self._done.set()
+
+    def call(self, sent: hook.ContainerResourceHookRequest) -> None:
+        self._done.clear()
+        self._method.future(sent, timeout=10).add_done_callback(self._called_back)
+        self._done.wait()
+
+
 def _with_callbacks(method: Any, sent: hook.ContainerResourceHookRequest, calls: int) -> None:
-    done = threading.Event()
-
-    def called_back(_: object) -> None:
-        done.set()
-
+    client = CallingBack(method)
     for _ in range(calls):
-        done.clear()
-        method.future(sent, timeout=10).add_done_callback(called_back)
-        done.wait()
+        client.call(sent)
 
 
 def _blocking(method: Any, sent: hook.ContainerResourceHookRequest, calls: int) -> None:

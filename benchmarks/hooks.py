@@ -16,7 +16,11 @@ then two chained, it prints:
   - koordrp's CPU per hook stage = its CPU (its process CPU clock: every thread's) during the hooked call
     minus during the skipped one, beside the CPU this process spends calling the servers alone; per
     hook call (over the servers chained), as a ratio to the floor: benchmarks/floor.py, a bare grpcio
-    client's CPU per call against a no-op server, measured first in the same run;
+    client's CPU per call against a no-op server, measured first in the same run, back to back; and
+    as a ratio to the paced floor, the same client's CPU for one call (``FLOOR_PACED``) made in the
+    rounds like every other call, after the same pause: each of koordrp's calls, too, comes alone to
+    a process whose caches the other processes' work has emptied meanwhile, and a call costs any
+    client more then than back to back;
   - a skipped call over a pass-through = the skipped call - the same call through the minimal
     pass-through; and, as this benchmark first measured it, (skipped - direct) - (ContainerStatus through
     koordrp - directly), which compares with a different call's pass-through;
@@ -59,8 +63,9 @@ from cri_api.v1 import api_pb2, api_pb2_grpc
 
 from benchmarks import minimal_passthrough, nri_starts
 from benchmarks.echo_hook_server import HookServerProcess
-from benchmarks.floor import Floor
+from benchmarks.floor import CallingBack, Floor, no_op_server
 from benchmarks.floor import measure as measure_floor
+from benchmarks.floor import request as floor_request
 from benchmarks.stats import quantile, process_cpu_ns
 from koordrp.api.cri.v1 import api_pb2 as koordrp_cri
 from koordrp.api.runtime.v1alpha1 import api_pb2_grpc as hook_grpc
@@ -108,6 +113,8 @@ ROWS = {
 ``SERVERS_ALONE``."""
 SERVERS_ALONE = "servers alone"
 SERVERS_ALONE_WHAT = "a plain client calling each hook server in turn, with a request of the same shape"
+FLOOR_PACED = "floor paced"
+FLOOR_PACED_WHAT = "the floor's bare client (.future() and a done-callback) calling the no-op server once"
 HEAD = "HEAD"
 """The label of this checkout's koordrp; ``--other LABEL=TWISTD`` names the others."""
 
@@ -120,6 +127,8 @@ class Samples:
     cpu: dict[str, list[float]] = field(default_factory=dict)
     client_cpu: list[float] = field(default_factory=list)
     """The CPU time this process spent calling the hook servers alone: what a plain client pays."""
+    floor_cpu: list[float] = field(default_factory=list)
+    """The CPU time this process spent on one call of the floor's client (``FLOOR_PACED``), paced as every call is."""
 
     def add(self, label: str, seconds: float, cpu: float) -> None:
         self.seconds.setdefault(label, []).append(seconds)
@@ -224,10 +233,10 @@ def update_request(container_id: str, index: int) -> Any:
 
 
 def hook_stage_rounds(
-    direct: Any, minimal: Any, koordrps: list[Koordrp], servers: list[str], rounds: int
+    direct: Any, minimal: Any, koordrps: list[Koordrp], servers: list[str], rounds: int, floor_client: CallingBack
 ) -> dict[str, Samples]:
-    """Per koordrp, its samples of ``ROWS`` (and everyone's of the servers alone); one round makes each call
-    once, in random order, and charges each call the CPU of the koordrp it is about."""
+    """Per koordrp, its samples of ``ROWS`` (and everyone's of the servers alone and of the floor's client); one round
+    makes each call once, in random order, and charges each call the CPU of the koordrp it is about."""
     stubs = [hook_grpc.RuntimeHookServiceStub(grpc.insecure_channel(f"unix:{socket}")) for socket in servers]
     request = koordrps[0].hooked.hook_request
     samples = {koordrp.label: Samples() for koordrp in koordrps}
@@ -237,20 +246,25 @@ def hook_stage_rounds(
         for stub in stubs:
             stub.PreUpdateContainerResourcesHook(request, timeout=TIMEOUT)
 
+    sent = floor_request()
     for index in range(rounds):
-        calls: dict[tuple[str, str], Callable[[], object]] = {(HEAD, SERVERS_ALONE): servers_alone}
+        calls: dict[tuple[str, str], Callable[[], object]] = {
+            (HEAD, SERVERS_ALONE): servers_alone,
+            (HEAD, FLOOR_PACED): lambda: floor_client.call(sent),
+        }
         for koordrp in koordrps:
             calls.update(((koordrp.label, row), call) for row, call in round_calls(direct, minimal, koordrp, index).items())
         order = list(calls)
         random.shuffle(order)
         for label, row in order:
-            alone = row == SERVERS_ALONE
-            seconds, cpu, own_cpu = meters[label](calls[label, row], own=alone)
-            if alone:
-                # What a plain client pays for the same hook calls (this process's CPU: no koordrp in it).
+            own = row in (SERVERS_ALONE, FLOOR_PACED)
+            seconds, cpu, own_cpu = meters[label](calls[label, row], own=own)
+            if own:
+                # What a plain client pays for the same hook calls, or for the floor's (this process's CPU: no
+                # koordrp in it), each after the same pause as koordrp's calls.
                 for measured in samples.values():
                     measured.add(row, seconds, 0.0)
-                    measured.client_cpu.append(own_cpu)
+                    (measured.client_cpu if row == SERVERS_ALONE else measured.floor_cpu).append(own_cpu)
             else:
                 samples[label].add(row, seconds, cpu)
     return samples
@@ -340,7 +354,7 @@ def report_rounds(label: str, samples: Samples, floor: Floor, servers: int) -> F
     the pod start."""
     print(f"  koordrp {label}")
     print(f"  {'':<18}{'p50':>11}{'p99':>11}{'koordrp CPU':>13}")
-    for row, what in [*ROWS.items(), (SERVERS_ALONE, SERVERS_ALONE_WHAT)]:
+    for row, what in [*ROWS.items(), (SERVERS_ALONE, SERVERS_ALONE_WHAT), (FLOOR_PACED, FLOOR_PACED_WHAT)]:
         seconds, cpu_seconds = samples.seconds[row], samples.cpu[row]
         print(
             f"  {row:<18}{ms(statistics.median(seconds)):>11}{ms(quantile(seconds, 0.99)):>11}"
@@ -365,9 +379,12 @@ def report_rounds(label: str, samples: Samples, floor: Floor, servers: int) -> F
     figure("", quick_share, "share p99", None, 0.99)
     figure("koordrp CPU per hook stage", cpu, "cpu", "CPU of update hooked - of update skipped")
     figure("  the same, on a quick call", quick_cpu, "cpu", "CPU of start hooked - of start skipped")
+    paced = statistics.median(samples.floor_cpu)
     for name, stage in (("koordrp CPU per hook call", cpu), ("  the same, on a quick call", quick_cpu)):
         per_call = statistics.median(stage) / servers
         print(f"    {name:<36}p50 {ms(per_call):>10} = {floor.ratio(per_call)} {verdict(per_call / floor.future_and_callback, 'per call')}")
+        print(f"    {'':<36}{'':>15} = {per_call / paced:.2f}x the paced floor {verdict(per_call / paced, 'per call')}")
+    figure("the floor, paced", samples.floor_cpu, None, "this process, one call of the floor's client (floor paced)")
     figure("a plain client's CPU, same calls", samples.client_cpu, None, "this process, calling the servers alone")
     figure("skipped over a pass-through", over_same, "skipped", "update skipped - update minimal")
     figure("  the same, on a quick call", quick_over_same, "skipped", "start skipped - start minimal")
@@ -459,7 +476,11 @@ def main() -> None:
             made_koordrp(label, process, stack.enter_context(process.channel()), base / "logs")
             for label, process in processes.items()
         ]
-        measure(args, containerd.runtime(), minimal, koordrps, echo_servers, base / "logs", floor)
+        floor_socket = base / "no-op.sock"
+        stack.enter_context(no_op_server(floor_socket))
+        floor_channel = stack.enter_context(grpc.insecure_channel(f"unix:{floor_socket}"))
+        floor_client = CallingBack(hook_grpc.RuntimeHookServiceStub(floor_channel).PreUpdateContainerResourcesHook)
+        measure(args, containerd.runtime(), minimal, koordrps, echo_servers, base / "logs", floor, floor_client)
         if args.nri_pods:
             nri_starts.measure(base / "nri", args.nri_pods, floor=floor)
 
@@ -509,6 +530,7 @@ def measure(
     servers: list[HookServerProcess],
     logs: Path,
     floor: Floor,
+    floor_client: CallingBack,
 ) -> None:
     every_hook = [hook.value for hook in HookType]
     for count in args.servers:
@@ -517,7 +539,8 @@ def measure(
                 register(koordrp.process.base / "hookserver.d", f"echo-{index}", str(server.socket), every_hook)
             koordrp.process.wait_for_servers(count)
         print(f"\n== {count} echo hook server{'s' if count > 1 else ''} on every hook point, chained ==")
-        rounds = hook_stage_rounds(direct, minimal, koordrps, [str(s.socket) for s in servers[:count]], args.rounds)
+        sockets = [str(s.socket) for s in servers[:count]]
+        rounds = hook_stage_rounds(direct, minimal, koordrps, sockets, args.rounds, floor_client)
         print(f"one hook stage: UpdateContainerResources, {args.rounds} rounds")
         figures = {label: report_rounds(label, samples, floor, count) for label, samples in rounds.items()}
         if len(figures) > 1:
