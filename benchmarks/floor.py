@@ -6,8 +6,9 @@ The server (this module with ``--serve SOCKET``, a process of its own) answers e
 message. The client, in this process, calls it as a client on an event loop must: ``.future()`` and a
 done-callback, which here wakes the calling thread; one call at a time. Its CPU is every thread of this
 process's, grpc's own included, those that ended too (its process CPU clock). benchmarks/hooks.py and benchmarks/nri_starts.py measure it
-first, in the same run, and print koordrp's CPU per hook call as a ratio to it. Blocking calls, which
-no reactor can make, are printed beside it for reference.
+first, in the same run, and print koordrp's CPU per hook call as a ratio to it; hooks.py also makes one
+call of the same client (``CallingBack``) in each of its rounds, after the same pause as koordrp's calls
+(the paced floor). Blocking calls, which no reactor can make, are printed beside it for reference.
 """
 
 import argparse

@@ -9,8 +9,8 @@ then two chained, it prints:
   UpdateContainerResources on pod H (hooks run) and pod S (labelled to skip them), directly, through
   koordrp and through the minimal pass-through; StartContainer of the running containers, which
   containerd refuses at once (a hooked call whose time is nearly all koordrp's and the hook's);
-  ContainerStatus, passed through; and the hook servers alone, called by a plain client with a
-  request of the same shape. From each round:
+  ContainerStatus, passed through; the hook servers alone, called by a plain client with a request
+  of the same shape; and one call of the floor's client (``FLOOR_PACED``). From each round:
 
   - koordrp's share of a hook stage = hooked - skipped - the servers alone;
   - koordrp's CPU per hook stage = its CPU (its process CPU clock: every thread's) during the hooked call
@@ -110,7 +110,7 @@ ROWS = {
     "status minimal": "the same through the minimal grpcio pass-through",
 }
 """The calls of each round for each koordrp measured (on pods H and S made through it), in random order with
-``SERVERS_ALONE``."""
+``SERVERS_ALONE`` and ``FLOOR_PACED``."""
 SERVERS_ALONE = "servers alone"
 SERVERS_ALONE_WHAT = "a plain client calling each hook server in turn, with a request of the same shape"
 FLOOR_PACED = "floor paced"
@@ -153,9 +153,10 @@ class Measured:
         started = time.perf_counter()
         call()
         seconds = time.perf_counter() - started
-        own_cpu = (process_cpu_ns(os.getpid()) - own_before) / 1e9 if own else 0.0
         time.sleep(SETTLE_SECONDS)
         koordrp_cpu = (process_cpu_ns(self._pid) - cpu_before) / 1e9
+        # Read after the same pause as koordrp's: what grpc's threads still do once the call returned counts too.
+        own_cpu = (process_cpu_ns(os.getpid()) - own_before) / 1e9 if own else 0.0
         return seconds, koordrp_cpu, own_cpu
 
 
@@ -383,7 +384,7 @@ def report_rounds(label: str, samples: Samples, floor: Floor, servers: int) -> F
     for name, stage in (("koordrp CPU per hook call", cpu), ("  the same, on a quick call", quick_cpu)):
         per_call = statistics.median(stage) / servers
         print(f"    {name:<36}p50 {ms(per_call):>10} = {floor.ratio(per_call)} {verdict(per_call / floor.future_and_callback, 'per call')}")
-        print(f"    {'':<36}{'':>15} = {per_call / paced:.2f}x the paced floor {verdict(per_call / paced, 'per call')}")
+        print(f"    {'':<36}{'':>14} = {per_call / paced:.2f}x the paced floor {verdict(per_call / paced, 'per call')}")
     figure("the floor, paced", samples.floor_cpu, None, "this process, one call of the floor's client (floor paced)")
     figure("a plain client's CPU, same calls", samples.client_cpu, None, "this process, calling the servers alone")
     figure("skipped over a pass-through", over_same, "skipped", "update skipped - update minimal")

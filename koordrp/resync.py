@@ -104,14 +104,13 @@ def agree(
     known_before: tuple[AbstractSet[str], AbstractSet[str]],
     runtime: str,
     quiet: bool = False,
-    learns: bool = True,
 ) -> None:
     """The store agrees with what ``runtime`` (named in the log line) has, read after ``known_before``.
 
     The line says what the store holds now, and what it learnt and forgot; ``quiet``: only if it
-    learnt or forgot something; ``learns``: ``found`` read back what the store lacks (``Store.reconcile``).
+    learnt or forgot something.
     """
-    forgotten, learnt = store.reconcile((found.pod_ids, found.container_ids), found.pods, found.containers, known_before, learns)
+    forgotten, learnt = store.reconcile((found.pod_ids, found.container_ids), found.pods, found.containers, known_before)
     if quiet and not (forgotten or learnt):
         return
     pods, containers = store.sizes()
@@ -230,7 +229,7 @@ class StoreSync:
     def _agree(self, found: Snapshot, known_before: tuple[AbstractSet[str], AbstractSet[str]], periodic: bool) -> None:
         self._unreadable = (self._unreadable & (found.pod_ids | found.container_ids)) | found.unreadable
         # Only a rebuild (at start, after trouble) is told when nothing changed.
-        agree(self._store, found, known_before, self._runtime, quiet=periodic or not self._learns, learns=self._learns)
+        agree(self._store, found, known_before, self._runtime, quiet=periodic or not self._learns)
         self._retrying.succeeded(runtime=self._runtime)
 
     def _failed(self, failure: Failure) -> None:

@@ -359,6 +359,11 @@ class Store:
         if self._expected.pop((kind, identifier), None) is not None:
             self._let_go(kind, identifier)
 
+    def awaits_a_reading(self) -> bool:
+        """Whether something kept for a pod or container about to be made, and seen neither made nor awaited by one
+        reading (a koordrp killed meanwhile left it), waits for the next reading that does not list it, to go."""
+        return bool(self._expected_seen or self._pending_seen)
+
     def not_waited_for(self, kind: Kind, identifier: str) -> None:
         """The flow that expected ``identifier`` ended before it knew whether the runtime made it (its caller or
         its connection went): its file stays, for the readings to settle as one kept before a kill, and nothing
@@ -567,7 +572,6 @@ class Store:
         pods: list[tuple[str, StoredPod]],
         containers: list[tuple[str, StoredContainer]],
         known_before: tuple[AbstractSet[str], AbstractSet[str]],
-        learns: bool = True,
     ) -> tuple[int, int]:
         """Agree with a listing of the runtime taken after ``known_before``; returns (forgotten, learnt).
 
@@ -577,9 +581,11 @@ class Store:
         for pods and containers neither known nor listed (removed while koordrp was away). Of those,
         each koordrp saw made and whose stop it did not tell owes its post stop (``owed``). Entries
         written after ``known_before`` came from calls the listing may have missed, and are kept.
-        Everything read back and unknown is learnt. ``learns``: the reading reads back what the store
-        lacks (NRI mode's listing does not: only then is what was kept for things about to be made, and
-        not taken, let go).
+        Everything read back and unknown is learnt. What was kept for a pod or container about to be made
+        (``expect_pod``, ``expect_container``, pending files) that two readings in a row neither list nor
+        see taken goes, unless this store still waits for it: a listing that reads nothing back (NRI
+        mode's) counts as a reading for that, so that a file left by a koordrp killed while containerd
+        refused the create does not stay for good.
         """
         pods_before, containers_before = known_before
         listed_pods, listed_containers = listed
@@ -605,9 +611,8 @@ class Store:
                 expected.add(("pods", sandbox_id))
         # What was kept for a pod or container about to be made, and not taken since the previous reconcile: its
         # call failed (or was given up before the runtime made it). What this store is waiting for stays.
-        spared = expected - self._expected_seen if learns else expected
-        if learns:
-            self._expected_seen = spared
+        spared = expected - self._expected_seen
+        self._expected_seen = spared
         spared |= self._expected.keys()
         # What was kept for the pods and containers the runtime no longer has goes; not what was kept for
         # those it lists and the store has not learnt (yet: NRI mode learns from Synchronize alone).
@@ -619,10 +624,9 @@ class Store:
             self._checkpoint.retain(kind, staying | {i for k, i in spared if k == kind})
             kept = self._checkpoint.kept(kind)
             self._as_kept = {key: value for key, value in self._as_kept.items() if key[0] != kind or key[1] in kept}
-        if learns:
-            pending = self._checkpoint.kept("pending")
-            self._checkpoint.retain("pending", pending - self._pending_seen)
-            self._pending_seen = pending - self._pending_seen
+        pending = self._checkpoint.kept("pending")
+        self._checkpoint.retain("pending", pending - self._pending_seen)
+        self._pending_seen = pending - self._pending_seen
         if owed:
             self._owed(owed)
         return len(gone_pods) + len(gone_containers), new

@@ -147,7 +147,8 @@ def _too_long(seconds: float) -> set[str]:
 
 
 class NRIListingService(service.Service):
-    """Reads containerd's pods by NRI every ``interval`` seconds while some may go untold, forgetting only."""
+    """Reads containerd's pods by NRI every ``interval`` seconds while some may go untold, or while something kept
+    for one about to be made waits for a reading to go (``Store.awaits_a_reading``), forgetting only."""
 
     def __init__(
         self,
@@ -162,7 +163,7 @@ class NRIListingService(service.Service):
         """``untold``: the pods of the store that may go without containerd telling of it (none: no reading is due)."""
         listing = NRIListing(reactor, socket_path, identity, store)
         clock = IReactorTime(reactor)
-        self._sync = StoreSync(store, listing, clock, "containerd's NRI", interval, QUESTION_SECONDS, metrics, due=lambda: bool(untold()))
+        self._sync = StoreSync(store, listing, clock, "containerd's NRI", interval, QUESTION_SECONDS, metrics, due=lambda: bool(untold()) or store.awaits_a_reading())
 
     def startService(self) -> None:
         super().startService()  # type: ignore[no-untyped-call]

@@ -32,7 +32,8 @@ from tests.support.stack import start_containerd
 
 CREATE = "PreCreateContainerHook"
 HOOK_TIMEOUT = 0.5
-# What containerd answers a CRI call between its socket opening and its CRI service being ready.
+# What containerd 1.6 and 1.7 answer a CRI call between their socket opening and their CRI service being ready
+# (2.x answers UNAVAILABLE).
 CONTAINERD_STARTING = (grpc.StatusCode.UNKNOWN, "server is not initialized yet")
 
 

@@ -25,6 +25,7 @@ from koordrp.store import Store
 from tests.fake.flows import ScriptedStages
 from tests.fake.nri import FakeContainerd
 from tests.unit.test_nri import SKIP, event, nri_container, nri_pod
+from tests.unit.test_resync import opened_checkpoint
 
 SOCKET = "/run/nri/nri.sock"
 IDENTITY = PluginIdentity("koordrp", "10")
@@ -145,18 +146,21 @@ class ListingTests(SynchronousTestCase):
         self.assertTrue(containerd.transport.disconnecting)
 
 
-class ServiceTests(SynchronousTestCase):
-    """The plugin's connection says what is told; the listing service forgets what containerd no longer has."""
+class NRIStack(SynchronousTestCase):
+    """koordrp's NRI plugin on a memory reactor, and its listing service once asked for."""
 
     def setUp(self) -> None:
         self.reactor = MemoryReactorClock()
-        self.store = Store()
+        self.store = self.made_store()
         parts = Parts(self.store, ScriptedStages(), HookServers, SKIP, self.reactor, None)
         self.socket = self.mktemp()
         open(self.socket, "w").close()  # containerd's socket, as a file to tell containerds apart by
         self.plugin = NRIService(NRISettings(self.socket, IDENTITY), self.reactor, parts)
         self.plugin.startService()
         self.addCleanup(self.plugin.stopService)
+
+    def made_store(self) -> Store:
+        return Store()
 
     def plugin_synchronized(self, *sandbox_ids: str, containers: tuple[nri.Container, ...] = ()) -> FakeContainerd:
         _, factory, _, _ = self.reactor.unixClients[-1]
@@ -165,6 +169,16 @@ class ServiceTests(SynchronousTestCase):
         pods = [nri_pod(sandbox_id=i) for i in sandbox_ids]
         containerd.call("Synchronize", nri.SynchronizeRequest(pods=pods, containers=containers))
         return containerd
+
+    def listing(self) -> NRIListingService:
+        listing = NRIListingService(self.reactor, self.socket, IDENTITY, self.store, self.plugin.going_untold, interval=60)
+        listing.startService()
+        self.addCleanup(listing.stopService)
+        return listing
+
+
+class ServiceTests(NRIStack):
+    """The plugin's connection says what is told; the listing service forgets what containerd no longer has."""
 
     def test_an_untold_pod_may_go_only_once_none_of_its_containers_is_created_or_running(self) -> None:
         running = nri_container(nri.CONTAINER_RUNNING)  # c-1 in s-1
@@ -189,12 +203,6 @@ class ServiceTests(SynchronousTestCase):
         self.reactor.advance(60)
         self.plugin_synchronized("s-before", "s-run")
         self.assertEqual(self.plugin.going_untold(), {"s-before", "s-run"})
-
-    def listing(self) -> NRIListingService:
-        listing = NRIListingService(self.reactor, self.socket, IDENTITY, self.store, self.plugin.going_untold, interval=60)
-        listing.startService()
-        self.addCleanup(listing.stopService)
-        return listing
 
     def test_nothing_is_asked_before_koordrp_is_containerds_plugin_nor_while_every_pod_is_told(self) -> None:
         self.listing()
@@ -223,3 +231,24 @@ class ServiceTests(SynchronousTestCase):
             self.reactor.advance(60 - LINGER_SECONDS)
         self.assertEqual(self.store.ids()[0], {"s-kept"})
         self.assertEqual(self.plugin.going_untold(), {"s-kept"})  # listed again each interval, until it goes
+
+
+class LeftByAKillTests(NRIStack):
+    """What a koordrp killed before containerd refused a create left in the state directory."""
+
+    def made_store(self) -> Store:
+        self.state = self.mktemp()
+        Store(opened_checkpoint(self.state)).expect_container("s-1", ContainerHookRequest(), None, made_id="never-made")
+        return Store(opened_checkpoint(self.state))
+
+    def test_a_file_kept_for_a_container_containerd_never_made_has_a_listing_let_it_go(self) -> None:
+        self.plugin_synchronized("s-1")  # the first reading: the file may be for a create still under way
+        self.store.put_container("c-1", "s-1", ContainerHookRequest(), ContainerHookRequest())  # s-1 stays told of
+        self.listing()
+        self.assertEqual(len(self.reactor.unixClients), 2)  # no pod goes untold, and a listing is due all the same
+        _, factory, _, _ = self.reactor.unixClients[-1]
+        containerd = FakeContainerd(factory.buildProtocol(None))
+        containerd.call("Configure", nri.ConfigureRequest())
+        containerd.call("Synchronize", nri.SynchronizeRequest(pods=[nri_pod(sandbox_id="s-1")]))
+        self.assertEqual(os.listdir(os.path.join(self.state, "containers")), ["c-1"])
+        self.assertFalse(self.store.awaits_a_reading())

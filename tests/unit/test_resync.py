@@ -1,12 +1,15 @@
 """Keeping the store in agreement with the runtime (koordrp.resync.StoreSync), on a Clock: when it reads,
 what it forgets and learns, what it asks the runtime, and what it logs."""
 
+import os
+
 from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 from twisted.logger import LogEvent
 from twisted.trial.unittest import SynchronousTestCase
 
 from koordrp import adapters
+from koordrp.checkpoint import DirectoryCheckpoint
 from koordrp.hooks.messages import ContainerHookRequest, PodHookRequest
 from koordrp.resync import StoreSync
 from koordrp.trouble import RETRY_SECONDS
@@ -52,6 +55,12 @@ class HeldRuntime(RecordingRuntime):
         del self.pods[sandbox_id]
         for container_id in [cid for cid, stored in self.containers.items() if stored.sandbox_id == sandbox_id]:
             del self.containers[container_id]
+
+
+def opened_checkpoint(directory: str) -> DirectoryCheckpoint:
+    checkpoint = DirectoryCheckpoint(directory)
+    checkpoint.open()
+    return checkpoint
 
 
 class ListingOnly:
@@ -265,6 +274,18 @@ class ForgetOnlyTests(StoreSyncTestCase):
         self.assertEqual((self.runtime.read_back, self.store.sizes()), ([], (1, 0)))
         [line] = self.lines("store {done}")
         self.assertEqual((line["done"], line["forgotten"]), ("reconciled with", 2))
+
+    def test_what_a_killed_koordrp_kept_for_a_container_containerd_never_made_goes_after_two_listings(self) -> None:
+        """Killed after it kept what kubelet asked under the container's id, before containerd refused the create:
+        the next koordrp's listings let the file go, two readings after, as a proxy's readings do."""
+        directory = self.mktemp()
+        Store(opened_checkpoint(directory)).expect_container("p1", ContainerHookRequest(), None, made_id="never-made")
+        sync = StoreSync(Store(opened_checkpoint(directory)), ListingOnly(self.runtime), self.clock, "the runtime", INTERVAL)
+        self.addCleanup(sync.stop)
+        sync.start()
+        self.assertEqual(os.listdir(os.path.join(directory, "containers")), ["never-made"])  # it may be under way yet
+        self.clock.advance(INTERVAL)
+        self.assertEqual(os.listdir(os.path.join(directory, "containers")), [])
 
     def test_a_pod_younger_than_the_previous_reading_is_not_taken_for_gone(self) -> None:
         """NRI tells of a pod sandbox just before containerd lists it: it must survive a listing without it."""
