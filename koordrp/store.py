@@ -612,7 +612,7 @@ class Store:
         # What was kept for a pod or container about to be made, and not taken since the previous reconcile: its
         # call failed (or was given up before the runtime made it). What this store is waiting for stays.
         spared = expected - self._expected_seen
-        self._expected_seen = spared
+        self._expected_seen = spared - self._expected.keys()  # what it waits for is seen from when it no longer does
         spared |= self._expected.keys()
         # What was kept for the pods and containers the runtime no longer has goes; not what was kept for
         # those it lists and the store has not learnt (yet: NRI mode learns from Synchronize alone).

@@ -573,6 +573,7 @@ class KnownIdTests(SynchronousTestCase):
         for _ in range(3):
             store.reconcile((set(), set()), [], [], store.ids())
         self.assertEqual(self.kept("containers"), ["c1"])
+        self.assertFalse(store.awaits_a_reading())  # no listing is owed to it
 
     def test_a_pod_or_container_the_runtime_did_not_make_leaves_nothing_kept(self) -> None:
         store = self.restarted()
