@@ -8,7 +8,7 @@ from twisted.logger import ILogObserver, LogEvent, LogLevel, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 
 from koordrp.checkpoint import CheckpointError, DirectoryCheckpoint, Kind, Parsed
-from koordrp.hooks.messages import copied, ContainerHookRequest, PodHookRequest, Resources
+from koordrp.hooks.messages import ContainerHookRequest, PodHookRequest, Resources, copied
 from koordrp.store import ContainerState, OwedStops, Store, StoredContainer, StoredPod
 from tests.support.logs import logged_events
 from tests.unit.test_checkpoint import FifoWriter
